@@ -1,0 +1,50 @@
+"""The metricbus exception hierarchy.
+
+Every error names the metric (or config location, or adapter) it is about and says what is valid.
+"""
+
+from __future__ import annotations
+
+
+class MetricBusError(Exception):
+    """Base class of every error metricbus raises on purpose."""
+
+
+class MetricValueError(MetricBusError, ValueError):
+    """A value or weight that has the right type but is not acceptable (negative weight, NaN under nan='error')."""
+
+
+class MetricTypeError(MetricBusError, TypeError):
+    """A value of a type metricbus cannot record (None, str, complex, object, ragged lists)."""
+
+
+class SpecError(MetricBusError, ValueError):
+    """An aggregation spec that is malformed, names an unknown kind, or conflicts with the spec already fixed."""
+
+
+class StepError(MetricBusError, ValueError):
+    """A commit step that is not an int greater than the previous one."""
+
+
+class ClosedError(MetricBusError, RuntimeError):
+    """The bus was used after close()."""
+
+
+class ConfigError(MetricBusError, ValueError):
+    """A configuration entry that is unknown or invalid; the message names where it is."""
+
+
+class AdapterError(MetricBusError, RuntimeError):
+    """A backend adapter failed; raised only by strict buses (others report through logging)."""
+
+
+class AdapterNotFoundError(MetricBusError, LookupError):
+    """No adapter is registered under the requested name, or its backend is not installed."""
+
+
+class DistributedError(MetricBusError, RuntimeError):
+    """Ranks disagree (different specs for one name) or the process group cannot be used."""
+
+
+class JournalError(MetricBusError, ValueError):
+    """A journal file that is missing, foreign, or from a newer format."""
