@@ -1,0 +1,1 @@
+"""Backend adapters, shipped as ``metricbus.adapters``."""

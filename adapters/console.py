@@ -1,0 +1,60 @@
+"""The console adapter: one compact, aligned line per emitted step on stdout."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import TextIO
+
+from metricbus.adapter import RunInfo, Status
+
+
+def format_value(value: float) -> str:
+    """Compact fixed-width rendering of a float."""
+    if value != value or value in (float("inf"), float("-inf")):
+        return f"{value!s:>10}"
+    if value == int(value) and abs(value) < 1e10:
+        return f"{int(value):>10d}"
+    if 1e-3 <= abs(value) < 1e5:
+        return f"{value:>10.4f}"
+    return f"{value:>10.3e}"
+
+
+class ConsoleAdapter:
+    """Prints ``step N | name value | ...``; columns keep their width from line to line."""
+
+    name = "console"
+
+    def __init__(self, *, stream: TextIO | None = None, max_metrics: int = 12) -> None:
+        self._stream = stream
+        self._max = max_metrics
+        self._widths: dict[str, int] = {}
+
+    @property
+    def stream(self) -> TextIO:
+        """Where lines go (stdout at write time unless a stream was given)."""
+        return self._stream if self._stream is not None else sys.stdout
+
+    def open(self, *, run: RunInfo) -> None:
+        """Print the run's name."""
+        print(f"metricbus run {run.name or run.project}", file=self.stream)
+
+    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
+        """Print one aligned line."""
+        cells = []
+        for key in list(metrics)[: self._max]:
+            cell = f"{key} {format_value(metrics[key]).strip()}"
+            width = self._widths[key] = max(self._widths.get(key, 0), len(cell))
+            cells.append(cell.ljust(width))
+        more = len(metrics) - self._max
+        tail = f" | (+{more} more)" if more > 0 else ""
+        print(f"step {step:>6} | " + " | ".join(cells) + tail, file=self.stream)
+
+    def flush(self) -> None:
+        """Flush the stream."""
+        self.stream.flush()
+
+    def close(self, *, status: Status) -> None:
+        """Print the final status."""
+        print(f"metricbus run {status}", file=self.stream)
+        self.flush()

@@ -1,0 +1,40 @@
+"""metricbus: exact, declared hierarchical metric reduction (micro-batch -> rank -> step) for ML trainers.
+
+Importing this package has no side effects: no threads, files or network until a bus is built.
+"""
+
+from metricbus.adapter import Adapter, RunInfo
+from metricbus.bus import MetricBus
+from metricbus.errors import (
+    AdapterError,
+    ClosedError,
+    ConfigError,
+    MetricBusError,
+    MetricTypeError,
+    MetricValueError,
+    SpecError,
+    StepError,
+)
+from metricbus.partial import Partial
+from metricbus.spec import Agg
+from metricbus.summary import Summary
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Adapter",
+    "AdapterError",
+    "Agg",
+    "ClosedError",
+    "ConfigError",
+    "MetricBus",
+    "MetricBusError",
+    "MetricTypeError",
+    "MetricValueError",
+    "Partial",
+    "RunInfo",
+    "SpecError",
+    "StepError",
+    "Summary",
+    "__version__",
+]

@@ -1,0 +1,75 @@
+"""The one reduction path: micro summaries -> rank level -> step window -> emitted floats.
+
+Live logging, ``export``/``ingest``, torch.distributed and journal replay all call these functions, so they
+cannot disagree. The continuation rule: where a level's kind equals the one below, the states merge; where it
+changes, each group's result becomes one unit-weight record of the next level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from metricbus.kinds import KINDS
+from metricbus.spec import Chain, Spec
+from metricbus.summary import EMPTY, Summary
+
+Reduced = dict[str, tuple[Chain, Summary]]
+
+
+def lift(summary: Summary, *, below: str, level: str) -> Summary:
+    """The input of ``level`` from a group reduced with ``below``."""
+    if below == level:
+        return summary
+    return Summary.of_value(KINDS[below](summary))
+
+
+def output_name(name: str, chain: Chain) -> str:
+    """``name`` for a single chain, ``name/<kind>`` for a list spec."""
+    return f"{name}/{chain.suffix}" if chain.suffix else name
+
+
+def reduce_ranks(specs: Mapping[str, Spec], ranks: Sequence[Mapping[str, Summary]]) -> Reduced:
+    """Merge each metric's per-rank micro summaries in rank order; ranks without the metric do not count."""
+    names = sorted({name for rank in ranks for name, s in rank.items() if s.count})
+    out: Reduced = {}
+    for name in names:
+        present = [rank[name] for rank in ranks if name in rank and rank[name].count]
+        for chain in specs[name].chains:
+            state = EMPTY
+            for summary in present:
+                state = state.merge(lift(summary, below=chain.micro, level=chain.rank))
+            out[output_name(name, chain)] = (chain, state)
+    return out
+
+
+class Window:
+    """The step level: merges the rank-level results of the last ``log_every`` commits."""
+
+    __slots__ = ("_commits", "_log_every", "_states")
+
+    def __init__(self, *, log_every: int) -> None:
+        self._log_every = log_every
+        self._commits = 0
+        self._states: Reduced = {}
+
+    @property
+    def pending(self) -> int:
+        """Commits in the window that have not been emitted yet."""
+        return self._commits
+
+    def add(self, reduced: Reduced) -> bool:
+        """Add one commit's rank-level results; True when the window is complete."""
+        states = self._states
+        for key, (chain, summary) in reduced.items():
+            lifted = lift(summary, below=chain.rank, level=chain.step)
+            held = states.get(key)
+            states[key] = (chain, lifted if held is None else held[1].merge(lifted))
+        self._commits += 1
+        return self._commits >= self._log_every
+
+    def emit(self) -> dict[str, float]:
+        """The step-level values (sorted by name), and reset the window."""
+        out = {key: KINDS[chain.step](summary) for key, (chain, summary) in sorted(self._states.items())}
+        self._states = {}
+        self._commits = 0
+        return out
