@@ -62,7 +62,9 @@ class MetricBus:
         self._journal = _make_journal(path=journal, fsync=fsync, bus=self)
         resolved = [_resolve_adapter(a) for a in adapters] if self._ranks.is_writer else []
         self._delivery = Delivery(
-            resolved, strict=strict, queue_size=queue_size, queue_policy=queue_policy, queue_timeout_s=queue_timeout_s
+            resolved,
+            strict=strict,
+            on_delivered=None if self._journal is None else self._journal.delivered, queue_size=queue_size, queue_policy=queue_policy, queue_timeout_s=queue_timeout_s
         )
         self._delivery.open(run=self.run)
 
@@ -203,10 +205,12 @@ class MetricBus:
         self._delivery.check()
         step = self._next_step(step)
         own = self._take()
-        if self._journal is not None:
-            self._journal.append(step=step, partial=own)
         partials = self._ranks.gather(own=own, ingested=self._ingested)
         self._ingested = []
+        if self._journal is not None:  # local: every worker of this commit; torch.distributed: this rank's own
+            local = isinstance(self._ranks, LocalRanks)
+            entries = list(enumerate(partials)) if local else [(self._ranks.rank, own)]
+            self._journal.append(step=step, entries=entries)
         specs = {name: acc.spec for name, acc in self._accs.items()}
         for part in partials:
             for name, spec, _ in part:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.errors import AdapterError
@@ -29,7 +29,9 @@ class Delivery:
         queue_size: int = 1024,
         queue_policy: str = "block",
         queue_timeout_s: float = 10.0,
+        on_delivered: Callable[[int, Adapter, int], None] | None = None,
     ) -> None:
+        self._on_delivered = on_delivered
         del queue_size, queue_policy, queue_timeout_s  # used by background delivery
         self._adapters = list(adapters)
         self._strict = strict
@@ -60,11 +62,14 @@ class Delivery:
 
     def submit(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Hand one emitted step to every adapter."""
-        for adapter in self._adapters:
+        for index, adapter in enumerate(self._adapters):
             try:
                 adapter.write(step=step, metrics=metrics)
             except Exception as exc:
                 self._fail(adapter, "write", step, exc)
+            else:
+                if self._on_delivered is not None:
+                    self._on_delivered(index, adapter, step)
 
     def check(self) -> None:
         """Raise the first pending adapter failure (strict buses only)."""
