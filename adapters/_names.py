@@ -1,0 +1,71 @@
+"""Metric-name mapping: what each backend accepts, decided once per name and cached.
+
+A :class:`NameMapper` turns a metricbus name into a backend name. Two different metricbus names that map to the
+same backend name would silently merge two series, so the mapper raises
+:class:`~metricbus.errors.MetricValueError` naming both the first time the second one is seen.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from metricbus.errors import MetricValueError
+
+MLFLOW_MAX_KEY_CHARS = 250
+_MLFLOW_BAD_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
+
+
+def mlflow_key(name: str) -> str:
+    """Map ``name`` to an MLflow metric/param key.
+
+    Characters outside letters, digits and ``_ - . space : /`` become ``_``; empty path segments (``a//b``, a
+    leading or trailing ``/``) are dropped; ``.``/``..`` segments become ``_``/``__``; the result is cut to 250
+    characters (without leaving a trailing ``/``).
+    """
+    text = _MLFLOW_BAD_CHARS.sub("_", name)
+    segments = [seg for seg in text.split("/") if seg]
+    segments = ["_" * len(seg) if seg in (".", "..") else seg for seg in segments]
+    key = "/".join(segments)[:MLFLOW_MAX_KEY_CHARS].rstrip("/")
+    return key or "_"
+
+
+def passthrough(name: str) -> str:
+    """Keep the name unchanged (TensorBoard and wandb accept any non-empty string)."""
+    return name or "_"
+
+
+class NameMapper:
+    """Caches ``name -> backend name`` and refuses two names that land on one backend name."""
+
+    def __init__(self, *, backend: str, rule: Callable[[str], str]) -> None:
+        self._backend = backend
+        self._rule = rule
+        self._forward: dict[str, str] = {}
+        self._owner: dict[str, str] = {}
+
+    def __call__(self, name: str) -> str:
+        """The backend name for ``name``; raises MetricValueError on a collision."""
+        mapped = self._forward.get(name)
+        if mapped is not None:
+            return mapped
+        mapped = self._rule(name)
+        owner = self._owner.get(mapped)
+        if owner is not None and owner != name:
+            raise MetricValueError(
+                f"metric names {owner!r} and {name!r} both map to {self._backend} name {mapped!r}; "
+                f"rename one of them so the two series stay apart"
+            )
+        self._owner[mapped] = name
+        self._forward[name] = mapped
+        return mapped
+
+
+def mlflow_mapper() -> NameMapper:
+    """A fresh mapper for MLflow keys."""
+    return NameMapper(backend="MLflow", rule=mlflow_key)
+
+
+def passthrough_mapper(*, backend: str) -> NameMapper:
+    """A fresh pass-through mapper (TensorBoard, wandb)."""
+    return NameMapper(backend=backend, rule=passthrough)

@@ -1,0 +1,137 @@
+"""Helpers for the backend adapter tests: an isolated environment, free ports, server polling, a wandb reader."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import time
+import urllib.request
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WANDB_HEADER = b":W&B" + struct.pack("<HB", 0xBEE1, 0)
+BLOCK_BYTES = 32 * 1024
+RECORD_HEADER = struct.Struct("<IHB")  # crc32, length, type
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def isolate_env(monkeypatch: pytest.MonkeyPatch, root: Path) -> Path:
+    """Point HOME, WANDB_DIR and XDG_CONFIG_HOME at ``root`` and switch telemetry and network off."""
+    home = root / "home"
+    (home / ".config").mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    monkeypatch.setenv("WANDB_DIR", str(root))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    monkeypatch.setenv("DO_NOT_TRACK", "true")
+    return root
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_http(url: str, *, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    """Poll ``url`` until it answers 200; fail early if ``proc`` exits, fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer within {timeout_s} s")
+
+
+def get_json(url: str) -> Any:
+    """GET ``url`` and decode its JSON body."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def start_server(args: list[str], *, log: Path) -> subprocess.Popen[bytes]:
+    """Start a server in its own session, output to ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the server's process group (it was started as a session leader, so its group id is its PID)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
+
+
+def _wandb_payloads(data: bytes) -> list[bytes]:
+    """Split a LevelDB-log-framed wandb file into record payloads, checking every CRC."""
+    if not data.startswith(WANDB_HEADER):
+        raise AssertionError(f"not a wandb run file: header {data[:7]!r}")
+    payloads: list[bytes] = []
+    pending = b""
+    pos = len(WANDB_HEADER)
+    while pos + RECORD_HEADER.size <= len(data):
+        room = BLOCK_BYTES - pos % BLOCK_BYTES
+        if room < RECORD_HEADER.size:  # the rest of a block too small for a header is padding
+            pos += room
+            continue
+        crc, length, kind = RECORD_HEADER.unpack_from(data, pos)
+        if kind == 0 and length == 0:  # zero padding at the end of a block or file
+            pos += room
+            continue
+        body = data[pos + RECORD_HEADER.size : pos + RECORD_HEADER.size + length]
+        if zlib.crc32(bytes([kind]) + body) & 0xFFFFFFFF != crc:
+            raise AssertionError(f"bad CRC at offset {pos}")
+        pos += RECORD_HEADER.size + length
+        if kind == FULL:
+            payloads.append(body)
+        elif kind == FIRST:
+            pending = body
+        elif kind == MIDDLE:
+            pending += body
+        elif kind == LAST:
+            payloads.append(pending + body)
+            pending = b""
+    return payloads
+
+
+def read_wandb_records(run_dir: Path) -> list[Any]:
+    """Every ``wandb_internal_pb2.Record`` of the run's ``.wandb`` file."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = Path(run_dir).glob("*.wandb")
+    records = []
+    for payload in _wandb_payloads(path.read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        records.append(record)
+    return records
+
+
+def read_wandb_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The history rows of a wandb run folder, each ``{key: decoded value_json}`` (``_step`` included)."""
+    rows = []
+    for record in read_wandb_records(run_dir):
+        if record.WhichOneof("record_type") == "history":
+            items = record.history.item
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
+    return rows
