@@ -38,6 +38,11 @@ class WandbAdapter:
         self._run: Any = None
 
     @property
+    def project(self) -> str | None:
+        """The wandb project given (None: the run's project)."""
+        return self._project
+
+    @property
     def run(self) -> Any:
         """The ``wandb.Run`` once open (its ``dir``, ``id``, ... are useful in tests)."""
         return self._run

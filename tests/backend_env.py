@@ -135,3 +135,13 @@ def read_wandb_history(run_dir: Path) -> list[dict[str, Any]]:
             items = record.history.item
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
     return rows
+
+
+def poll_until(check: Any, *, timeout_s: float = 60.0, what: str = "condition") -> None:
+    """Call ``check()`` until it is truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{what} not met within {timeout_s} s")

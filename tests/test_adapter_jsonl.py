@@ -8,9 +8,9 @@ import random
 from pathlib import Path
 
 import pytest
+from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 
 from metricbus.adapter import RunInfo
-from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 from metricbus.registry import make_adapter
 
 
