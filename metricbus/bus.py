@@ -13,7 +13,7 @@ from typing import Any
 
 from metricbus.accumulate import FOLD_AT, Accumulator
 from metricbus.adapter import Adapter, RunInfo, Status
-from metricbus.delivery import Delivery
+from metricbus.delivery import Delivery, check_queue_options
 from metricbus.errors import ClosedError, MetricTypeError, SpecError, StepError
 from metricbus.partial import Partial
 from metricbus.ranks import LocalRanks, RankTransport
@@ -46,6 +46,7 @@ class MetricBus:
     ) -> None:
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be an int >= 1, got {log_every!r}")
+        check_queue_options(queue_size=queue_size, queue_policy=queue_policy, queue_timeout_s=queue_timeout_s)
         self._nan: NanPolicy = check_nan(nan, metric="MetricBus(nan=)")
         self._rules = Rules(rules)
         self._log_every = log_every
@@ -64,7 +65,10 @@ class MetricBus:
         self._delivery = Delivery(
             resolved,
             strict=strict,
-            on_delivered=None if self._journal is None else self._journal.delivered, queue_size=queue_size, queue_policy=queue_policy, queue_timeout_s=queue_timeout_s
+            queue_size=queue_size,
+            queue_policy=queue_policy,
+            queue_timeout_s=queue_timeout_s,
+            on_delivered=None if self._journal is None else self._journal.delivered,
         )
         self._delivery.open(run=self.run)
 
