@@ -63,10 +63,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse a ``.yaml``/``.yml``, ``.toml`` or ``.json`` config file into a dict."""
+def read_file(path: str | os.PathLike[str], *, origin: str | None = None) -> dict[str, Any]:
+    """Parse a ``.yaml``/``.yml``, ``.toml`` or ``.json`` config file into a dict (``origin``: for messages)."""
     file = Path(path)
-    origin = str(file)
+    origin = origin or str(file)
     suffix = file.suffix.lower()
     if suffix not in SUFFIXES:
         raise _error("", f"unknown config file type {suffix or '(none)'!r}; use one of {', '.join(SUFFIXES)}", origin)
@@ -110,7 +110,8 @@ def load_source(source: Any) -> tuple[dict[str, Any], str]:
         path = os.environ.get(ENV_CONFIG)
         if not path:
             return {}, "config"
-        return read_file(path), f"${ENV_CONFIG}={path}"
+        origin = f"${ENV_CONFIG}={path}"
+        return read_file(path, origin=origin), origin
     if isinstance(source, (str, os.PathLike)):
         return read_file(source), os.fspath(source)
     plain = _plain(source)
