@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import random
 
-from metricbus import Agg, MetricBus
 from metricbus.adapters.console import ConsoleAdapter
+
+from metricbus import Agg, MetricBus
 
 
 def main(*, steps: int = 5, seed: int = 0) -> dict[str, float]:

@@ -1,0 +1,115 @@
+"""The synthetic PPO data and policy of ``ppo_grad_accum.py``: one global batch per step, sharded by layout.
+
+Every step's global batch is drawn from that step's seed alone, so a (ranks x micro-batches) layout only decides
+who computes which sequences, never what the sequences are. A sequence is a prompt token followed by a response
+of random length; "good" responses mostly follow the pattern ``next = (prev + 1) % vocab``, and the reward is the
+fraction of pattern-following transitions, so the policy has something real to learn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPE = torch.float64  # float64 everywhere: layouts differ only in summation order, ~1e-15 per step
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The size of the problem."""
+
+    vocab: int = 32
+    hidden: int = 64
+    batch: int = 16  # sequences per global batch; must divide by ranks * micro-batches
+    min_len: int = 4
+    max_len: int = 48
+
+
+@dataclass
+class Batch:
+    """A set of sequences flattened into (context token -> next token) pairs, one per response token."""
+
+    context: torch.Tensor  # (tokens,) long
+    target: torch.Tensor  # (tokens,) long
+    advantage: torch.Tensor  # (tokens,) float64: the sequence's advantage on each of its tokens
+    old_logp_noise: torch.Tensor  # (tokens,) float64: how far the behaviour policy was from the current one
+    lengths: torch.Tensor  # (sequences,) long: response lengths
+
+    @property
+    def n_tokens(self) -> int:
+        """Response tokens in the batch."""
+        return int(self.target.numel())
+
+
+@dataclass
+class GlobalBatch:
+    """One step's sequences, as lists so a layout can shard them."""
+
+    sequences: list[torch.Tensor]  # each (length + 1,) long: prompt token, then the response
+    advantages: torch.Tensor  # (sequences,)
+    noise: list[torch.Tensor]  # each (length,)
+
+    @property
+    def n_tokens(self) -> int:
+        """Response tokens in the whole global batch (the normalizer of the token-mean loss)."""
+        return sum(len(s) - 1 for s in self.sequences)
+
+    def shard(self, *, rank: int, ranks: int, micro: int, micros: int) -> Batch:
+        """Micro-batch ``micro`` of rank ``rank``: contiguous equal slices of sequences."""
+        n = len(self.sequences)
+        if n % (ranks * micros):
+            raise ValueError(f"a global batch of {n} sequences does not split into {ranks} ranks x {micros} micros")
+        per = n // (ranks * micros)
+        lo = (rank * micros + micro) * per
+        idx = range(lo, lo + per)
+        seqs = [self.sequences[i] for i in idx]
+        return Batch(
+            context=torch.cat([s[:-1] for s in seqs]),
+            target=torch.cat([s[1:] for s in seqs]),
+            advantage=torch.cat([self.advantages[i].expand(len(self.sequences[i]) - 1) for i in idx]),
+            old_logp_noise=torch.cat([self.noise[i] for i in idx]),
+            lengths=torch.tensor([len(s) - 1 for s in seqs]),
+        )
+
+
+def global_batch(*, step: int, seed: int, shape: Shape) -> GlobalBatch:
+    """The global batch of ``step``: a function of (seed, step, shape) only."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    sequences, rewards, noise = [], [], []
+    for _ in range(shape.batch):
+        length = int(torch.randint(shape.min_len, shape.max_len + 1, (1,), generator=gen))
+        follow = 0.9 if torch.rand((), generator=gen) < 0.5 else 0.1  # a good or a bad response
+        tokens = [int(torch.randint(0, shape.vocab, (1,), generator=gen))]
+        hits = 0
+        for _ in range(length):
+            if torch.rand((), generator=gen) < follow:
+                tokens.append((tokens[-1] + 1) % shape.vocab)
+                hits += 1
+            else:
+                tokens.append(int(torch.randint(0, shape.vocab, (1,), generator=gen)))
+        sequences.append(torch.tensor(tokens))
+        rewards.append(hits / length)
+        noise.append(0.15 * torch.randn(length, generator=gen, dtype=DTYPE))
+    reward = torch.tensor(rewards, dtype=DTYPE)
+    advantages = (reward - reward.mean()) / (reward.std() + 1e-6)  # GRPO-style group normalization
+    return GlobalBatch(sequences=sequences, advantages=advantages, noise=noise)
+
+
+class Policy(torch.nn.Module):
+    """Next-token policy over a tiny vocabulary: embedding -> MLP -> logits."""
+
+    def __init__(self, shape: Shape, *, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(shape.vocab, shape.hidden)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(shape.hidden, shape.hidden),
+            torch.nn.Tanh(),
+            torch.nn.Linear(shape.hidden, shape.vocab),
+        )
+        self.to(DTYPE)
+
+    def forward(self, context: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities over the next token, (tokens, vocab)."""
+        return torch.log_softmax(self.mlp(self.embed(context)), dim=-1)
