@@ -293,8 +293,14 @@ _SCALARS: dict[str, Callable[..., Any]] = {
     "queue_policy": lambda v, **kw: _choice(v, QUEUE_POLICIES, **kw),
     "dist": lambda v, **kw: None if _choice(v, DIST_VALUES, **kw) == "none" else v,
     "journal": lambda v, **kw: _text(v, optional=True, **kw),
-    "fsync": _text,
+    "fsync": lambda v, **kw: _choice(v, _fsync_modes(), **kw),
 }
+
+
+def _fsync_modes() -> tuple[str, ...]:
+    from metricbus.journal import FSYNC_MODES
+
+    return tuple(FSYNC_MODES)
 
 
 def bus_options(source: Any = None, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -200,7 +200,7 @@ def test_every_option_is_settable(tmp_path: Path) -> None:
     """Every bus option can be set from a config."""
     source = {
         "log_every": 2, "nan": "ignore", "strict": True, "dist": None, "writer_rank": 0, "queue_size": 8,
-        "queue_policy": "drop", "queue_timeout_s": 1.5, "metrics": {"x": "sum"},
+        "queue_policy": "drop", "queue_timeout_s": 1.5, "fsync": "never", "metrics": {"x": "sum"},
     }  # fmt: skip
     options = bus_options(source)
     assert {k: v for k, v in options.items() if k != "rules"} == {k: v for k, v in source.items() if k != "metrics"}
@@ -244,6 +244,7 @@ MISTAKES = [
     ({"dist": "mpi"}, "dist: unknown value 'mpi'; use one of auto, torch, none, null"),
     ({"writer_rank": -1}, "writer_rank: must be an int >= 0"),
     ({"journal": 5}, "journal: must be a string"),
+    ({"fsync": "always"}, "fsync: unknown value 'always'; use one of commit, interval, never"),
     ({"run": {"tag": ["a"]}}, "run.tag: unknown key 'tag' (did you mean 'tags'?)"),
     ({"run": {"tags": "a"}}, "run.tags: must be a list of strings"),
     ({"run": {"config": [1]}}, "run.config: must be a mapping"),
@@ -311,6 +312,14 @@ def test_bad_source_type() -> None:
     """A source that is neither a path, a mapping nor None is refused."""
     with pytest.raises(ConfigError, match="takes a file path, a mapping"):
         MetricBus.from_config(42)
+
+
+def test_journal_from_config(tmp_path: Path) -> None:
+    """journal and fsync from a config give the bus a journal holding every commit."""
+    from metricbus.journal import read_journal
+
+    _train(MetricBus.from_config({"journal": str(tmp_path / "j"), "fsync": "commit", "dist": None}))
+    assert [step for step, _ in read_journal(tmp_path / "j").commits] == [0, 1, 2]
 
 
 def test_validation_happens_before_any_adapter_opens(tmp_path: Path) -> None:
