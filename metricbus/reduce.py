@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from metricbus.kinds import KINDS
 from metricbus.spec import Chain, Spec
-from metricbus.summary import EMPTY, Summary
+from metricbus.summary import Summary
 
 Reduced = dict[str, tuple[Chain, Summary]]
 
@@ -29,16 +29,21 @@ def output_name(name: str, chain: Chain) -> str:
 
 
 def reduce_ranks(specs: Mapping[str, Spec], ranks: Sequence[Mapping[str, Summary]]) -> Reduced:
-    """Merge each metric's per-rank micro summaries in rank order; ranks without the metric do not count."""
-    names = sorted({name for rank in ranks for name, s in rank.items() if s.count})
+    """Merge each metric's per-rank micro summaries in rank order; ranks without the metric do not count.
+
+    One pass over the ranks in order, so a metric only one rank has (the common single-worker case) is lifted
+    and never merged.
+    """
     out: Reduced = {}
-    for name in names:
-        present = [rank[name] for rank in ranks if name in rank and rank[name].count]
-        for chain in specs[name].chains:
-            state = EMPTY
-            for summary in present:
-                state = state.merge(lift(summary, below=chain.micro, level=chain.rank))
-            out[output_name(name, chain)] = (chain, state)
+    for rank in ranks:
+        for name, summary in rank.items():
+            if not summary.count:
+                continue
+            for chain in specs[name].chains:
+                key = f"{name}/{chain.suffix}" if chain.suffix else name
+                lifted = summary if chain.micro == chain.rank else Summary.of_value(KINDS[chain.micro](summary))
+                held = out.get(key)
+                out[key] = (chain, lifted) if held is None else (chain, held[1].merge(lifted))
     return out
 
 
@@ -60,16 +65,24 @@ class Window:
     def add(self, reduced: Reduced) -> bool:
         """Add one commit's rank-level results; True when the window is complete."""
         states = self._states
-        for key, (chain, summary) in reduced.items():
-            lifted = lift(summary, below=chain.rank, level=chain.step)
-            held = states.get(key)
-            states[key] = (chain, lifted if held is None else held[1].merge(lifted))
+        if not states:  # the first commit of a window (every commit when log_every=1): nothing to merge with
+            for key, (chain, summary) in reduced.items():
+                if chain.rank != chain.step:
+                    states[key] = (chain, Summary.of_value(KINDS[chain.rank](summary)))
+                else:
+                    states[key] = (chain, summary)
+        else:
+            for key, (chain, summary) in reduced.items():
+                lifted = summary if chain.rank == chain.step else Summary.of_value(KINDS[chain.rank](summary))
+                held = states.get(key)
+                states[key] = (chain, lifted if held is None else held[1].merge(lifted))
         self._commits += 1
         return self._commits >= self._log_every
 
     def emit(self) -> dict[str, float]:
         """The step-level values (sorted by name), and reset the window."""
-        out = {key: KINDS[chain.step](summary) for key, (chain, summary) in sorted(self._states.items())}
+        states = self._states
+        out = {key: KINDS[states[key][0].step](states[key][1]) for key in sorted(states)}
         self._states = {}
         self._commits = 0
         return out

@@ -1,0 +1,101 @@
+"""Cost of ``MetricBus.log()`` and ``commit()``, each also as a ratio to the floor ``d[name].append(x)``.
+
+Run: ``python benchmarks/bench_log.py``. Every figure is the median over many repeats of one batch of calls,
+timed with ``time.perf_counter_ns``, all in this one run (so the ratios compare like with like).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+
+from metricbus import MetricBus
+from metricbus.testing import MemoryAdapter
+
+REPEATS = 301
+
+
+def median_ns(
+    batch: Callable[[], None], calls: int, *, repeats: int = REPEATS, setup: Callable[[], None] | None = None
+) -> float:
+    """Median over ``repeats`` of (time of one ``batch()``) / ``calls`` in ns; ``setup`` runs untimed before each."""
+    samples = []
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        start = time.perf_counter_ns()
+        batch()
+        samples.append((time.perf_counter_ns() - start) / calls)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    """Measure and print the four figures and the floor."""
+    inner = 200
+    d: defaultdict[str, list[float]] = defaultdict(list)
+
+    def floor() -> None:
+        for _ in range(inner):
+            d["loss"].append(0.5)
+        d["loss"].clear()
+
+    floor_ns = median_ns(floor, inner)
+
+    bus = MetricBus(adapters=[MemoryAdapter()], dist=None, strict=True)
+    log = bus.log
+
+    def one_float() -> None:
+        for _ in range(inner):
+            log("loss", 0.5)
+
+    def after_batch() -> None:
+        bus.commit()
+
+    bus.log("loss", 0.5)
+    one_ns = median_ns(one_float, inner, setup=after_batch)
+
+    ten = {f"m{i}": 0.1 * i for i in range(10)}
+
+    def dict_of_ten() -> None:
+        for _ in range(inner):
+            log(ten)
+
+    dict_ns = median_ns(dict_of_ten, inner, setup=after_batch)
+
+    array = np.linspace(0.0, 1.0, 1024)
+
+    def one_array() -> None:
+        for _ in range(20):
+            log("lengths", array)
+
+    array_ns = median_ns(one_array, 20, setup=after_batch)
+
+    cbus = MetricBus(adapters=[MemoryAdapter()], dist=None, strict=True)
+    names = [f"metric/{i:03d}" for i in range(100)]
+
+    def fill() -> None:
+        for name in names:
+            for j in range(8):
+                cbus.log(name, 0.25 * j)
+
+    def commit() -> None:
+        cbus.commit()
+
+    commit_ns = median_ns(commit, 1, setup=fill)
+    bus.close()
+    cbus.close()
+
+    print(f"floor d[name].append(x):              {floor_ns:10.1f} ns")
+    print(f"log(name, float):                     {one_ns:10.1f} ns  ({one_ns / floor_ns:8.1f}x floor)")
+    print(f"log(dict of 10 floats):               {dict_ns:10.1f} ns  ({dict_ns / floor_ns:8.1f}x floor)")
+    print(f"log(name, numpy array of 1024):       {array_ns:10.1f} ns  ({array_ns / floor_ns:8.1f}x floor)")
+    print(f"commit() of 100 metrics x 8 records:  {commit_ns:10.1f} ns  ({commit_ns / floor_ns:8.1f}x floor)")
+    print("targets: log(name, float) <= 500 ns median; commit() of 100 metrics <= 200000 ns")
+
+
+if __name__ == "__main__":
+    main()
