@@ -49,11 +49,11 @@ def crash_child(journal: str, fsync: str) -> None:
         step += 1
 
 
-def gloo_rank(rank: int, world: int, init_file: str, journal: str, live_path: str, steps: int) -> None:
+def gloo_rank(rank: int, world: int, init_file: str, journal: str, live_path: str, steps: int) -> None:  # noqa: PLR0917 (mp.spawn passes positionals)
     """One torch.distributed rank: log, commit ``steps`` times, journaling; rank 0 writes live values to jsonl."""
     import torch.distributed as dist
-
     from metricbus.adapters.jsonl import JsonlAdapter
+
     from metricbus import MetricBus
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -81,6 +81,7 @@ def test_multi_rank_gloo_replay_equals_live_bitwise(tmp_path: Path) -> None:
     pytest.importorskip("metricbus.dist", reason="metricbus.dist (torch.distributed transport) is not available")
     mp = pytest.importorskip("torch.multiprocessing")
     from metricbus.adapters.jsonl import read_jsonl
+
     from tests.journal_workers import gloo_rank
 
     journal, live = tmp_path / "j", tmp_path / "live.jsonl"
