@@ -45,7 +45,8 @@ def outage_run(tmp_path: Path) -> Path:
         bus.commit(step)
     bus.close(timeout_s=1.0)  # the down adapter is still retrying: abandoned
     config = tmp_path / "metricbus.json"
-    config.write_text(json.dumps({"adapters": [f"jsonl:{tmp_path / 'good.jsonl'}", f"jsonl:{tmp_path / 'down.jsonl'}"]}))
+    uris = [f"jsonl:{tmp_path / 'good.jsonl'}", f"jsonl:{tmp_path / 'down.jsonl'}"]
+    config.write_text(json.dumps({"adapters": uris}))
     return tmp_path
 
 
