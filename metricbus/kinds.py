@@ -29,5 +29,7 @@ KINDS: MappingProxyType[str, Callable[[Summary], float]] = MappingProxyType(
     }
 )
 KIND_NAMES: tuple[str, ...] = tuple(KINDS)
-# Kinds whose result does not depend on how the records were split (merge of any split == reduce of the whole).
-SPLIT_INVARIANT: frozenset[str] = frozenset(KIND_NAMES)
+# Kinds whose result does not depend on how the records were split (merge of any split == reduce of the whole),
+# for records split in order. ``last`` is the exception across workers: it takes the lowest-ranked worker's last
+# record (workers run side by side), so it is split-invariant over micro-batches and commits only.
+SPLIT_INVARIANT: frozenset[str] = frozenset(KIND_NAMES) - {"last"}

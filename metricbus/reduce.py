@@ -32,7 +32,8 @@ def reduce_ranks(specs: Mapping[str, Spec], ranks: Sequence[Mapping[str, Summary
     """Merge each metric's per-rank micro summaries in rank order; ranks without the metric do not count.
 
     One pass over the ranks in order, so a metric only one rank has (the common single-worker case) is lifted
-    and never merged.
+    and never merged. Workers run side by side, so there is no "later" worker: ``first`` and ``last`` both take
+    the lowest-ranked worker that has the metric (its first / last record).
     """
     out: Reduced = {}
     for rank in ranks:
@@ -43,7 +44,10 @@ def reduce_ranks(specs: Mapping[str, Spec], ranks: Sequence[Mapping[str, Summary
                 key = f"{name}/{chain.suffix}" if chain.suffix else name
                 lifted = summary if chain.micro == chain.rank else Summary.of_value(KINDS[chain.micro](summary))
                 held = out.get(key)
-                out[key] = (chain, lifted) if held is None else (chain, held[1].merge(lifted))
+                if held is None:
+                    out[key] = (chain, lifted)
+                else:  # across workers, first *and* last come from the lowest-ranked worker that has the metric
+                    out[key] = (chain, held[1].merge(lifted)._replace(last=held[1].last))
     return out
 
 

@@ -1,0 +1,103 @@
+"""Rules: fnmatchcase patterns, first match wins, explicit agg wins, a name's spec fixed at first sight."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from metricbus import Agg, MetricBus, SpecError
+
+
+def bus(**options: object) -> MetricBus:
+    """A strict local bus with no adapters."""
+    return MetricBus(dist=None, strict=True, **options)  # type: ignore[arg-type]
+
+
+def test_default_spec_is_mean() -> None:
+    """A metric no rule matches is averaged."""
+    b = bus()
+    b.log("x", 1.0)
+    b.log("x", 4.0)
+    assert b.commit() == {"x": 2.5}
+
+
+def test_first_matching_rule_wins() -> None:
+    """Of two matching rules, the one declared first applies."""
+    b = bus(rules={"actor/*": "sum"})
+    b.define("actor/pg_*", "max")
+    b.log("actor/pg_loss", 1.0)
+    b.log("actor/pg_loss", 2.0)
+    assert b.commit() == {"actor/pg_loss": 3.0}
+
+
+def test_define_patterns_use_fnmatchcase() -> None:
+    """Patterns are case-sensitive glob patterns."""
+    b = bus()
+    b.define("actor/*clipfrac*", "max")
+    b.log("actor/pg_clipfrac", [0.1, 0.3])
+    b.log("Actor/pg_clipfrac", [0.1, 0.3])
+    assert b.commit() == {"Actor/pg_clipfrac": pytest.approx(0.2), "actor/pg_clipfrac": 0.3}
+
+
+def test_explicit_agg_wins_over_rules() -> None:
+    """agg= on the first record beats a matching rule."""
+    b = bus(rules={"x": "sum"})
+    b.log("x", [1.0, 5.0], agg="min")
+    assert b.commit() == {"x": 1.0}
+
+
+def test_spec_is_fixed_the_first_time_a_name_is_seen() -> None:
+    """A rule defined after the name was logged does not change it."""
+    b = bus()
+    b.log("x", 1.0)
+    b.define("x", "sum")
+    b.log("x", 2.0)
+    assert b.commit() == {"x": 1.5}
+    b.log("x", 2.0)
+    b.log("x", 4.0)
+    assert b.commit() == {"x": 3.0}
+
+
+def test_same_name_with_a_different_explicit_spec_names_both() -> None:
+    """Logging a name again with another explicit spec is a SpecError naming both specs."""
+    b = bus()
+    b.log("x", 1.0, agg="sum")
+    with pytest.raises(SpecError) as info:
+        b.log("x", 2.0, agg="max")
+    assert "'x'" in str(info.value)
+    assert "sum" in str(info.value)
+    assert "max" in str(info.value)
+    assert b.commit() == {"x": 1.0}
+
+
+def test_same_explicit_spec_again_is_fine() -> None:
+    """Repeating the spec a name already has is allowed."""
+    b = bus()
+    b.log("x", 1.0, agg=Agg(micro="sum", rank="mean"))
+    b.log("x", 2.0, agg=Agg(micro="sum", rank="mean"))
+    assert b.commit() == {"x": 3.0}
+
+
+def test_define_nan_option_applies_to_matching_metrics() -> None:
+    """define(..., nan='ignore') drops NaN for matching metrics only."""
+    b = bus()
+    b.define("clean/*", "mean", nan="ignore")
+    b.log({"clean/a": math.nan, "raw": math.nan})
+    b.log({"clean/a": 2.0, "raw": 2.0})
+    out = b.commit()
+    assert out["clean/a"] == 2.0
+    assert math.isnan(out["raw"])
+
+
+def test_agg_nan_option_applies_to_its_metric() -> None:
+    """Agg(nan='ignore') as a rule drops NaN for that metric."""
+    b = bus(rules={"a": Agg(micro="mean", nan="ignore")})
+    b.log("a", [1.0, math.nan, 3.0])
+    assert b.commit() == {"a": 2.0}
+
+
+def test_bad_rule_is_rejected_when_declared() -> None:
+    """An unknown kind in rules fails when the bus is built."""
+    with pytest.raises(ValueError, match="avg"):
+        bus(rules={"x": "avg"})
