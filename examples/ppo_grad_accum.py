@@ -311,15 +311,22 @@ def plot(results: dict[str, list[tuple[int, dict[str, float]]]], path: Path) -> 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8), sharex=True)
+    ref = next(iter(results))
     for name, rows in results.items():
         steps = [s for s, _ in rows]
-        axes[0, 0].plot(steps, _series(rows, "actor/pg_loss"), label=name, lw=1.2)
-        axes[0, 1].plot(steps, _series(rows, "naive_mean/pg_loss"), label=f"{name} naive mean", lw=1)
-        axes[0, 1].plot(steps, _series(rows, "naive_sum/pg_loss"), label=f"{name} naive sum", lw=1, ls="--")
-        axes[1, 0].plot(steps, _series(rows, "actor/pg_clipfrac"), label=name, lw=1.2)
-        axes[1, 1].plot(steps, _series(rows, "naive/pg_clipfrac"), label=f"{name} naive", lw=1)
-    titles = ["metricbus actor/pg_loss (all layouts overlap)", "naive pg_loss: mean (÷M) and sum (×R)",
-              "metricbus actor/pg_clipfrac (token-weighted)", "naive pg_clipfrac (mean of micro-batch means)"]
+        loss, clip = _series(rows, "actor/pg_loss"), _series(rows, "actor/pg_clipfrac")
+        axes[0, 0].plot(steps, loss, label=name, lw=1.2)
+        for metric, style in (("naive_mean/pg_loss", "-"), ("naive_sum/pg_loss", "--")):
+            ratio = [n / t if abs(t) > 1e-12 else math.nan for n, t in zip(_series(rows, metric), loss, strict=True)]
+            axes[0, 1].plot(steps, ratio, ls=style, lw=1.2, label=f"{name} {metric.split('/')[0]}")
+        axes[1, 0].plot(steps, clip, label=name, lw=1.2)
+        gap = [n - c for n, c in zip(_series(rows, "naive/pg_clipfrac"), clip, strict=True)]
+        axes[1, 1].plot(steps, gap, label=f"{name}", lw=1)
+    axes[0, 1].set_yscale("log", base=2)
+    titles = [f"metricbus actor/pg_loss (all layouts overlap; max rel dev vs {ref} in the table)",
+              "naive pg_loss / true pg_loss: mean gives 1/M, sum gives R",
+              "metricbus actor/pg_clipfrac (token-weighted)",
+              "naive pg_clipfrac (mean of micro-batch means) minus the token-weighted one"]
     for ax, title in zip(axes.flat, titles, strict=True):
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
@@ -350,7 +357,7 @@ def how_to_look(out: Path, config: dict[str, Any]) -> list[str]:
     journal = config.get("journal")
     if journal:
         lines.append(f"  metricbus show {journal}")
-        lines.append(f"  metricbus replay {journal} --adapter console")
+        lines.append(f"  metricbus replay {journal} --to console")
     else:
         lines.append("  (no journal: this metricbus has no metricbus.journal yet)")
     return lines
@@ -359,7 +366,7 @@ def how_to_look(out: Path, config: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, train one layout or compare several, print the results."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ranks", type=int, default=2, help="data-parallel gloo processes (R)")
     parser.add_argument("--micro", type=int, default=2, help="gradient-accumulation micro-batches per rank (M)")
     parser.add_argument("--compare", action="store_true", help="train under several layouts and compare")
