@@ -21,6 +21,7 @@ reader resynchronises on the next valid frame. Floats are stored as IEEE doubles
 from __future__ import annotations
 
 import json
+import operator
 import os
 import struct
 import time
@@ -46,6 +47,10 @@ _FRAME = struct.Struct("<II")
 _STEP = struct.Struct("<qI")
 _ENTRY = struct.Struct(f"<II{N_FIELDS}d")
 _MAX_FRAME = 1 << 30
+# The Summary fields in as_tuple() order, read in one C call (count packs as a double).
+_FIELDS = operator.attrgetter(
+    "count", "weight", "weight_lo", "wsum", "wsum_lo", "total", "total_lo", "m2", "min", "max", "first", "last"
+)
 
 
 class JournalWarning(UserWarning):
@@ -182,6 +187,7 @@ class JournalWriter:
         self.path = rank_file(self.directory, rank)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._ids: dict[str, tuple[int, Spec]] = {}
+        self._layouts: dict[int, struct.Struct] = {}  # one packing layout per entry count, built once
         self._next_id = 0
         self._last_sync = time.monotonic()
         self._cursors = CursorStore(self.directory)
@@ -202,8 +208,9 @@ class JournalWriter:
             return
         ids = self._ids
         new: list[list[Any]] = []
-        packed: list[bytes] = []
-        pack = _ENTRY.pack
+        flat: list[float] = [step, 0]
+        fields = _FIELDS
+        n = 0
         for rank, partial in entries:
             for name, spec, summary in partial.entries:
                 known = ids.get(name)
@@ -212,9 +219,15 @@ class JournalWriter:
                     self._next_id += 1
                     ids[name] = known
                     new.append([known[0], name, spec_to_json(spec)])
-                packed.append(pack(rank, known[0], *summary.as_tuple()))
-        body = _STEP.pack(step, len(packed)) + b"".join(packed)
-        data = _frame(b"S", body)
+                flat.append(rank)
+                flat.append(known[0])
+                flat.extend(fields(summary))
+                n += 1
+        flat[1] = n
+        layout = self._layouts.get(n)
+        if layout is None:
+            layout = self._layouts[n] = struct.Struct("<qI" + "II12d" * n)
+        data = _frame(b"S", layout.pack(*flat))
         if new:
             data = _frame(b"N", json.dumps(new).encode()) + data
         self._write(data)
