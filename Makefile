@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(PY) examples/ppo_grad_accum.py --compare
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check metricbus adapters tests examples benchmarks

@@ -343,8 +343,10 @@ def how_to_look(out: Path, config: dict[str, Any]) -> list[str]:
     """The commands that open what the run wrote."""
     lines = [f"Run folder: {out}"]
     adapters = [a if isinstance(a, str) else a.get("type", "") for a in config.get("adapters", [])]
-    if os.environ.get("METRICBUS_ADAPTERS"):
-        lines.append(f"  (adapters from $METRICBUS_ADAPTERS={os.environ['METRICBUS_ADAPTERS']})")
+    env = os.environ.get("METRICBUS_ADAPTERS", "").strip()
+    if env:
+        lines.append(f"  (adapters from $METRICBUS_ADAPTERS={env}, not the config)")
+        adapters = [] if env.lower() == "none" else [a.strip() for a in env.split(",") if a.strip()]
     for spec in adapters:
         if spec.startswith("tensorboard"):
             lines.append(f"  tensorboard --logdir {spec.partition(':')[2] or out}")

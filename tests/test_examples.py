@@ -159,3 +159,17 @@ def test_single_controller_example(env: Path) -> None:
     assert match is not None, stdout
     assert float(match.group(1)) <= 1e-12
     assert "actor/pg_loss" in stdout
+
+
+def test_one_layout_with_adapters_from_the_environment(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """METRICBUS_ADAPTERS replaces the config's adapters; a 2x1 run writes exactly what rank 0's commit returned."""
+    from metricbus.adapters.jsonl import read_jsonl
+
+    target = env / "swapped.jsonl"
+    monkeypatch.setenv("METRICBUS_ADAPTERS", f"jsonl:{target}")
+    out = env / "one"
+    stdout = _run([str(EXAMPLES / "ppo_grad_accum.py"), "--ranks", "2", "--micro", "1", "--steps", "2",
+                   "--max-len", "8", "--out", str(out)], cwd=env)  # fmt: skip
+    assert read_jsonl(target) == _rows(out / "layouts/2x1/values.json")
+    assert not (out / "tensorboard").exists()
+    assert "$METRICBUS_ADAPTERS" in stdout
