@@ -1,6 +1,7 @@
 """The ``metricbus`` command: replay, sync, show and inspect journals.
 
-Errors (a missing or foreign journal, a newer format, a bad rule or adapter) print one line on stderr and exit 2.
+Errors (a missing or foreign journal, a newer format, a bad rule or adapter) print one line on stderr and exit 2;
+a backend that fails while receiving steps prints one line and exits 1. Warnings (a torn record) are one line each.
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ from metricbus.errors import MetricBusError
 from metricbus.journal import Journal, JournalWarning, read_journal
 from metricbus.replay import Progress, emitted, parse_rule, parse_steps, record_counts, replay, sync
 
-EXIT_ERROR = 2
+EXIT_ERROR = 2  # a usage or input mistake
+EXIT_FAILED = 1  # a backend failed while receiving steps
 
 
 class _UsageError(Exception):
     """An error reported as one line."""
+
+
+class _BackendError(Exception):
+    """An adapter failed while receiving replayed steps."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -140,10 +146,17 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         steps = parse_steps(args.steps) if args.steps else None
         journal = read_journal(args.journal)
         adapters = _adapters(args.config, args.to)
-        replay(journal, adapters, rules=rules, steps=steps, progress=_progress(err))
+        try:
+            replay(journal, adapters, rules=rules, steps=steps, progress=_progress(err))
+        except Exception as exc:
+            raise _BackendError(f"{type(exc).__name__}: {exc}") from exc
     elif args.command == "sync":
         journal = read_journal(args.journal)
-        sent = sync(journal, _adapters(args.config, ()), progress=_progress(err))
+        adapters = _adapters(args.config, ())
+        try:
+            sent = sync(journal, adapters, progress=_progress(err))
+        except Exception as exc:
+            raise _BackendError(f"{type(exc).__name__}: {exc} (cursors keep the acknowledged steps)") from exc
         for label, count in sent.items():
             out.write(f"{label}: sent {count} steps\n")
     elif args.command == "show":
@@ -171,5 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (_UsageError, MetricBusError, OSError) as exc:
         err.write(f"metricbus: error: {exc}\n")
         return EXIT_ERROR
+    except _BackendError as exc:
+        err.write(f"metricbus: error: a backend failed: {exc}\n")
+        return EXIT_FAILED
     except SystemExit as exc:  # --help
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_ERROR

@@ -117,3 +117,48 @@ def test_python_dash_m_metricbus(journal: tuple[Path, MemoryAdapter]) -> None:
     assert bad.returncode == 2
     assert bad.stderr.startswith("metricbus: error:")
     assert "Traceback" not in bad.stderr
+
+
+def test_a_torn_journal_warns_in_one_line_and_still_works(
+    journal: tuple[Path, MemoryAdapter], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A torn last record is reported as one warning line; the rest is inspected."""
+    path = journal[0] / "rank-00000.mbj"
+    path.write_bytes(path.read_bytes()[:-5])
+    assert main(["inspect", str(journal[0])]) == 0
+    captured = capsys.readouterr()
+    assert "commits     10 (steps 0..9)" in captured.out
+    assert captured.err.startswith("metricbus: warning:")
+    assert len(captured.err.splitlines()) == 1
+
+
+def test_a_failing_backend_during_sync_exits_1_in_one_line(
+    journal: tuple[Path, MemoryAdapter], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sync to a backend that cannot be written reports it in one line and exits 1."""
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file, not a folder")
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"adapters": [f"jsonl:{blocked}/out.jsonl"]}))
+    assert main(["sync", str(journal[0]), "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("metricbus: error:")
+    assert len(err.splitlines()) == 1
+
+
+def test_progress_bar_only_on_a_terminal() -> None:
+    """The progress callback exists for a TTY stream and draws a bar; none for a pipe."""
+    import io
+
+    from metricbus.cli import _progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert _progress(io.StringIO()) is None
+    tty = Tty()
+    show = _progress(tty)
+    assert show is not None
+    show(10, 10)
+    assert "10/10 commits" in tty.getvalue()
