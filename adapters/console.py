@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping
 from typing import TextIO
@@ -11,7 +12,7 @@ from metricbus.adapter import RunInfo, Status
 
 def format_value(value: float) -> str:
     """Compact fixed-width rendering of a float."""
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         return f"{value!s:>10}"
     if value == int(value) and abs(value) < 1e10:
         return f"{int(value):>10d}"
@@ -43,7 +44,9 @@ class ConsoleAdapter:
         """Print one aligned line."""
         cells = []
         for key in list(metrics)[: self._max]:
-            cell = f"{key} {format_value(metrics[key]).strip()}"
+            # The value keeps format_value's fixed width, so a column is as wide on the first line as on later
+            # ones (stripping it made a column shift right as soon as a wider value came along).
+            cell = f"{key} {format_value(metrics[key])}"
             width = self._widths[key] = max(self._widths.get(key, 0), len(cell))
             cells.append(cell.ljust(width))
         more = len(metrics) - self._max
