@@ -180,8 +180,10 @@ def make_bus(job: Job, *, rank: int) -> Any:
     run["config"] = {**run.get("config", {}), "ranks": job.ranks, "micro": job.micro, "steps": job.steps,
                      "seed": job.seed, "lr": job.lr, **asdict(job.shape)}
     overrides["run"] = run
-    if has_torch_dist():
-        return MetricBus.from_config(config, dist="torch", **overrides)
+    if has_torch_dist():  # commit() is a collective; adapters live on rank 0, every rank journals its own records
+        if rank != 0:
+            overrides["adapters"] = []
+        return MetricBus.from_config(config, dist="torch", writer_rank=0, **overrides)
     if rank != 0:
         return _GatherBus(MetricBus(dist=None), rank=rank)
     return _GatherBus(MetricBus.from_config(config, dist=None, **overrides), rank=rank)
