@@ -6,7 +6,6 @@ each a short function elsewhere; this module holds the wiring and the input chec
 
 from __future__ import annotations
 
-
 from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -20,7 +19,7 @@ from metricbus.ranks import LocalRanks, RankTransport
 from metricbus.reduce import Window, output_name, reduce_ranks
 from metricbus.rules import Rules
 from metricbus.spec import NanPolicy, Spec, SpecLike, check_nan, parse_spec
-from metricbus.values import check_finite, is_tensor, to_values, to_weights
+from metricbus.values import check_finite, to_values, to_weights
 
 
 class MetricBus:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias, Union
+from typing import Literal, TypeAlias
 
 from metricbus.errors import SpecError
 from metricbus.kinds import KIND_NAMES, KINDS
@@ -83,7 +83,7 @@ class Spec:
         return text if self.nan is None else f"{text} (nan={self.nan})"
 
 
-SpecLike: TypeAlias = Union[str, Agg, Sequence[Union[str, Agg]], Spec]
+SpecLike: TypeAlias = str | Agg | Sequence[str | Agg] | Spec
 
 
 def _chain(item: str | Agg, *, metric: str, suffix: bool) -> tuple[Chain, NanPolicy | None]:

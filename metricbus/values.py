@@ -62,28 +62,28 @@ def to_values(metric: str, value: object) -> list[float]:
     if isinstance(value, np.generic):
         if value.dtype.kind not in _REAL_DTYPE_KINDS:
             raise _type_error(metric, value, f" (dtype {value.dtype})")
-        return [float(value)]  # type: ignore[arg-type]
+        return [float(value)]
     if value is None or isinstance(value, (str, bytes, complex, dict, set)):
         raise _type_error(metric, value)
     if isinstance(value, (list, tuple, np.ndarray)) or is_tensor(value):
         array = _array(metric, value)
-        return array.astype(np.float64, copy=False).ravel().tolist()  # type: ignore[no-any-return]
+        return array.astype(np.float64, copy=False).ravel().tolist()
     raise _type_error(metric, value)
 
 
-def to_weights(metric: str, weight: object, n: int, value: object) -> list[float] | None:
+def to_weights(metric: str, weight: object, n: int, value: Any) -> list[float] | None:
     """Weights broadcast to ``n`` records, validated (finite, >= 0); None when no weight was given."""
     if weight is None:
         return None
     if isinstance(weight, (int, float, np.generic)) and not isinstance(weight, complex):
-        w = float(weight)  # type: ignore[arg-type]
+        w = float(weight)
         _check_weight(metric, w)
         return [w] * n
     try:
         array = _array(metric, weight)
     except MetricTypeError as exc:
         raise MetricValueError(f"weight {weight!r} for {metric!r} is not a real number or array") from exc
-    shape = np.shape(value) if not is_tensor(value) else tuple(value.shape)  # type: ignore[attr-defined]
+    shape = tuple(value.shape) if is_tensor(value) else np.shape(value)
     try:
         flat = np.broadcast_to(array, shape).astype(np.float64).ravel()
     except ValueError as exc:
@@ -93,7 +93,7 @@ def to_weights(metric: str, weight: object, n: int, value: object) -> list[float
     if flat.size and (not np.all(np.isfinite(flat)) or np.any(flat < 0)):
         bad = flat[~np.isfinite(flat) | (flat < 0)][0]
         _check_weight(metric, float(bad))
-    return flat.tolist()  # type: ignore[no-any-return]
+    return flat.tolist()
 
 
 def _check_weight(metric: str, w: float) -> None:
