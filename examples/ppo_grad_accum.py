@@ -426,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
         print(f"metricbus actor/pg_loss, pg_clipfrac, ppo_kl, response_length, batch/tokens agree with {ref} to "
               f"rel {AGREE_REL:g}: {'YES' if ok else 'NO'}")
+        print(f"max rel dev = max over steps |x - x_{ref}| / max over steps |x_{ref}|; factor = median of naive / "
+              "metricbus pg_loss over steps.")
         print("naive_mean/pg_loss = true/M (mean over M*R pre-scaled values); naive_sum/pg_loss = true*R "
               "(each value already carries dp_size); naive/pg_clipfrac ignores token counts.")
         png = out / "compare.png"
