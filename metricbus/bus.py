@@ -120,6 +120,12 @@ class MetricBus:
         for key in keys:
             self._outputs[key] = name
 
+    def _forget_since(self, known: int) -> None:
+        """Drop the accumulators (all still empty) created after the first ``known`` ones."""
+        for name in list(self._accs)[known:]:
+            del self._accs[name]
+            self._outputs = {key: owner for key, owner in self._outputs.items() if owner != name}
+
     # -- logging -----------------------------------------------------------------------------------------------
 
     def log(
@@ -150,13 +156,18 @@ class MetricBus:
         else:
             items = [(name, value)]
         staged = []
-        for metric, raw in items:  # validate everything before recording anything
-            acc = self._accumulator(metric, agg)
-            values = to_values(metric, raw)
-            weights = to_weights(metric, weight, len(values), raw)
-            if acc.nan == "error":
-                check_finite(metric, values)
-            staged.append((acc, values, weights))
+        known = len(self._accs)
+        try:
+            for metric, raw in items:  # validate everything before recording anything
+                acc = self._accumulator(metric, agg)
+                values = to_values(metric, raw)
+                weights = to_weights(metric, weight, len(values), raw)
+                if acc.nan == "error":
+                    check_finite(metric, values)
+                staged.append((acc, values, weights))
+        except Exception:
+            self._forget_since(known)  # a rejected call must not fix the spec of a name it introduced
+            raise
         for acc, values, weights in staged:
             acc.add(values, weights)
             if acc.weights is None and acc.nan == "propagate":

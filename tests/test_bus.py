@@ -256,3 +256,25 @@ def test_log_every_must_be_positive() -> None:
     """log_every < 1 is a ValueError."""
     with pytest.raises(ValueError, match="log_every"):
         bus(log_every=0)
+
+
+def test_rejected_call_does_not_fix_the_spec_of_a_new_name() -> None:
+    """A first log of a name that fails leaves the name unseen: a later call may give it any spec."""
+    b = bus()
+    with pytest.raises(TypeError, match="'x'"):
+        b.log("x", None, agg="sum")
+    with pytest.raises(TypeError, match="'z'"):
+        b.log({"y": 1.0, "z": "bad"}, agg="min")
+    b.log("x", [1.0, 5.0], agg="max")
+    b.log("y", [1.0, 5.0])
+    assert b.commit() == {"x": 5.0, "y": 3.0}
+
+
+def test_rejected_call_keeps_names_seen_before() -> None:
+    """A failing dict call keeps the specs of names that were already known."""
+    b = bus()
+    b.log("a", 1.0, agg="sum")
+    with pytest.raises(TypeError):
+        b.log({"a": 2.0, "new": None})
+    b.log("a", 2.0)
+    assert b.commit() == {"a": 3.0}
