@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 
 from metricbus import MetricBus
+from metricbus.adapter import Status
 from metricbus.cli import main
 from metricbus.journal import CursorStore, adapter_key
 from metricbus.replay import sync
@@ -20,13 +22,26 @@ OUTAGE_FROM = 10
 
 
 class DownAdapter(JsonlAdapter):
-    """A jsonl backend that is down from step OUTAGE_FROM on (until the end of the live run)."""
+    """A jsonl backend that is down from step OUTAGE_FROM on (until the end of the live run).
+
+    An acknowledged write is flushed (durable), and ``closed`` is set when the abandoned thread finally closes it.
+    """
+
+    def __init__(self, *, path: str | Path) -> None:
+        super().__init__(path=path)
+        self.closed = threading.Event()
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Raise for steps in the outage."""
         if step >= OUTAGE_FROM:
             raise ConnectionError(f"backend down at step {step}")
         super().write(step=step, metrics=metrics)
+        self.flush()
+
+    def close(self, *, status: Status) -> None:
+        """Close and tell the test."""
+        super().close(status=status)
+        self.closed.set()
 
 
 def steps_and_values(path: Path) -> list[tuple[int, dict[str, float]]]:
@@ -38,12 +53,14 @@ def steps_and_values(path: Path) -> list[tuple[int, dict[str, float]]]:
 def outage_run(tmp_path: Path) -> Path:
     """A journaled run with a good jsonl adapter and one that is down from step OUTAGE_FROM to the end."""
     journal = tmp_path / "journal"
+    down = DownAdapter(path=tmp_path / "down.jsonl")
     bus = MetricBus(dist=None, rules=RULES, journal=str(journal),
-                    adapters=[JsonlAdapter(path=tmp_path / "good.jsonl"), DownAdapter(path=tmp_path / "down.jsonl")])
+                    adapters=[JsonlAdapter(path=tmp_path / "good.jsonl"), down])
     for step in range(STEPS):
         log_step(bus, step, 0)
         bus.commit(step)
     bus.close(timeout_s=1.0)  # the down adapter is still retrying: abandoned
+    assert down.closed.wait(10)  # its thread wakes from the retry wait, then closes it
     config = tmp_path / "metricbus.json"
     uris = [f"jsonl:{tmp_path / 'good.jsonl'}", f"jsonl:{tmp_path / 'down.jsonl'}"]
     config.write_text(json.dumps({"adapters": uris}))
