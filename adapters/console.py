@@ -10,6 +10,9 @@ from typing import TextIO
 from metricbus.adapter import RunInfo, Status
 
 
+_VALUE_WIDTH = 10
+
+
 def format_value(value: float) -> str:
     """Compact fixed-width rendering of a float."""
     if not math.isfinite(value):
@@ -44,10 +47,10 @@ class ConsoleAdapter:
         """Print one aligned line."""
         cells = []
         for key in list(metrics)[: self._max]:
-            # The value keeps format_value's fixed width, so a column is as wide on the first line as on later
-            # ones (stripping it made a column shift right as soon as a wider value came along).
-            cell = f"{key} {format_value(metrics[key])}"
-            width = self._widths[key] = max(self._widths.get(key, 0), len(cell))
+            cell = f"{key} {format_value(metrics[key]).strip()}"
+            # Reserve format_value's fixed width from the first line on, so a column does not shift right when a
+            # wider value comes along later.
+            width = self._widths[key] = max(self._widths.get(key, len(key) + 1 + _VALUE_WIDTH), len(cell))
             cells.append(cell.ljust(width))
         more = len(metrics) - self._max
         tail = f" | (+{more} more)" if more > 0 else ""

@@ -58,4 +58,4 @@ def test_default_stream_is_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     """Without a stream, lines go to sys.stdout at write time."""
     adapter = ConsoleAdapter()
     adapter.write(step=3, metrics={"x": 1.5})
-    assert "step      3 | x     1.5000" in capsys.readouterr().out
+    assert "step      3 | x 1.5000" in capsys.readouterr().out

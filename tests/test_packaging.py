@@ -66,7 +66,7 @@ def test_installed_wheel_imports_the_console_adapter(fresh_python: Path) -> None
         "bus.commit(step=3)\n"
         "bus.close()\n"
     )
-    assert "step      3 | loss     0.5000" in run(fresh_python, "-c", code, cwd=fresh_python.parent)
+    assert "step      3 | loss 0.5000" in run(fresh_python, "-c", code, cwd=fresh_python.parent)
 
 
 def test_installed_wheel_has_no_top_level_adapters_package(fresh_python: Path) -> None:
