@@ -9,7 +9,6 @@ from typing import TextIO
 
 from metricbus.adapter import RunInfo, Status
 
-
 _VALUE_WIDTH = 10
 
 
