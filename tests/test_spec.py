@@ -79,3 +79,10 @@ def test_unknown_nan_policy_is_rejected() -> None:
     """Agg(nan='skip') fails and names the valid policies."""
     with pytest.raises(ValueError, match="propagate"):
         Agg(nan="skip")  # type: ignore[arg-type]
+
+
+def test_list_of_aggs_is_suffixed_by_the_step_kind() -> None:
+    """A list item Agg(micro='sum', rank='mean') is emitted under name/mean."""
+    b = bus()
+    b.log("x", [1.0, 2.0], agg=[Agg(micro="sum", rank="mean"), "max"])
+    assert b.commit() == {"x/max": 2.0, "x/mean": 3.0}

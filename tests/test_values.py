@@ -120,3 +120,12 @@ def test_bad_weight_in_dict_call_records_nothing() -> None:
     with pytest.raises(ValueError, match="weight"):
         b.log({"a": 5.0, "b": 5.0}, weight=-1.0)
     assert b.commit() == {"a": 1.0}
+
+
+def test_weight_may_be_a_numpy_scalar_or_torch_tensor() -> None:
+    """Weights accept numpy scalars and real torch tensors like values do."""
+    torch = pytest.importorskip("torch")
+    b = bus()
+    b.log("a", [1.0, 3.0], weight=np.int64(2))
+    b.log("b", torch.tensor([1.0, 3.0]), weight=torch.tensor([3, 1]))
+    assert b.commit() == {"a": 2.0, "b": 1.5}
