@@ -363,7 +363,7 @@ def how_to_look(out: Path, config: dict[str, Any]) -> list[str]:
         lines.append(f"  metricbus show {journal}")
         lines.append(f"  metricbus replay {journal} --to console")
     else:
-        lines.append("  (no journal: this metricbus has no metricbus.journal yet)")
+        lines.append("  (no journal: the config has none, or this metricbus lacks metricbus.journal)")
     return lines
 
 
