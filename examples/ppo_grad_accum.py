@@ -31,6 +31,7 @@ import shutil
 import socket
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,7 @@ def make_bus(job: Job, *, rank: int) -> Any:
 def worker(rank: int, job: Job) -> None:
     """One data-parallel rank: train ``job.steps`` steps, log everything, rank 0 saves what was emitted."""
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=rank, world_size=job.ranks)
     try:
         policy = Policy(job.shape, seed=job.seed)
