@@ -1,0 +1,96 @@
+"""Worker functions that tests/test_dist.py spawns (module level, so torch.multiprocessing can pickle them)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as tdist
+
+from metricbus import Agg, MetricBus
+from metricbus.errors import DistributedError
+
+
+def _init(rank: int, size: int, port: int) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+
+
+def split_worker(rank: int, size: int, port: int, micro: int, records: dict[str, list[float]], out: Any) -> None:
+    """Log this rank's contiguous share of every metric's records in ``micro`` batches; commit once."""
+    _init(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch")
+        for name in sorted(records, reverse=rank % 2 == 1):  # different logging orders per rank
+            values = records[name]
+            share = values[rank * len(values) // size : (rank + 1) * len(values) // size]
+            for m in range(micro):
+                chunk = share[m * len(share) // micro : (m + 1) * len(share) // micro]
+                if chunk:
+                    bus.log(name, chunk, agg=name.split("/")[0])
+        out.put((rank, bus.commit(step=0)))
+        out.put((rank, bus.commit(step=1)))  # a step where nothing was logged anywhere
+        bus.close()
+    finally:
+        tdist.destroy_process_group()
+
+
+def conflict_worker(rank: int, size: int, port: int, out: Any) -> None:
+    """Rank 1 uses another spec for 'x': every rank must raise DistributedError."""
+    _init(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch")
+        bus.log("x", 1.0, agg="sum" if rank == 1 else "mean")
+        try:
+            bus.commit()
+            out.put((rank, "no error"))
+        except DistributedError as exc:
+            out.put((rank, str(exc)))
+    finally:
+        tdist.destroy_process_group()
+
+
+def pg_loss_worker(rank: int, size: int, port: int, tokens: list[list[list[float]]], out: Any) -> None:
+    """Seed case: pre-scaled per-micro loss sums with Agg(micro='sum', rank='mean')."""
+    _init(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch")
+        mine = tokens[rank]
+        n = sum(len(m) for m in mine)
+        for micro in mine:
+            bus.log("pg_loss", sum(micro) / n, agg=Agg(micro="sum", rank="mean"))
+        out.put((rank, bus.commit()))
+        bus.close()
+    finally:
+        tdist.destroy_process_group()
+
+
+def count_worker(rank: int, size: int, port: int, out: Any) -> None:
+    """Count torch.distributed calls per steady-state commit for 10 and 1000 metrics."""
+    _init(rank, size, port)
+    try:
+        names = ("all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast", "barrier",
+                 "all_gather", "gather", "reduce", "broadcast_object_list", "reduce_scatter")
+        calls: dict[str, int] = {}
+        import metricbus.dist as mdist
+
+        real = {n: getattr(tdist, n) for n in names if hasattr(tdist, n)}
+        for n, fn in real.items():
+            def wrap(*a: Any, _n: str = n, _fn: Any = fn, **k: Any) -> Any:
+                calls[_n] = calls.get(_n, 0) + 1
+                return _fn(*a, **k)
+            setattr(tdist, n, wrap)
+        assert mdist  # the transport looks functions up on torch.distributed at call time
+        result = {}
+        for k in (10, 1000):
+            bus = MetricBus(dist="torch")
+            for step in range(3):
+                for i in range(k):
+                    bus.log(f"m{i}", float(i + rank + step))
+                calls.clear()
+                got = bus.commit(step=step)
+                result[(k, step)] = (dict(calls), got[f"m{k - 1}"])
+            bus.close()
+        out.put((rank, result))
+    finally:
+        tdist.destroy_process_group()
