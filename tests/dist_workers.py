@@ -16,7 +16,9 @@ def _init(rank: int, size: int, port: int) -> None:
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
 
 
-def split_worker(rank: int, size: int, port: int, micro: int, records: dict[str, list[float]], out: Any) -> None:
+def split_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
+    rank: int, size: int, port: int, micro: int, records: dict[str, list[float]], out: Any
+) -> None:
     """Log this rank's contiguous share of every metric's records in ``micro`` batches; commit once."""
     _init(rank, size, port)
     try:
