@@ -19,7 +19,7 @@ from metricbus.ranks import LocalRanks, RankTransport
 from metricbus.reduce import Window, output_name, reduce_ranks
 from metricbus.rules import Rules
 from metricbus.spec import NanPolicy, Spec, SpecLike, check_nan, parse_spec
-from metricbus.values import check_finite, to_values, to_weights
+from metricbus.values import check_finite, is_tensor, to_values, to_weights
 
 
 class MetricBus:
@@ -160,6 +160,11 @@ class MetricBus:
         try:
             for metric, raw in items:  # validate everything before recording anything
                 acc = self._accumulator(metric, agg)
+                device_ok = weight is None or is_tensor(weight) or type(weight) in (int, float)
+                if is_tensor(raw) and not raw.is_complex() and device_ok:
+                    to_weights(metric, None if is_tensor(weight) else weight, 1, 0.0)  # scalar weights: checked now
+                    staged.append((acc, raw, weight))  # device tensors: accumulated on device, no host sync
+                    continue
                 values = to_values(metric, raw)
                 weights = to_weights(metric, weight, len(values), raw)
                 if acc.nan == "error":
@@ -169,6 +174,10 @@ class MetricBus:
             self._forget_since(known)  # a rejected call must not fix the spec of a name it introduced
             raise
         for acc, values, weights in staged:
+            if is_tensor(values):
+                self._device_states().add(acc.name, values, weights, nan=acc.nan)
+                self._fast.pop(acc.name, None)
+                continue
             acc.add(values, weights)
             if acc.weights is None and acc.nan == "propagate":
                 self._fast.setdefault(acc.name, acc.values)
@@ -177,10 +186,23 @@ class MetricBus:
 
     # -- exporting and ingesting (single-controller rank level) -----------------------------------------------
 
+    def _device_states(self) -> Any:
+        states = self.__dict__.get("_device")
+        if states is None:
+            from metricbus.tensors import DeviceStates
+
+            states = self.__dict__["_device"] = DeviceStates()
+        return states
+
     def _take(self) -> Partial:
         entries = []
+        device = self.__dict__.get("_device")
+        on_device = device.take_all({n: a.nan for n, a in self._accs.items()}) if device is not None else {}
         for name, acc in self._accs.items():
             summary = acc.take()
+            held = on_device.get(name)
+            if held is not None:  # host records first, then device records
+                summary = summary.merge(held)
             if summary.count:
                 entries.append((name, acc.spec, summary))
         return Partial(tuple(entries))
@@ -265,7 +287,9 @@ class MetricBus:
         """Commit records logged since the last commit, emit a partial window, and close the adapters."""
         if self._closed:
             return
+        device = self.__dict__.get("_device")
         pending = bool(self._ingested) or any(acc.pending for acc in self._accs.values())
+        pending = pending or (device is not None and device.pending)
         try:
             if self._ranks.any_pending(pending=pending):
                 self.commit()

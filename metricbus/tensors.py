@@ -1,0 +1,110 @@
+"""Device-side accumulation of torch tensors: ``log()`` never synchronizes with the device.
+
+Per metric, one running float64 state vector on the tensor's device:
+``[count, weight, wsum, total, m2, min, max, first, last, bad_weight, nonfinite]``. Each ``log()`` summarises its
+batch with torch ops and merges it in (Chan's update for m2, NaN propagated by ``torch.minimum``/``maximum``), with no
+``.item()``, ``.cpu()``, ``float()`` or data-dependent branch. At commit/export :func:`take_all` stacks every
+metric's state and does ONE device-to-host copy. Negative/non-finite tensor weights and non-finite values under
+``nan='error'`` are therefore detected at commit (after that copy) and raise then, naming the metric.
+Device sums are plain float64 (no double-double remainder), so tensor-logged sums are not bitwise
+split-invariant the way host-logged floats are. A metric logged with both floats and tensors merges its host
+state first, then its device state: first/last follow log order within each source.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metricbus.errors import MetricValueError
+from metricbus.summary import Summary
+
+_WIDTH = 11
+
+
+def _batch(value: Any, weight: Any, *, ignore: bool) -> Any:
+    import torch
+
+    x = value.detach().reshape(-1).to(torch.float64)
+    if isinstance(weight, torch.Tensor):
+        w = torch.broadcast_to(weight.detach().to(device=x.device, dtype=torch.float64), value.shape).reshape(-1)
+    else:
+        w = torch.full_like(x, 1.0 if weight is None else float(weight))
+    bad_w = ((w < 0) | ~torch.isfinite(w)).any().to(torch.float64)
+    finite = torch.isfinite(x)
+    nonfinite = (~finite).any().to(torch.float64)
+    if ignore:
+        keep = finite
+        x = torch.where(keep, x, torch.zeros_like(x))
+        w = torch.where(keep, w, torch.zeros_like(w))
+        count = keep.sum().to(torch.float64)
+        lo, hi = torch.where(keep, x, torch.inf).min(), torch.where(keep, x, -torch.inf).max()
+        first = x[torch.argmax(keep.to(torch.int8))]
+        last = x.flip(0)[torch.argmax(keep.flip(0).to(torch.int8))]
+        nonfinite = torch.zeros_like(nonfinite)
+    else:
+        count = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+        lo, hi = torch.minimum(x.min(), x.min().new_tensor(torch.inf)), x.max()
+        first, last = x[0], x[-1]
+    weight_sum = w.sum()
+    wsum = (w * x).sum()
+    mean = torch.where(weight_sum > 0, wsum / weight_sum, torch.zeros_like(wsum))
+    m2 = (w * (x - mean) ** 2).sum()
+    return torch.stack([count, weight_sum, wsum, x.sum(), m2, lo, hi, first, last, bad_w, nonfinite])
+
+
+def _merge(a: Any, b: Any) -> Any:
+    import torch
+
+    wa, wb = a[1], b[1]
+    both = (wa > 0) & (wb > 0)
+    delta = torch.where(both, b[2] / torch.where(both, wb, 1.0) - a[2] / torch.where(both, wa, 1.0), 0.0)
+    m2 = a[4] + b[4] + torch.where(both, delta * delta * wa * wb / torch.where(both, wa + wb, 1.0), 0.0)
+    has_a = a[0] > 0
+    has_b = b[0] > 0
+    return torch.stack([
+        a[0] + b[0], wa + wb, a[2] + b[2], a[3] + b[3], m2,
+        torch.minimum(a[5], b[5]), torch.maximum(a[6], b[6]),
+        torch.where(has_a, a[7], b[7]), torch.where(has_b, b[8], a[8]),
+        torch.maximum(a[9], b[9]), torch.maximum(a[10], b[10]),
+    ])
+
+
+class DeviceStates:
+    """The device states of every tensor-logged metric of one bus."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, Any] = {}
+
+    def add(self, name: str, value: Any, weight: Any, *, nan: str) -> None:
+        """Merge a tensor batch into ``name``'s device state (no host sync)."""
+        if value.numel() == 0:  # numel is host-known metadata
+            return
+        batch = _batch(value, weight, ignore=nan == "ignore")
+        held = self._states.get(name)
+        self._states[name] = batch if held is None else _merge(held, batch.to(held.device))
+
+    @property
+    def pending(self) -> bool:
+        """True if any metric holds device state."""
+        return bool(self._states)
+
+    def take_all(self, nan_of: dict[str, str]) -> dict[str, Summary]:
+        """All metrics' Summaries with ONE device-to-host copy; reset. Raises for bad weights / nan='error'."""
+        import torch
+
+        if not self._states:
+            return {}
+        names = list(self._states)
+        device = next(iter(self._states.values())).device
+        rows = torch.stack([self._states[n].to(device) for n in names]).cpu().tolist()
+        self._states = {}
+        out = {}
+        for name, row in zip(names, rows, strict=True):
+            if row[9]:
+                raise MetricValueError(f"a tensor weight for {name!r} was negative or non-finite; weights must be >= 0")
+            if row[10] and nan_of.get(name) == "error":
+                raise MetricValueError(f"non-finite tensor value logged for {name!r} under nan='error'")
+            if row[0] > 0:
+                c, w, ws, t, m2, lo, hi, first, last = row[:9]
+                out[name] = Summary(int(c), w, 0.0, ws, 0.0, t, 0.0, m2, lo, hi, first, last)
+        return out
