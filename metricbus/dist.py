@@ -3,11 +3,11 @@
 The reduction itself stays the local code in :mod:`metricbus.reduce` (so live equals journal replay bitwise);
 this module only moves per-rank Summaries. All ranks keep an identical *agreed table* of metric names and specs.
 Each commit packs, for every agreed metric, the 12 Summary fields into one float64 buffer, plus one leading
-flag slot that says "this rank has names (or specs) the table lacks". One ``all_gather_into_tensor`` then gives
-every rank every rank's Summaries. When any flag is set, the ranks do one ``all_gather_object`` of their new
-``(name, spec)`` pairs, extend the table identically, and redo the data gather: a changed key set costs one object
-collective and one extra data collective; the steady state costs exactly one collective, whatever the number of
-metrics. Conflicting specs raise :class:`~metricbus.errors.DistributedError` on every rank (all ranks see the
+flag slot that says "this rank has names (or specs) the table lacks". One ``all_gather_single`` (the former
+``all_gather_into_tensor``) then gives every rank every rank's Summaries. When any flag is set, the ranks do one
+``all_gather_object`` of their new ``(name, spec)`` pairs together with this commit's partials and extend the table
+identically: a changed key set costs exactly one extra (object) collective; the steady state costs exactly one
+collective, whatever the number of metrics. Conflicting specs raise :class:`~metricbus.errors.DistributedError` on every rank (all ranks see the
 same gathered specs, so all raise; nothing hangs).
 
 Cost per commit with R ranks and K agreed metrics: each rank receives R*K*12*8 bytes (the all_gather is O(R)).
@@ -80,8 +80,9 @@ class TorchRanks:
         new = {name: spec for name, (spec, _) in mine.items() if self._specs.get(name) != spec}
         blocks = self._exchange(mine, flag=bool(new))
         if any(block[_FLAG] for block in blocks):
-            self._agree(new)
-            blocks = self._exchange(mine, flag=False)
+            # The key set changed: one object gather carries the new specs and this commit's partials, so the
+            # commit costs the data gather plus exactly one object collective.
+            return self._agree(new, own)
         return [self._partial(block) for block in blocks]
 
     def any_pending(self, *, pending: bool) -> bool:
@@ -104,16 +105,20 @@ class TorchRanks:
             row.extend(held[1].as_tuple() if held is not None and held[0] == self._specs[name] else empty)
         local = torch.tensor(row, dtype=torch.float64).to(self._device)
         out = torch.empty(width * self._size, dtype=torch.float64, device=self._device)
-        self._dist.all_gather_into_tensor(out, local, group=self._group)
+        # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics); looked up
+        # at call time so wrappers installed on torch.distributed (call counters, profilers) see it.
+        all_gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        all_gather(out, local, group=self._group)
         flat: list[float] = out.cpu().tolist()
         return [flat[r * width : (r + 1) * width] for r in range(self._size)]
 
-    def _agree(self, new: dict[str, Spec]) -> None:
-        """One all_gather_object of each rank's new ``{name: spec}``; extend the table identically, or raise."""
+    def _agree(self, new: dict[str, Spec], own: Partial) -> list[Partial]:
+        """One all_gather_object of each rank's new ``{name: spec}`` and its partial; extend the table identically
+        on every rank (or raise on every rank) and return every rank's partial."""
         gathered: list[Any] = [None] * self._size
-        self._dist.all_gather_object(gathered, new, group=self._group)
+        self._dist.all_gather_object(gathered, (new, own), group=self._group)
         seen: dict[str, tuple[int, Spec]] = {}
-        for rank, names in enumerate(gathered):
+        for rank, (names, _) in enumerate(gathered):
             for name, spec in sorted(names.items()):
                 agreed = self._specs.get(name)
                 if agreed is not None and agreed != spec:
@@ -131,6 +136,7 @@ class TorchRanks:
         for name, (_, spec) in seen.items():
             self._specs[name] = spec
         self._names = sorted(self._specs)
+        return [partial for _, partial in gathered]
 
     def _partial(self, block: list[float]) -> Partial:
         entries = []
