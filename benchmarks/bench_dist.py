@@ -25,7 +25,9 @@ REPS_TM_1000 = 1  # torchmetrics at K=1000 takes seconds per step: one repetitio
 
 
 def _count(calls: dict[str, int]) -> None:
-    for n in ("all_gather_single", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast", "barrier", "all_gather"):
+    names = ("all_gather_single", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast", "barrier",
+             "all_gather")
+    for n in names:
         fn = getattr(tdist, n)
 
         def wrap(*a: Any, _n: str = n, _fn: Any = fn, **k: Any) -> Any:

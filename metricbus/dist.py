@@ -7,8 +7,8 @@ flag slot that says "this rank has names (or specs) the table lacks". One ``all_
 ``all_gather_into_tensor``) then gives every rank every rank's Summaries. When any flag is set, the ranks do one
 ``all_gather_object`` of their new ``(name, spec)`` pairs together with this commit's partials and extend the table
 identically: a changed key set costs exactly one extra (object) collective; the steady state costs exactly one
-collective, whatever the number of metrics. Conflicting specs raise :class:`~metricbus.errors.DistributedError` on every rank (all ranks see the
-same gathered specs, so all raise; nothing hangs).
+collective, whatever the number of metrics. Conflicting specs raise :class:`~metricbus.errors.DistributedError`
+on every rank (all ranks see the same gathered specs, so all raise; nothing hangs).
 
 Cost per commit with R ranks and K agreed metrics: each rank receives R*K*12*8 bytes (the all_gather is O(R)).
 """

@@ -71,7 +71,8 @@ def count_worker(rank: int, size: int, port: int, out: Any) -> None:
     """Count torch.distributed calls per steady-state commit for 10 and 1000 metrics."""
     _init(rank, size, port)
     try:
-        names = ("all_gather_single", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast", "barrier",
+        names = ("all_gather_single", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast",
+                 "barrier",
                  "all_gather", "gather", "reduce", "broadcast_object_list", "reduce_scatter")
         calls: dict[str, int] = {}
         import metricbus.dist as mdist
