@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 
 from metricbus import MetricBus
-from metricbus.testing import MemoryAdapter
+from metricbus.testing import FlakyAdapter, MemoryAdapter
 
 STEP_S = 0.005
 METRICS = 10
@@ -43,27 +43,6 @@ class BrokenAdapter(MemoryAdapter):
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Always fail."""
         raise ConnectionError("backend down")
-
-
-class FlakyAdapter(MemoryAdapter):
-    """Fails its first ``outage`` write calls, then works."""
-
-    name = "flaky"
-
-    def __init__(self, outage: int) -> None:
-        super().__init__()
-        self.outage = outage
-        self.calls = 0
-        self.recovered_at: float | None = None
-
-    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
-        """Fail during the outage, then keep the step."""
-        self.calls += 1
-        if self.calls <= self.outage:
-            raise ConnectionError(f"outage, call {self.calls}")
-        if self.recovered_at is None:
-            self.recovered_at = time.perf_counter()
-        super().write(step=step, metrics=metrics)
 
 
 class Counter(logging.Handler):

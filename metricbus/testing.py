@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -43,6 +44,31 @@ class MemoryAdapter:
     def last(self) -> dict[str, float]:
         """The metrics of the last emitted step ({} if none)."""
         return self.rows[-1][1] if self.rows else {}
+
+
+class FlakyAdapter(MemoryAdapter):
+    """A backend that fails its first ``outage`` write calls (ConnectionError), then keeps every step.
+
+    For testing how a trainer's bus rides out a backend outage; ``recovered_at`` is the ``time.perf_counter()``
+    of the first successful write.
+    """
+
+    name = "flaky"
+
+    def __init__(self, outage: int) -> None:
+        super().__init__()
+        self.outage = outage
+        self.calls = 0
+        self.recovered_at: float | None = None
+
+    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
+        """Fail during the outage, then keep the step."""
+        self.calls += 1
+        if self.calls <= self.outage:
+            raise ConnectionError(f"outage, call {self.calls}")
+        if self.recovered_at is None:
+            self.recovered_at = time.perf_counter()
+        super().write(step=step, metrics=metrics)
 
 
 @contextmanager

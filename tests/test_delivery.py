@@ -12,7 +12,7 @@ import pytest
 from metricbus import AdapterError, MetricBus
 from metricbus.adapter import RunInfo
 from metricbus.delivery import Delivery
-from metricbus.testing import MemoryAdapter
+from metricbus.testing import FlakyAdapter, MemoryAdapter
 
 FAST_RETRY = {"retry_base_s": 0.001, "retry_cap_s": 0.005}
 
@@ -65,24 +65,6 @@ class BrokenAdapter(MemoryAdapter):
         """Always fail."""
         self.calls += 1
         raise OSError(f"backend down (step {step})")
-
-
-class FlakyAdapter(MemoryAdapter):
-    """A backend that fails its first ``outage`` write calls, then works."""
-
-    name = "flaky"
-
-    def __init__(self, outage: int) -> None:
-        super().__init__()
-        self.outage = outage
-        self.calls = 0
-
-    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
-        """Fail during the outage, then keep the step."""
-        self.calls += 1
-        if self.calls <= self.outage:
-            raise ConnectionError(f"outage, call {self.calls}")
-        super().write(step=step, metrics=metrics)
 
 
 class NoOpen(MemoryAdapter):
