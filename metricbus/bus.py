@@ -6,14 +6,16 @@ each a short function elsewhere; this module holds the wiring and the input chec
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT, Accumulator
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.delivery import Delivery, check_queue_options
-from metricbus.errors import ClosedError, MetricTypeError, SpecError, StepError
+from metricbus.errors import ClosedError, DistributedError, MetricBusWarning, MetricTypeError, SpecError, StepError
 from metricbus.partial import Partial
 from metricbus.ranks import LocalRanks, RankTransport
 from metricbus.reduce import Window, output_name, reduce_ranks
@@ -70,6 +72,8 @@ class MetricBus:
             on_delivered=None if self._journal is None else self._journal.delivered,
         )
         self._delivery.open(run=self.run)
+        if resolved or self._journal is not None or self._ranks.collective:
+            shutdown.track(id(self), self._close_at_exit)
 
     @classmethod
     def from_config(cls, source: Any = None, **overrides: Any) -> MetricBus:
@@ -240,6 +244,12 @@ class MetricBus:
         self._check_open("commit")
         self._delivery.check()
         step = self._next_step(step)
+        if self._ranks.collective and not self._ranks.usable():
+            raise DistributedError(
+                f"commit(step={step}) on rank {self._ranks.rank}: the torch.distributed process group was destroyed "
+                "(or never initialized); the records stay buffered. Commit and close() on every rank before "
+                "torch.distributed.destroy_process_group()"
+            )
         own = self._take()
         partials = self._ranks.gather(own=own, ingested=self._ingested)
         self._ingested = []
@@ -284,23 +294,76 @@ class MetricBus:
         return self._closed
 
     def close(self, *, status: Status = "finished", timeout_s: float = 30.0) -> None:
-        """Commit records logged since the last commit, emit a partial window, and close the adapters."""
+        """Commit records logged since the last commit, emit a partial window, and close the adapters.
+
+        With torch.distributed, ``close()`` is a collective like ``commit()``: call it on every rank, before
+        ``destroy_process_group()``. ``close(status="failed")`` (and leaving a ``with`` block on an exception), a
+        process group that was already destroyed, and interpreter exit close this rank alone: no collective runs,
+        so nothing hangs while the other ranks are elsewhere, and records logged since the last commit are not
+        committed (a :class:`~metricbus.errors.MetricBusWarning` says which). Committed steps are never lost.
+        """
         if self._closed:
             return
+        if not self._ranks.collective:
+            why = None
+        elif status == "failed":
+            why = "close(status='failed') (or an exception leaving a `with` block) runs no collective"
+        elif not self._ranks.usable():
+            why = "the process group was destroyed before bus.close()"
+        else:
+            why = None
+        self._close(status=status, timeout_s=timeout_s, alone=why)
+
+    def _close_at_exit(self, status: Status) -> None:
+        """The interpreter is exiting with this bus open (see :mod:`metricbus.shutdown`)."""
+        self._close(status=status, timeout_s=30.0, alone="the bus was still open at interpreter exit"
+                    if self._ranks.collective else None)
+
+    def _pending(self) -> bool:
         device = self.__dict__.get("_device")
-        pending = bool(self._ingested) or any(acc.pending for acc in self._accs.values())
-        pending = pending or (device is not None and device.pending)
+        return (
+            bool(self._ingested)
+            or any(acc.pending for acc in self._accs.values())
+            or (device is not None and device.pending)
+        )
+
+    def _close(self, *, status: Status, timeout_s: float, alone: str | None) -> None:
+        """Close; ``alone`` (why) set: without collectives, leaving this rank's pending records uncommitted."""
+        if self._closed:
+            return
         try:
-            if self._ranks.any_pending(pending=pending):
+            if alone is not None:
+                self._warn_uncommitted(alone)
+            elif self._ranks.any_pending(pending=self._pending()):
                 self.commit()
             if self._window.pending and self._last_step is not None:
-                self._emit(self._last_step)
+                self._emit(self._last_step)  # the window holds rank-level results, the same on every rank
         finally:
             self._closed = True
+            shutdown.untrack(id(self))
             self._fast = {}
+            self._ranks.settle()
             if self._journal is not None:
                 self._journal.close()
             self._delivery.close(status=status, timeout_s=timeout_s)
+
+    def _warn_uncommitted(self, why: str) -> None:
+        device = self.__dict__.get("_device")
+        names = sorted(n for n, acc in self._accs.items() if acc.pending)
+        if device is not None and device.pending:
+            names = sorted({*names, *device.names()})
+        if self._ingested:
+            names.append(f"{len(self._ingested)} ingested partials")
+        if not names:
+            return
+        since = "the first commit" if self._last_step is None else f"the last commit (step {self._last_step})"
+        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        warnings.warn(
+            f"rank {self._ranks.rank}: records of {shown} logged since {since} were not committed: "
+            f"{why}. Call bus.commit() or bus.close() on every rank before torch.distributed.destroy_process_group()",
+            MetricBusWarning,
+            stacklevel=3,
+        )
 
     def __enter__(self) -> MetricBus:
         return self

@@ -3,27 +3,44 @@
 The reduction itself stays the local code in :mod:`metricbus.reduce` (so live equals journal replay bitwise);
 this module only moves per-rank Summaries. All ranks keep an identical *agreed table* of metric names and specs.
 Each commit packs, for every agreed metric, the 12 Summary fields into one float64 buffer, plus one leading
-flag slot that says "this rank has names (or specs) the table lacks". One ``all_gather_single`` (the former
-``all_gather_into_tensor``) then gives every rank every rank's Summaries. When any flag is set, the ranks do one
-``all_gather_object`` of their new ``(name, spec)`` pairs together with this commit's partials and extend the table
-identically: a changed key set costs exactly one extra (object) collective; the steady state costs exactly one
-collective, whatever the number of metrics. Conflicting specs raise :class:`~metricbus.errors.DistributedError`
-on every rank (all ranks see the same gathered specs, so all raise; nothing hangs).
+slot holding the byte length of this rank's pickled ``(new specs, partial)`` when it has names (or specs) the table
+lacks, else 0. One ``all_gather_single`` (the former ``all_gather_into_tensor``) then gives every rank every rank's
+Summaries. When any length is set, one more ``all_gather_single`` of bytes carries those ranks' new specs and
+partials (the other ranks' partials are complete in the first gather, since all their names are in the table), and
+every rank extends the table identically: a changed key set costs exactly one extra collective; the steady state
+costs exactly one, whatever the number of metrics. Conflicting specs raise
+:class:`~metricbus.errors.DistributedError` on every rank (all ranks see the same gathered specs, so all raise;
+nothing hangs).
+
+Exit safety. A backend's worker thread (Gloo's ``runLoop``, NCCL's watchdog) drops its reference to a collective's
+tensors *after* the collective returns, and for a tensor that has a Python object that last drop takes the GIL
+(``TensorImpl::decref_pyobject``). If the interpreter is finalizing by then, ``take_gil`` ends the thread with
+``pthread_exit``, whose forced unwind runs into a ``noexcept`` frame: ``terminate called without an active
+exception``, SIGABRT, no Python frame. So every collective here is *settled*: the tensors handed to it are kept
+until the backend has let go of them (their use count is back to what it was before the call), waiting with the
+GIL released. On the CPU (Gloo) that happens right after each collective (the worker lets go within microseconds
+once it can take the GIL); on CUDA (NCCL, whose watchdog polls) the tensors are kept and settled at ``close()``
+and at interpreter exit, so the hot path never waits for the watchdog.
 
 Cost per commit with R ranks and K agreed metrics: each rank receives R*K*12*8 bytes (the all_gather is O(R)).
 """
 
 from __future__ import annotations
 
+import pickle
+import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from metricbus.errors import DistributedError
+from metricbus.errors import DistributedError, MetricBusWarning
 from metricbus.partial import Partial
 from metricbus.spec import Spec
 from metricbus.summary import N_FIELDS, Summary
 
-_FLAG = 0  # slot 0 of each rank's block: 1.0 when the rank has names or specs the agreed table lacks
+_LENGTH = 0  # slot 0 of each rank's block: the byte length of its pickled (new specs, partial), 0 if none
+SETTLE_S = 2.0  # the longest close() waits for a backend thread to let go of a collective's tensors
+_SETTLE_MAX_SLEEP_S = 1e-3
 
 
 def make_torch_transport(*, required: bool, group: Any, writer_rank: int) -> TorchRanks | None:
@@ -50,6 +67,8 @@ def make_torch_transport(*, required: bool, group: Any, writer_rank: int) -> Tor
 class TorchRanks:
     """Every rank's Partial per commit, in rank order, through one packed all_gather in the steady state."""
 
+    collective = True
+
     def __init__(self, *, group: Any, writer_rank: int) -> None:
         import torch
         import torch.distributed as tdist
@@ -62,6 +81,7 @@ class TorchRanks:
         self.is_writer: bool = self.rank == writer_rank
         self._names: list[str] = []  # the agreed table, sorted, identical on every rank
         self._specs: dict[str, Spec] = {}
+        self._held: list[tuple[Any, int]] = []  # (tensor, its use count before the collective): not yet let go
         backend = str(tdist.get_backend(group)).lower()
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
 
@@ -78,45 +98,101 @@ class TorchRanks:
             )
         mine = {name: (spec, summary) for name, spec, summary in own}
         new = {name: spec for name, (spec, _) in mine.items() if self._specs.get(name) != spec}
-        blocks = self._exchange(mine, flag=bool(new))
-        if any(block[_FLAG] for block in blocks):
-            # The key set changed: one object gather carries the new specs and this commit's partials, so the
-            # commit costs the data gather plus exactly one object collective.
-            return self._agree(new, own)
+        payload = pickle.dumps((new, own), protocol=pickle.HIGHEST_PROTOCOL) if new else b""
+        blocks = self._exchange(mine, length=len(payload))
+        lengths = [int(block[_LENGTH]) for block in blocks]
+        if any(lengths):
+            # The key set changed: one byte gather carries the new specs and partials of the ranks that have
+            # them, so the commit costs the data gather plus exactly one more collective.
+            return self._agree(blocks, lengths, payload)
         return [self._partial(block) for block in blocks]
 
     def any_pending(self, *, pending: bool) -> bool:
         """True if any rank has uncommitted records (one small all_reduce)."""
         torch = self._torch
         flag = torch.tensor([1.0 if pending else 0.0], dtype=torch.float64, device=self._device)
-        self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self._group)
+        self._collective(self._dist.all_reduce, flag, op=self._dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
+
+    def usable(self) -> bool:
+        """True while the process group can still run collectives (not destroyed)."""
+        try:
+            return bool(self._dist.is_initialized()) and int(self._dist.get_rank(self._group)) >= 0
+        except (RuntimeError, ValueError):
+            return False
+
+    def settle(self, *, timeout_s: float = SETTLE_S) -> bool:
+        """Wait (GIL released) until the backend let go of every collective's tensors; False if it did not in time."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0
+        while True:
+            self._held = [(t, before) for t, before in self._held if t._use_count() > before]
+            if not self._held:
+                return True
+            if time.monotonic() >= deadline:
+                warnings.warn(
+                    f"rank {self.rank}: the torch.distributed backend still holds {len(self._held)} tensors of "
+                    f"metricbus's last collective after {timeout_s:g} s; if the process exits now it may abort. "
+                    "Call bus.close() on every rank before torch.distributed.destroy_process_group()",
+                    MetricBusWarning,
+                    stacklevel=2,
+                )
+                return False
+            time.sleep(delay)  # releases the GIL, which the backend's thread needs to let go
+            delay = min(_SETTLE_MAX_SLEEP_S, max(1e-6, delay * 2))
 
     # -- internals ---------------------------------------------------------------------------------------------
 
-    def _exchange(self, mine: dict[str, tuple[Spec, Summary]], *, flag: bool) -> list[list[float]]:
-        """One all_gather_into_tensor of ``[flag, *fields of each agreed metric]``; per-rank blocks as floats."""
+    def _collective(self, fn: Any, *tensors: Any, **kwargs: Any) -> None:
+        """Run ``fn(*tensors)`` on the group and hold the tensors until the backend lets go of them."""
+        before = [t._use_count() for t in tensors]
+        fn(*tensors, group=self._group, **kwargs)
+        self._held.extend(zip(tensors, before, strict=True))
+        if self._device.type == "cpu":
+            self.settle()
+
+    def _all_gather(self, out: Any, local: Any) -> None:
+        # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics); looked up
+        # at call time so wrappers installed on torch.distributed (call counters, profilers) see it.
+        all_gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
+        self._collective(all_gather, out, local)
+
+    def _exchange(self, mine: dict[str, tuple[Spec, Summary]], *, length: int) -> list[list[float]]:
+        """One all_gather of ``[length, *fields of each agreed metric]``; per-rank blocks as floats."""
         torch = self._torch
         width = 1 + N_FIELDS * len(self._names)
-        row = [1.0 if flag else 0.0]
+        row = [float(length)]
         empty = Summary().as_tuple()
         for name in self._names:
             held = mine.get(name)
             row.extend(held[1].as_tuple() if held is not None and held[0] == self._specs[name] else empty)
         local = torch.tensor(row, dtype=torch.float64).to(self._device)
         out = torch.empty(width * self._size, dtype=torch.float64, device=self._device)
-        # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics); looked up
-        # at call time so wrappers installed on torch.distributed (call counters, profilers) see it.
-        all_gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
-        all_gather(out, local, group=self._group)
+        self._all_gather(out, local)
         flat: list[float] = out.cpu().tolist()
         return [flat[r * width : (r + 1) * width] for r in range(self._size)]
 
-    def _agree(self, new: dict[str, Spec], own: Partial) -> list[Partial]:
-        """One all_gather_object of each rank's new ``{name: spec}`` and its partial; extend the table identically
-        on every rank (or raise on every rank) and return every rank's partial."""
-        gathered: list[Any] = [None] * self._size
-        self._dist.all_gather_object(gathered, (new, own), group=self._group)
+    def _gather_bytes(self, payload: bytes, lengths: list[int]) -> list[bytes]:
+        """One all_gather of every rank's ``payload``, padded to the longest (whose length every rank knows)."""
+        torch = self._torch
+        width = max(lengths)
+        local = torch.zeros(width, dtype=torch.uint8)
+        if payload:
+            local[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        local = local.to(self._device)
+        out = torch.empty(width * self._size, dtype=torch.uint8, device=self._device)
+        self._all_gather(out, local)
+        data = out.cpu().numpy().tobytes()
+        return [data[r * width : r * width + lengths[r]] for r in range(self._size)]
+
+    def _agree(self, blocks: list[list[float]], lengths: list[int], payload: bytes) -> list[Partial]:
+        """Gather the new specs and partials of the ranks that have them; extend the table identically on every
+        rank (or raise on every rank) and return every rank's partial."""
+        payloads = self._gather_bytes(payload, lengths)
+        gathered: list[tuple[dict[str, Spec], Partial]] = [
+            pickle.loads(data) if length else ({}, self._partial(block))  # pickled by the group.s own ranks
+            for data, length, block in zip(payloads, lengths, blocks, strict=True)
+        ]
         seen: dict[str, tuple[int, Spec]] = {}
         for rank, (names, _) in enumerate(gathered):
             for name, spec in sorted(names.items()):

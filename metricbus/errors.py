@@ -48,3 +48,7 @@ class DistributedError(MetricBusError, RuntimeError):
 
 class JournalError(MetricBusError, ValueError):
     """A journal file that is missing, foreign, or from a newer format."""
+
+
+class MetricBusWarning(UserWarning):
+    """Something was not done as asked but nothing already committed is lost (e.g. records left uncommitted at exit)."""

@@ -17,6 +17,7 @@ class RankTransport(Protocol):
 
     is_writer: bool
     rank: int
+    collective: bool  # True: gather/any_pending are collectives that every participant must call together
 
     def gather(self, *, own: Partial, ingested: Sequence[Partial]) -> list[Partial]:
         """All partials of this commit, in rank order."""
@@ -24,12 +25,19 @@ class RankTransport(Protocol):
     def any_pending(self, *, pending: bool) -> bool:
         """True if any participant has uncommitted records (used by close)."""
 
+    def usable(self) -> bool:
+        """True while gather/any_pending can run (a process group that was destroyed cannot)."""
+
+    def settle(self) -> bool:
+        """Wait until nothing of this transport is still held by a backend thread; False if that timed out."""
+
 
 class LocalRanks:
     """Single process: ingested partials rank first, in ingest order; this bus's own records rank last."""
 
     is_writer = True
     rank = 0
+    collective = False
 
     def gather(self, *, own: Partial, ingested: Sequence[Partial]) -> list[Partial]:
         """``[*ingested, own]``."""
@@ -38,3 +46,11 @@ class LocalRanks:
     def any_pending(self, *, pending: bool) -> bool:
         """Only this process."""
         return pending
+
+    def usable(self) -> bool:
+        """Always."""
+        return True
+
+    def settle(self) -> bool:
+        """Nothing to wait for."""
+        return True

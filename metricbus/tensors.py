@@ -88,6 +88,10 @@ class DeviceStates:
         """True if any metric holds device state."""
         return bool(self._states)
 
+    def names(self) -> list[str]:
+        """The metrics that hold device state."""
+        return list(self._states)
+
     def take_all(self, nan_of: dict[str, str]) -> dict[str, Summary]:
         """All metrics' Summaries with ONE device-to-host copy; reset. Raises for bad weights / nan='error'."""
         import torch
