@@ -48,6 +48,7 @@ import torch.multiprocessing as tmp  # noqa: E402
 from _ppo_data import DTYPE, Batch, Policy, Shape, global_batch  # noqa: E402
 
 from metricbus import Agg, MetricBus  # noqa: E402
+from metricbus.adapter import Status  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "demo.yaml"
@@ -163,8 +164,8 @@ class _GatherBus:
         self.bus.ingest(parts)
         return self.bus.commit(step=step)
 
-    def close(self) -> None:
-        self.bus.close()
+    def close(self, *, status: Status = "finished") -> None:
+        self.bus.close(status=status)
 
 
 def make_bus(job: Job, *, rank: int) -> Any:
@@ -236,8 +237,10 @@ def worker(rank: int, job: Job) -> None:
                 out = bus.commit(step=step)
                 if rank == 0 and out:
                     emitted.append((step, dict(out)))
-        finally:
-            bus.close()
+        except BaseException:
+            bus.close(status="failed")  # this rank alone, no collective: the other ranks may be anywhere
+            raise
+        bus.close()  # a collective, on every rank, before destroy_process_group()
         if rank == 0:
             Path(job.out).mkdir(parents=True, exist_ok=True)
             (Path(job.out) / "values.json").write_text(json.dumps({"layout": job.layout, "rows": emitted}))

@@ -150,6 +150,8 @@ class TorchRanks:
         self._held.extend(zip(tensors, before, strict=True))
         if self._device.type == "cpu":
             self.settle()
+        else:  # NCCL's watchdog lets go later: keep only what it still holds (settled at close and at exit)
+            self._held = [(t, count) for t, count in self._held if t._use_count() > count]
 
     def _all_gather(self, out: Any, local: Any) -> None:
         # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics); looked up

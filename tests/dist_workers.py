@@ -48,6 +48,7 @@ def conflict_worker(rank: int, size: int, port: int, out: Any) -> None:
             out.put((rank, "no error"))
         except DistributedError as exc:
             out.put((rank, str(exc)))
+        bus.close()
     finally:
         tdist.destroy_process_group()
 

@@ -1,0 +1,46 @@
+"""A script that ends without close() still delivers every committed step: the bus is closed at interpreter exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from metricbus.adapters.jsonl import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = """
+import sys
+from metricbus import MetricBus
+bus = MetricBus(dist=None, adapters=["jsonl:{path}"], strict=True)
+for step in range(50):
+    bus.log("loss", float(step), agg="mean")
+    bus.commit(step=step)
+bus.log("loss", 99.0)  # logged after the last commit: committed at exit, as close() does
+if sys.argv[1] == "raise":
+    raise RuntimeError("the training loop failed")
+"""
+
+
+def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "m.jsonl"
+    code = SCRIPT.format(path=path)
+    return subprocess.run([sys.executable, "-c", code, mode], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_script_that_just_ends_delivers_every_step(tmp_path: Path) -> None:
+    """No close(), no with: all 50 steps and the pending records reach the jsonl; exit 0."""
+    done = _run(tmp_path, "end")
+    assert done.returncode == 0, done.stderr
+    rows = read_jsonl(tmp_path / "m.jsonl")
+    assert [step for step, _ in rows] == [*range(50), 50]
+    assert rows[-1][1] == {"loss": 99.0}
+
+
+def test_script_that_raises_outside_with_delivers_every_step(tmp_path: Path) -> None:
+    """An uncaught exception and no close(): exit 1 with the traceback, every committed step in the jsonl."""
+    done = _run(tmp_path, "raise")
+    assert done.returncode == 1
+    assert "RuntimeError: the training loop failed" in done.stderr
+    assert [step for step, _ in read_jsonl(tmp_path / "m.jsonl")][:50] == list(range(50))
