@@ -84,6 +84,7 @@ class TorchRanks:
         self._held: list[tuple[Any, int]] = []  # (tensor, its use count before the collective): not yet let go
         backend = str(tdist.get_backend(group)).lower()
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        self._eager = self._device.type == "cpu"  # settle after every collective (off after one timeout)
 
     # -- the protocol ------------------------------------------------------------------------------------------
 
@@ -130,6 +131,7 @@ class TorchRanks:
             if not self._held:
                 return True
             if time.monotonic() >= deadline:
+                self._eager = False  # a backend that keeps tensors this long: settle at close only, never per commit
                 warnings.warn(
                     f"rank {self.rank}: the torch.distributed backend still holds {len(self._held)} tensors of "
                     f"metricbus's last collective after {timeout_s:g} s; if the process exits now it may abort. "
@@ -148,7 +150,7 @@ class TorchRanks:
         before = [t._use_count() for t in tensors]
         fn(*tensors, group=self._group, **kwargs)
         self._held.extend(zip(tensors, before, strict=True))
-        if self._device.type == "cpu":
+        if self._eager:
             self.settle()
         else:  # NCCL's watchdog lets go later: keep only what it still holds (settled at close and at exit)
             self._held = [(t, count) for t, count in self._held if t._use_count() > count]

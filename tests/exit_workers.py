@@ -7,7 +7,8 @@ Every rank logs and commits ``STEPS`` steps through ``MetricBus(dist="torch")`` 
 
 * ``close-destroy``: ``bus.close()`` then ``destroy_process_group()`` (the documented order);
 * ``destroy``: ``destroy_process_group()`` and no ``close()`` (the bus is closed at interpreter exit);
-* ``destroy-close``: ``destroy_process_group()`` then ``bus.close()``, with records logged after the last commit;
+* ``destroy-close``: ``destroy_process_group()``, a ``commit()`` (refused), then ``bus.close()``, with records logged
+  after the last commit;
 * ``neither``: the script just ends;
 * ``raise``: a ``ValueError`` inside ``with bus:`` on every rank at step ``RAISE_AT`` (exit code 1);
 * ``raise-one``: the ``ValueError`` on rank 1 only; rank 0 runs into the next commit and gets an error there.
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch.distributed as tdist
 
-from metricbus import Agg, MetricBus
+from metricbus import Agg, DistributedError, MetricBus
 
 STEPS = 12
 RAISE_AT = 5
@@ -70,6 +71,10 @@ def main(argv: list[str]) -> int:
     elif order == "destroy-close":
         log_step(bus, STEPS, rank)  # logged, never committed: close() says so
         tdist.destroy_process_group()
+        try:
+            bus.commit(step=STEPS)
+        except DistributedError as exc:  # the records stay buffered
+            print(f"commit: {exc}", flush=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             bus.close()

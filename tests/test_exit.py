@@ -85,12 +85,14 @@ def test_every_step_reaches_the_journal_and_jsonl(order: str, tmp_path: Path) ->
 
 
 def test_close_after_destroy_warns_about_the_uncommitted_records(tmp_path: Path) -> None:
-    """destroy then close: exit 0, the committed steps kept, a warning naming the records it could not commit."""
+    """destroy then commit (refused) then close: exit 0, committed steps kept, a warning naming the pending records."""
     ranks = run_order("destroy-close", tmp_path)
     check_clean(ranks, codes=(0, 0))
     assert committed(tmp_path) == list(range(STEPS))
     assert [step for step, _ in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(STEPS))
     for result in ranks:
+        assert "commit: commit(step=12)" in result.stdout
+        assert "process group was destroyed" in result.stdout
         assert "were not committed" in result.stdout
         assert "destroy_process_group" in result.stdout
 
