@@ -304,20 +304,17 @@ class MetricBus:
         """
         if self._closed:
             return
-        if not self._ranks.collective:
-            why = None
-        elif status == "failed":
-            why = "close(status='failed') (or an exception leaving a `with` block) runs no collective"
-        elif not self._ranks.usable():
-            why = "the process group was destroyed before bus.close()"
-        else:
-            why = None
-        self._close(status=status, timeout_s=timeout_s, alone=why)
+        alone = None
+        if self._ranks.collective and status == "failed":
+            alone = "close(status='failed') (or an exception leaving a `with` block) runs no collective"
+        elif self._ranks.collective and not self._ranks.usable():
+            alone = "the process group was destroyed before bus.close()"
+        self._close(status=status, timeout_s=timeout_s, alone=alone)
 
     def _close_at_exit(self, status: Status) -> None:
-        """The interpreter is exiting with this bus open (see :mod:`metricbus.shutdown`)."""
-        self._close(status=status, timeout_s=30.0, alone="the bus was still open at interpreter exit"
-                    if self._ranks.collective else None)
+        """The interpreter is exiting with this bus open (see :mod:`metricbus.shutdown`): no collective."""
+        alone = "the bus was still open at interpreter exit" if self._ranks.collective else None
+        self._close(status=status, timeout_s=30.0, alone=alone)
 
     def _pending(self) -> bool:
         device = self.__dict__.get("_device")
@@ -349,20 +346,19 @@ class MetricBus:
 
     def _warn_uncommitted(self, why: str) -> None:
         device = self.__dict__.get("_device")
-        names = sorted(n for n, acc in self._accs.items() if acc.pending)
-        if device is not None and device.pending:
-            names = sorted({*names, *device.names()})
-        if self._ingested:
-            names.append(f"{len(self._ingested)} ingested partials")
+        names = {n for n, acc in self._accs.items() if acc.pending}
+        if device is not None:
+            names.update(device.names())
         if not names:
             return
-        since = "the first commit" if self._last_step is None else f"the last commit (step {self._last_step})"
-        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        listed = sorted(names)
+        shown = ", ".join(repr(n) for n in listed[:5]) + (f" and {len(listed) - 5} more" if len(listed) > 5 else "")
+        since = "the bus was built" if self._last_step is None else f"the last commit (step {self._last_step})"
         warnings.warn(
-            f"rank {self._ranks.rank}: records of {shown} logged since {since} were not committed: "
-            f"{why}. Call bus.commit() or bus.close() on every rank before torch.distributed.destroy_process_group()",
+            f"rank {self._ranks.rank}: records of {shown} logged since {since} were not committed: {why}. "
+            "Call bus.commit() or bus.close() on every rank before torch.distributed.destroy_process_group()",
             MetricBusWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
     def __enter__(self) -> MetricBus:
