@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from metricbus.adapter import Status
 
 logger = logging.getLogger("metricbus")
-_open: dict[int, Callable[[Status], None]] = {}  # id(bus) -> its exit closer, in build order
+_open: dict[int, tuple[int, Callable[[Status], None]]] = {}  # id(bus) -> (pid that built it, closer), build order
 _lock = threading.Lock()
 _hooked = False
 
@@ -31,7 +32,7 @@ def track(key: int, closer: Callable[[Status], None]) -> None:
         if not _hooked:
             atexit.register(close_open_buses)
             _hooked = True
-        _open[key] = closer
+        _open[key] = (os.getpid(), closer)
 
 
 def untrack(key: int) -> None:
@@ -47,9 +48,14 @@ def exit_status() -> Status:
 
 
 def close_open_buses() -> None:
-    """Close every bus still open, newest first; one bus failing to close does not stop the others."""
+    """Close every bus still open, newest first; one bus failing to close does not stop the others.
+
+    Only buses this process built: a child made by ``os.fork()`` inherits the table but must not close (and so
+    deliver again) its parent's buses.
+    """
+    pid = os.getpid()
     with _lock:
-        closers = list(_open.values())[::-1]
+        closers = [closer for owner, closer in list(_open.values())[::-1] if owner == pid]
         _open.clear()
     status = exit_status()
     for closer in closers:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,44 @@ def test_script_that_raises_outside_with_delivers_every_step(tmp_path: Path) -> 
     assert done.returncode == 1
     assert "RuntimeError: the training loop failed" in done.stderr
     assert [step for step, _ in read_jsonl(tmp_path / "m.jsonl")][:50] == list(range(50))
+
+
+FORK_SCRIPT = """
+import os, sys
+from metricbus import MetricBus
+bus = MetricBus(dist=None, adapters=["jsonl:{path}"], journal="{journal}", strict=True)
+for step in range(3):
+    bus.log("loss", float(step))
+    bus.commit(step=step)
+bus.log("loss", 3.0)  # pending when the process forks
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # runs atexit in the child: it must not commit or close the parent's bus
+os.waitpid(pid, 0)
+bus.commit(step=3)
+"""
+
+
+def test_forked_child_does_not_close_the_parents_bus(tmp_path: Path) -> None:
+    """A child of os.fork() exiting normally leaves the parent's bus alone: each step once, in jsonl and journal."""
+    from metricbus.journal import read_journal
+    from metricbus.replay import emitted
+
+    code = FORK_SCRIPT.format(path=tmp_path / "m.jsonl", journal=tmp_path / "journal")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert [step for step, _ in read_jsonl(tmp_path / "m.jsonl")] == [0, 1, 2, 3]
+    assert [step for step, _ in emitted(read_journal(tmp_path / "journal"))] == [0, 1, 2, 3]
+    assert _frame_kinds(tmp_path / "journal" / "rank-00000.mbj").count(b"S") == 4  # no step committed twice
+
+
+def _frame_kinds(path: Path) -> list[bytes]:
+    """The frame types of a journal file, read by its documented layout (magic, then <I len><I crc> payload)."""
+    data = path.read_bytes()[8:]
+    kinds, pos = [], 0
+    while pos < len(data):
+        length, _ = struct.unpack_from("<II", data, pos)
+        kinds.append(data[pos + 8 : pos + 9])
+        pos += 8 + length
+    return kinds
