@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +90,22 @@ def loop_run(folder: Path, *, order: str) -> str | None:
     return "\n".join(problems) or None
 
 
+def _folder(tmp: str, name: str) -> Path:
+    folder = Path(tmp) / name
+    folder.mkdir()
+    return folder
+
+
+def soak(label: str, runs: int, one: Callable[[int], str | None]) -> int:
+    """Run ``one(i)`` for i < runs (None: clean, else what went wrong); print failures out of runs; return them."""
+    start = time.perf_counter()
+    failures = [f"run {i}:\n{problem}" for i in range(runs) if (problem := one(i)) is not None]
+    print(f"{label}: {len(failures)} failures in {runs} runs ({time.perf_counter() - start:.0f} s)", flush=True)
+    if failures:
+        print("\n".join(failures), flush=True)
+    return len(failures)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run both soaks and print failures out of runs."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,38 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layouts", default="1x1,2x2,2x4")
     args = parser.parse_args(argv)
-    failed = 0
+    example = f"example --compare --layouts {args.layouts} --steps {args.steps}"
+    loop = f"{LOOP_RANKS}-rank commit/close loop ({', '.join(LOOP_ORDERS)})"
     with tempfile.TemporaryDirectory(prefix="soak_dist-") as tmp:
-        start = time.perf_counter()
-        failures = []
-        for i in range(args.runs):
-            folder = Path(tmp) / f"example-{i}"
-            folder.mkdir()
-            problem = example_run(folder, steps=args.steps, layouts=args.layouts)
-            if problem is not None:
-                failures.append(f"run {i}:\n{problem}")
-        took = time.perf_counter() - start
-        print(f"example --compare --layouts {args.layouts} --steps {args.steps}: {len(failures)} failures in "
-              f"{args.runs} runs ({took:.0f} s)", flush=True)
-        if failures:
-            print("\n".join(failures), flush=True)
-        failed += len(failures)
-
-        start = time.perf_counter()
-        failures = []
-        for i in range(args.loop_runs):
-            order = LOOP_ORDERS[i % len(LOOP_ORDERS)]
-            folder = Path(tmp) / f"loop-{i}"
-            folder.mkdir()
-            problem = loop_run(folder, order=order)
-            if problem is not None:
-                failures.append(f"run {i} ({order}):\n{problem}")
-        took = time.perf_counter() - start
-        print(f"{LOOP_RANKS}-rank commit/close loop ({', '.join(LOOP_ORDERS)}): {len(failures)} failures in "
-              f"{args.loop_runs} runs ({took:.0f} s)", flush=True)
-        if failures:
-            print("\n".join(failures), flush=True)
-        failed += len(failures)
+        failed = soak(example, args.runs, lambda i: example_run(_folder(tmp, f"example-{i}"), steps=args.steps,
+                                                                 layouts=args.layouts))
+        failed += soak(loop, args.loop_runs, lambda i: loop_run(_folder(tmp, f"loop-{i}"),
+                                                               order=LOOP_ORDERS[i % len(LOOP_ORDERS)]))
     return 1 if failed else 0
 
 
