@@ -23,6 +23,8 @@ from metricbus.rules import Rules
 from metricbus.spec import NanPolicy, Spec, SpecLike, check_nan, parse_spec
 from metricbus.values import check_finite, is_tensor, to_values, to_weights
 
+CLOSE_TIMEOUT_S = 30.0  # how long close() (and the close at interpreter exit) gives the adapters to drain
+
 
 class MetricBus:
     """Collects per-micro-batch records and emits exact hierarchical reductions at each commit."""
@@ -293,7 +295,7 @@ class MetricBus:
         """True after close()."""
         return self._closed
 
-    def close(self, *, status: Status = "finished", timeout_s: float = 30.0) -> None:
+    def close(self, *, status: Status = "finished", timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Commit records logged since the last commit, emit a partial window, and close the adapters.
 
         With torch.distributed, ``close()`` is a collective like ``commit()``: call it on every rank, before
@@ -314,15 +316,18 @@ class MetricBus:
     def _close_at_exit(self, status: Status) -> None:
         """The interpreter is exiting with this bus open (see :mod:`metricbus.shutdown`): no collective."""
         alone = "the bus was still open at interpreter exit" if self._ranks.collective else None
-        self._close(status=status, timeout_s=30.0, alone=alone)
+        self._close(status=status, timeout_s=CLOSE_TIMEOUT_S, alone=alone)
+
+    def _pending_names(self) -> set[str]:
+        """The metrics with records logged since the last commit (host or device)."""
+        names = {name for name, acc in self._accs.items() if acc.pending}
+        device = self.__dict__.get("_device")
+        if device is not None:
+            names.update(device.names())
+        return names
 
     def _pending(self) -> bool:
-        device = self.__dict__.get("_device")
-        return (
-            bool(self._ingested)
-            or any(acc.pending for acc in self._accs.values())
-            or (device is not None and device.pending)
-        )
+        return bool(self._ingested) or bool(self._pending_names())
 
     def _close(self, *, status: Status, timeout_s: float, alone: str | None) -> None:
         """Close; ``alone`` (why) set: without collectives, leaving this rank's pending records uncommitted."""
@@ -345,13 +350,9 @@ class MetricBus:
             self._delivery.close(status=status, timeout_s=timeout_s)
 
     def _warn_uncommitted(self, why: str) -> None:
-        device = self.__dict__.get("_device")
-        names = {n for n, acc in self._accs.items() if acc.pending}
-        if device is not None:
-            names.update(device.names())
-        if not names:
+        listed = sorted(self._pending_names())
+        if not listed:
             return
-        listed = sorted(names)
         shown = ", ".join(repr(n) for n in listed[:5]) + (f" and {len(listed) - 5} more" if len(listed) > 5 else "")
         since = "the bus was built" if self._last_step is None else f"the last commit (step {self._last_step})"
         warnings.warn(

@@ -127,7 +127,7 @@ class TorchRanks:
         deadline = time.monotonic() + timeout_s
         delay = 0.0
         while True:
-            self._held = [(t, before) for t, before in self._held if t._use_count() > before]
+            self._prune()
             if not self._held:
                 return True
             if time.monotonic() >= deadline:
@@ -153,7 +153,11 @@ class TorchRanks:
         if self._eager:
             self.settle()
         else:  # NCCL's watchdog lets go later: keep only what it still holds (settled at close and at exit)
-            self._held = [(t, count) for t, count in self._held if t._use_count() > count]
+            self._prune()
+
+    def _prune(self) -> None:
+        """Forget the tensors the backend has let go of (use count back to what it was before the collective)."""
+        self._held = [(t, before) for t, before in self._held if t._use_count() > before]
 
     def _all_gather(self, out: Any, local: Any) -> None:
         # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics); looked up

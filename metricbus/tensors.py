@@ -83,11 +83,6 @@ class DeviceStates:
         held = self._states.get(name)
         self._states[name] = batch if held is None else _merge(held, batch.to(held.device))
 
-    @property
-    def pending(self) -> bool:
-        """True if any metric holds device state."""
-        return bool(self._states)
-
     def names(self) -> list[str]:
         """The metrics that hold device state."""
         return list(self._states)
