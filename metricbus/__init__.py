@@ -3,6 +3,7 @@
 Importing this package has no side effects: no threads, files or network until a bus is built.
 """
 
+from metricbus._version import __version__
 from metricbus.adapter import Adapter, RunInfo
 from metricbus.bus import MetricBus
 from metricbus.errors import (
@@ -20,8 +21,6 @@ from metricbus.errors import (
 from metricbus.partial import Partial
 from metricbus.spec import Agg
 from metricbus.summary import Summary
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Adapter",

@@ -64,12 +64,15 @@ def rank_file(directory: str | os.PathLike[str], rank: int) -> Path:
 
 def spec_to_json(spec: Spec) -> dict[str, Any]:
     """An exact, version-stable form of ``spec``."""
-    return {"chains": [[c.micro, c.rank, c.step, c.suffix] for c in spec.chains], "nan": spec.nan}
+    return {"chains": [[c.micro, c.update, c.rank, c.step, c.suffix] for c in spec.chains], "nan": spec.nan}
 
 
 def spec_from_json(data: Any) -> Spec:
     """Inverse of :func:`spec_to_json`."""
-    chains = tuple(Chain(str(m), str(r), str(s), str(x)) for m, r, s, x in data["chains"])
+    chains = tuple(
+        Chain(*(str(f) for f in c)) if len(c) == 5 else Chain(str(c[0]), str(c[0]), *(str(f) for f in c[1:]))
+        for c in data["chains"]
+    )
     nan = data.get("nan")
     return Spec(chains, None if nan is None else check_nan(nan, metric="journal"))
 

@@ -1,8 +1,12 @@
-"""Aggregation specs: what a metric's records become at the micro, rank and step levels.
+"""Aggregation specs: what a metric's records become at the micro, update, rank and step levels.
 
 A spec is a kind (``"sum"``: used at every level), an :class:`Agg` (``Agg(micro="sum", rank="mean")``: a level
 left out takes the kind of the level below; micro defaults to ``mean``), or a list of those, emitted as
 ``name/<kind>`` (verl's ``response_length/mean`` convention). Specs are parsed once, when declared.
+
+The levels, lowest first: **micro** (the records of one optimizer update on one worker: its micro-batches),
+**update** (the updates of one commit on one worker, marked by ``bus.end_update()``), **rank** (the workers of a
+commit) and **step** (the commits of a ``log_every`` window).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from metricbus.kinds import KIND_NAMES, KINDS
 NanPolicy = Literal["propagate", "ignore", "error"]
 NAN_POLICIES: tuple[str, ...] = ("propagate", "ignore", "error")
 DEFAULT_KIND = "mean"
+LEVELS: tuple[str, ...] = ("micro", "update", "rank", "step")
 
 
 def check_kind(kind: object, *, metric: str, level: str) -> str:
@@ -40,12 +45,13 @@ class Agg:
     """A per-level spec; ``nan`` optionally overrides the bus's nan policy for the metrics it applies to."""
 
     micro: str | None = None
+    update: str | None = None
     rank: str | None = None
     step: str | None = None
     nan: NanPolicy | None = None
 
     def __post_init__(self) -> None:
-        for level in ("micro", "rank", "step"):
+        for level in LEVELS:
             kind = getattr(self, level)
             if kind is not None:
                 check_kind(kind, metric="Agg", level=level)
@@ -58,14 +64,16 @@ class Chain:
     """One fully resolved kind per level, and the name suffix it is emitted under ('' for a single chain)."""
 
     micro: str
+    update: str
     rank: str
     step: str
     suffix: str = ""
 
     def __str__(self) -> str:
-        if self.micro == self.rank == self.step:
+        if self.micro == self.update == self.rank == self.step:
             return self.micro
-        return f"micro:{self.micro},rank:{self.rank},step:{self.step}"
+        update = "" if self.update == self.micro else f"update:{self.update},"
+        return f"micro:{self.micro},{update}rank:{self.rank},step:{self.step}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,15 +97,16 @@ SpecLike: TypeAlias = str | Agg | Sequence[str | Agg] | Spec
 def _chain(item: str | Agg, *, metric: str, suffix: bool) -> tuple[Chain, NanPolicy | None]:
     if isinstance(item, str):
         kind = check_kind(item, metric=metric, level="every")
-        return Chain(kind, kind, kind, kind if suffix else ""), None
+        return Chain(kind, kind, kind, kind, kind if suffix else ""), None
     if isinstance(item, Agg):
         micro = item.micro or DEFAULT_KIND
-        rank = item.rank or micro
+        update = item.update or micro
+        rank = item.rank or update
         step = item.step or rank
-        return Chain(micro, rank, step, step if suffix else ""), item.nan
+        return Chain(micro, update, rank, step, step if suffix else ""), item.nan
     raise SpecError(
         f"invalid spec {item!r} for {metric!r}; use a kind ({', '.join(KIND_NAMES)}), "
-        "an Agg(micro=, rank=, step=), or a list of those"
+        "an Agg(micro=, update=, rank=, step=), or a list of those"
     )
 
 
@@ -123,7 +132,7 @@ def parse_spec(spec: SpecLike, *, metric: str) -> Spec:
         return Spec(chains, nans.pop() if nans else None)
     raise SpecError(
         f"invalid spec {spec!r} for {metric!r}; use a kind ({', '.join(KIND_NAMES)}), "
-        "an Agg(micro=, rank=, step=), or a list of those"
+        "an Agg(micro=, update=, rank=, step=), or a list of those"
     )
 
 
@@ -136,8 +145,8 @@ def parse_spec_text(text: str, *, metric: str) -> Spec:
         levels: dict[str, str] = {}
         for part in parts:
             level, _, kind = part.partition(":")
-            if level not in ("micro", "rank", "step", "nan"):
-                raise SpecError(f"unknown level {level!r} in spec for {metric!r}; use micro, rank, step or nan")
+            if level not in (*LEVELS, "nan"):
+                raise SpecError(f"unknown level {level!r} in spec for {metric!r}; use micro, update, rank, step or nan")
             levels[level] = kind
         nan = check_nan(levels.pop("nan"), metric=metric) if "nan" in levels else None
         return parse_spec(Agg(nan=nan, **levels), metric=metric)

@@ -18,7 +18,7 @@ def bus(**options: object) -> MetricBus:
 def test_a_kind_is_used_at_every_level(kind: str) -> None:
     """A plain kind string resolves to that kind at micro, rank and step."""
     (chain,) = parse_spec(kind, metric="m").chains
-    assert (chain.micro, chain.rank, chain.step) == (kind, kind, kind)
+    assert (chain.micro, chain.update, chain.rank, chain.step) == (kind, kind, kind, kind)
 
 
 def test_agg_levels_left_out_take_the_level_below() -> None:
