@@ -1,9 +1,10 @@
-"""The synthetic PPO data and policy of ``ppo_grad_accum.py``: one global batch per step, sharded by layout.
+"""The synthetic PPO data and policy of ``ppo_grad_accum.py``: one mini-batch per optimizer update.
 
-Every step's global batch is drawn from that step's seed alone, so a (ranks x micro-batches) layout only decides
-who computes which sequences, never what the sequences are. A sequence is a prompt token followed by a response
-of random length; "good" responses mostly follow the pattern ``next = (prev + 1) % vocab``, and the reward is the
-fraction of pattern-following transitions, so the policy has something real to learn.
+Every optimizer update's mini-batch is drawn from (seed, update index) alone, so a layout (ranks x micro-batches x
+updates per step) only decides who computes which sequences and when a step ends, never what the sequences are.
+A sequence is a prompt token followed by a response of random length; "good" responses mostly follow the pattern
+``next = (prev + 1) % vocab``, and the reward is the fraction of pattern-following transitions, so the policy has
+something real to learn.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPE = torch.float64  # float64 everywhere: layouts differ only in summation order, ~1e-15 per step
+DTYPE = torch.float64  # float64 everywhere: layouts differ only in summation order, ~1e-15 per update
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class Shape:
 
     vocab: int = 32
     hidden: int = 64
-    batch: int = 16  # sequences per global batch; must divide by ranks * micro-batches
+    batch: int = 16  # sequences per mini-batch (verl's ppo_mini_batch_size); must divide by ranks * micro-batches
     min_len: int = 4
     max_len: int = 48
 
@@ -43,8 +44,8 @@ class Batch:
 
 
 @dataclass
-class GlobalBatch:
-    """One step's sequences, as lists so a layout can shard them."""
+class MiniBatch:
+    """One optimizer update's sequences (all ranks together), as lists so a layout can shard them."""
 
     sequences: list[torch.Tensor]  # each (length + 1,) long: prompt token, then the response
     advantages: torch.Tensor  # (sequences,)
@@ -52,14 +53,14 @@ class GlobalBatch:
 
     @property
     def n_tokens(self) -> int:
-        """Response tokens in the whole global batch (the normalizer of the token-mean loss)."""
+        """Response tokens in the whole mini-batch: the normalizer of verl's token-mean loss (batch_num_tokens)."""
         return sum(len(s) - 1 for s in self.sequences)
 
     def shard(self, *, rank: int, ranks: int, micro: int, micros: int) -> Batch:
         """Micro-batch ``micro`` of rank ``rank``: contiguous equal slices of sequences."""
         n = len(self.sequences)
         if n % (ranks * micros):
-            raise ValueError(f"a global batch of {n} sequences does not split into {ranks} ranks x {micros} micros")
+            raise ValueError(f"a mini-batch of {n} sequences does not split into {ranks} ranks x {micros} micros")
         per = n // (ranks * micros)
         lo = (rank * micros + micro) * per
         idx = range(lo, lo + per)
@@ -73,9 +74,10 @@ class GlobalBatch:
         )
 
 
-def global_batch(*, step: int, seed: int, shape: Shape) -> GlobalBatch:
-    """The global batch of ``step``: a function of (seed, step, shape) only."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+def mini_batch(*, update: int, seed: int, shape: Shape) -> MiniBatch:
+    """The mini-batch of optimizer update number ``update`` (counted over the whole run): a function of
+    (seed, update, shape) only."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + update)
     sequences, rewards, noise = [], [], []
     for _ in range(shape.batch):
         length = int(torch.randint(shape.min_len, shape.max_len + 1, (1,), generator=gen))
@@ -93,7 +95,7 @@ def global_batch(*, step: int, seed: int, shape: Shape) -> GlobalBatch:
         noise.append(0.15 * torch.randn(length, generator=gen, dtype=DTYPE))
     reward = torch.tensor(rewards, dtype=DTYPE)
     advantages = (reward - reward.mean()) / (reward.std() + 1e-6)  # GRPO-style group normalization
-    return GlobalBatch(sequences=sequences, advantages=advantages, noise=noise)
+    return MiniBatch(sequences=sequences, advantages=advantages, noise=noise)
 
 
 class Policy(torch.nn.Module):

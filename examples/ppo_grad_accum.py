@@ -1,29 +1,44 @@
-"""PPO with gradient accumulation, data-parallel over gloo processes, logged through metricbus.
+"""PPO with K mini-batch updates per step and gradient accumulation, data-parallel over gloo, logged by metricbus.
 
-A small float64 policy (embedding + MLP over a 32-token vocabulary) is trained with a PPO clipped loss on
-synthetic sequences of random lengths. Each step's global batch depends only on the step's seed; it is split
-over R ranks (processes spawned here, gloo on 127.0.0.1) x M gradient-accumulation micro-batches per rank.
+A small float64 policy (embedding + MLP over a 32-token vocabulary) is trained with a PPO clipped loss plus a KL
+loss to the initial (reference) policy on synthetic sequences of random lengths. As in verl with
+``ppo_mini_batch_size < train_batch_size``, one training step runs K optimizer updates; each update's mini-batch
+is split over R ranks (processes spawned here, gloo on 127.0.0.1) x M gradient-accumulation micro-batches per rank.
+A layout is ``RxMxK``.
 
-The loss is verl's ``agg_loss`` token-mean: each micro-batch's loss is ``sum(token losses) / global_tokens *
-dp_size``, gradients are averaged over ranks, so the update is d(global per-token mean)/d(params) for every
-layout. What gets *logged* is where trainers go wrong (verl PR "fix: Engine Metric Aggregation"):
+The loss is verl's ``agg_loss`` "token-mean" with global batch info: each micro-batch's loss is
+``sum(token losses) / mini_batch_tokens * dp_size``, where ``mini_batch_tokens`` counts the tokens of ITS
+mini-batch over all ranks. Gradients are averaged over ranks, so every update follows d(mini-batch per-token
+mean)/d(params) whatever R and M. What gets *logged* is where trainers go wrong (verl PR "fix: Engine Metric
+Aggregation"). With S_rmk the token-loss sum of micro-batch m of rank r in update k, N_k the tokens of update k and
+L_k = sum_rm S_rmk / N_k the true per-token loss of update k, verl logs x_rmk = R * S_rmk / N_k and:
 
-* ``actor/pg_loss``      -- Agg(micro="sum", rank="mean"): the true global per-token loss, for every layout;
-* ``naive_mean/pg_loss`` -- the plain mean over all micro-batch values (verl before its fixes): true / M;
-* ``naive_sum/pg_loss``  -- the sum over micro-batches and ranks (after the first fix): true * R;
+* ``actor/pg_loss``, ``actor/kl_loss`` -- ``Agg(micro="sum", update="mean", rank="mean")``: the micro sum of rank r
+  in update k is R * S_rk / N_k; the mean over the R*K (rank, update) values is (1/K) sum_k L_k, the mean over
+  the step's updates of each update's true per-token loss (what one GPU logs, and verl's driver means over
+  mini-batches). Exact for every R, M, K, with unequal token counts.
+* ``naive_mean/pg_loss`` -- "mean" of every micro-batch value (verl before its fixes): true / M;
+* ``naive_sum/pg_loss`` -- sum over micro-batches and ranks (verl after its first fix): true * R;
+* ``naive_step_sum/pg_loss`` -- sum over all micro-batches of the step, no update boundaries (this example's
+  previous spec ``Agg(micro="sum", rank="mean")`` without ``bus.end_update()``): true * K;
 * ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/entropy`` -- local token means logged with weight=n_tokens:
-  the global token-weighted value; ``naive/pg_clipfrac`` is the unweighted mean of micro-batch means.
+  the token-weighted value over the step; ``naive/pg_clipfrac`` is the unweighted mean of micro-batch means.
 
-``--compare`` trains the same batches under several layouts and prints how each metric agrees with 1x1.
+Which quantity is layout-invariant when K changes: a step's value is the mean over ITS updates, so a step of K=2
+and a step of K=1 cover different data. Here every optimizer update's mini-batch depends only on (seed, update
+number) and the behaviour policy never depends on the layout, so the sequence of updates (and the parameters) is
+the same for every layout. ``--compare`` lines the layouts up on rows of U = lcm(K) updates: layout RxMxK runs
+U/K times as many steps as the layout with K = U and logs with ``log_every=U/K``, so each emitted row is the
+step-level merge over the same U updates -- (1/U) sum_k L_k for every layout, to ~1e-15. The naive columns show
+the factors 1/M, R and K.
 
-    python examples/ppo_grad_accum.py --compare              # the demo (make demo)
-    python examples/ppo_grad_accum.py --ranks 2 --micro 4    # one layout, every adapter of the config
+    python examples/ppo_grad_accum.py --compare                  # the demo (make demo)
+    python examples/ppo_grad_accum.py --ranks 2 --micro 4 --updates 2   # one layout, every adapter of the config
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -32,6 +47,7 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -45,42 +61,69 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 import torch.multiprocessing as tmp  # noqa: E402
-from _ppo_data import DTYPE, Batch, Policy, Shape, global_batch  # noqa: E402
+from _ppo_data import DTYPE, Batch, Policy, Shape, mini_batch  # noqa: E402
 
-from metricbus import Agg, MetricBus  # noqa: E402
+from metricbus import Adapter, Agg, MetricBus, RunInfo  # noqa: E402
 from metricbus.adapter import Status  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "demo.yaml"
-LAYOUTS = ((1, 1), (2, 2), (2, 4), (4, 2))
+LAYOUTS = "1x1x1,2x2x2,2x4x2,4x2x2"
 CLIP = 0.2
-PG_LOSS = Agg(micro="sum", rank="mean")
-COMPARED = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "response_length/mean", "batch/tokens")
+KL_COEF = 0.3  # verl's use_kl_loss / kl_loss_coef with kl_loss_type=low_var_kl: keeps the policy from collapsing
+PRE_SCALED = Agg(micro="sum", update="mean", rank="mean")  # sum an update's micro-batches, mean updates and ranks
+NAIVE = {  # name -> (spec, the factor it is off by, as a function of (R, M, K))
+    "naive_mean/pg_loss": ("mean", lambda r, m, k: 1 / m),
+    "naive_sum/pg_loss": (Agg(micro="sum", update="mean", rank="sum", step="mean"), lambda r, m, k: r),
+    "naive_step_sum/pg_loss": (Agg(micro="sum", update="sum", rank="mean"), lambda r, m, k: k),
+}
+COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
+            "response_length/mean", "response_length/max", "response_length/min", "batch/tokens")
+CONSOLE_METRICS = ("actor/entropy", "actor/pg_clipfrac", "actor/pg_loss")
 AGREE_REL = 1e-9
 MARKER = ".ppo_grad_accum"
+Rows = list[tuple[int, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """R ranks x M micro-batches per rank x K optimizer updates per step."""
+
+    ranks: int
+    micro: int
+    updates: int
+
+    @classmethod
+    def parse(cls, text: str, *, updates: int) -> Layout:
+        """``RxMxK``, or ``RxM`` with K = ``updates``."""
+        parts = [int(x) for x in text.lower().split("x")]
+        if len(parts) == 2:
+            parts.append(updates)
+        if len(parts) != 3 or min(parts) < 1:
+            raise ValueError(f"layout {text!r}: use RxMxK (ranks x micro-batches x updates per step), e.g. 2x4x2")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.ranks}x{self.micro}x{self.updates}"
 
 
 @dataclass(frozen=True)
 class Job:
     """One training run: a layout and where its output goes."""
 
-    ranks: int
-    micro: int
+    layout: Layout
     steps: int
+    log_every: int | None  # None: the config's
     seed: int
     lr: float
     out: str  # the layout's folder: values.json goes here
     config: dict[str, Any] | None  # a resolved config mapping (None: only the layout's own jsonl)
+    console_every: int
     port: int
     shape: Shape
 
-    @property
-    def layout(self) -> str:
-        """``RxM``."""
-        return f"{self.ranks}x{self.micro}"
 
-
-# -- config --------------------------------------------------------------------------------------------------------
+# -- config and the console view -----------------------------------------------------------------------------------
 
 
 def _substitute(value: Any, out: str) -> Any:
@@ -93,146 +136,183 @@ def _substitute(value: Any, out: str) -> Any:
     return value
 
 
-def has_torch_dist() -> bool:
-    """True if this metricbus has ``dist="torch"`` (metricbus.dist)."""
-    return importlib.util.find_spec("metricbus.dist") is not None
-
-
-def has_journal() -> bool:
-    """True if this metricbus has the journal (metricbus.journal)."""
-    return importlib.util.find_spec("metricbus.journal") is not None
-
-
 def load_config(path: Path, out: Path) -> dict[str, Any]:
     """Read the YAML/TOML/JSON config and replace ``{out}`` with the run folder."""
     from metricbus.config import read_file
 
-    data = _substitute(read_file(path), str(out))
-    if data.get("journal") and not has_journal():
-        data.pop("journal")
-    return data
+    return dict(_substitute(read_file(path), str(out)))
+
+
+class ConsoleView:
+    """An adapter around the console adapter: a few metrics, every ``every``-th emitted row and the last one.
+
+    The demo emits a row per step with ~20 metrics; the other backends get all of it, the terminal a glance.
+    """
+
+    name = "console"
+
+    def __init__(self, inner: Adapter, *, every: int, metrics: Sequence[str]) -> None:
+        self._inner = inner
+        self._every = every
+        self._metrics = tuple(metrics)
+        self._rows = 0
+        self._held: tuple[int, dict[str, float]] | None = None  # the last row, when it was not printed
+
+    def open(self, *, run: RunInfo) -> None:
+        """Open the console."""
+        self._inner.open(run=run)
+
+    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
+        """Print every ``every``-th row; hold the others until the next one arrives (or close)."""
+        row = {name: metrics[name] for name in self._metrics if name in metrics}
+        self._held = None if self._rows % self._every == 0 else (step, row)
+        if self._held is None:
+            self._inner.write(step=step, metrics=row)
+        self._rows += 1
+
+    def flush(self) -> None:
+        """Flush the console."""
+        self._inner.flush()
+
+    def close(self, *, status: Status) -> None:
+        """Print the last row if it was held, then close the console."""
+        if self._held is not None:
+            self._inner.write(step=self._held[0], metrics=self._held[1])
+        self._inner.close(status=status)
+
+
+def with_console_view(config: Mapping[str, Any], *, every: int) -> dict[str, Any]:
+    """``config`` with its console adapter wrapped in a :class:`ConsoleView` ($METRICBUS_ADAPTERS still wins)."""
+    from metricbus.registry import make_adapter
+
+    adapters = []
+    for entry in config.get("adapters") or []:
+        kind = entry.get("type") if isinstance(entry, Mapping) else str(entry).partition(":")[0]
+        view = kind == "console" and every > 1
+        adapters.append(ConsoleView(make_adapter(entry), every=every, metrics=CONSOLE_METRICS) if view else entry)
+    return {**config, "adapters": adapters}
+
+
+def make_bus(job: Job, *, rank: int) -> MetricBus:
+    """The rank's bus: ``dist="torch"``, adapters on rank 0 only."""
+    out = Path(job.out)
+    overrides: dict[str, Any] = {}
+    if job.config is None:  # a compare layout other than the first: its own jsonl only
+        config: dict[str, Any] = {"adapters": [f"jsonl:{out / 'metrics.jsonl'}"], "strict": True}
+        overrides["adapters"] = config["adapters"]  # not replaced by $METRICBUS_ADAPTERS
+    else:
+        config = with_console_view(job.config, every=job.console_every) if rank == 0 else job.config
+    if rank != 0:
+        overrides["adapters"] = []
+    if job.log_every is not None:
+        overrides["log_every"] = job.log_every
+    run = dict(config.get("run") or {})
+    run["name"] = f"{run.get('name', 'ppo_grad_accum')}-{job.layout}"
+    run["config"] = {**run.get("config", {}), **asdict(job.layout), "steps": job.steps, "seed": job.seed,
+                     "lr": job.lr, "kl_coef": KL_COEF, **asdict(job.shape)}
+    overrides["run"] = run
+    # commit() is a collective; adapters live on rank 0, every rank journals its own records
+    return MetricBus.from_config(config, dist="torch", writer_rank=0, **overrides)
 
 
 # -- one rank ------------------------------------------------------------------------------------------------------
 
 
-def lr_at(step: int, *, steps: int, base: float) -> float:
-    """Linear warm-up over 10% of the steps, then cosine decay to 10% of ``base``."""
-    warm = max(1, steps // 10)
-    if step < warm:
-        return base * (step + 1) / warm
-    progress = (step - warm) / max(1, steps - warm)
+def lr_at(update: int, *, updates: int, base: float) -> float:
+    """Linear warm-up over 10% of the run's updates, then cosine decay to 10% of ``base``."""
+    warm = max(1, updates // 10)
+    if update < warm:
+        return base * (update + 1) / warm
+    progress = (update - warm) / max(1, updates - warm)
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def micro_step(policy: Policy, batch: Batch, *, global_tokens: int, dp_size: int) -> dict[str, float]:
-    """Forward and backward of one micro-batch; returns its local statistics."""
+def micro_step(policy: Policy, ref: Policy, batch: Batch, *, mini_batch_tokens: int, dp_size: int
+               ) -> dict[str, float]:
+    """Forward and backward of one micro-batch; returns the values verl logs for it."""
     logp_all = policy(batch.context)
     logp = logp_all.gather(1, batch.target[:, None]).squeeze(1)
     old_logp = logp.detach() + batch.old_logp_noise  # the behaviour policy that generated the rollout
     ratio = torch.exp(logp - old_logp)
     adv = batch.advantage
-    token_loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - CLIP, 1 + CLIP))
-    loss = token_loss.sum() / global_tokens * dp_size  # verl agg_loss "token-mean" with the global normalizer
-    loss.backward()
+    token_pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - CLIP, 1 + CLIP))
+    with torch.no_grad():
+        ref_logp = ref(batch.context).gather(1, batch.target[:, None]).squeeze(1)
+    log_ratio = torch.clamp(ref_logp - logp, -20, 20)  # verl's kl_penalty "low_var_kl" (k3), clamped like verl's
+    token_kl = torch.clamp(torch.exp(log_ratio) - log_ratio - 1, -10, 10)
+    scale = dp_size / mini_batch_tokens  # verl agg_loss "token-mean" with the mini-batch's global token count
+    pg_loss, kl_loss = token_pg.sum() * scale, token_kl.sum() * scale
+    (pg_loss + KL_COEF * kl_loss).backward()
     with torch.no_grad():
         clipped = (-adv * torch.clamp(ratio, 1 - CLIP, 1 + CLIP) > -adv * ratio).to(DTYPE)
         entropy = -(logp_all.exp() * logp_all).sum(-1)
         return {
-            "pg_loss": float(loss),
+            "pg_loss": float(pg_loss),
+            "kl_loss": float(kl_loss),
             "pg_clipfrac": float(clipped.mean()),
             "ppo_kl": float((old_logp - logp).mean()),
             "entropy": float(entropy.mean()),
         }
 
 
-class _GatherBus:
-    """Without metricbus.dist: every rank exports its partial, rank 0 ingests them in rank order and commits."""
-
-    def __init__(self, bus: MetricBus, *, rank: int) -> None:
-        self.bus = bus
-        self.rank = rank
-
-    def log(self, *args: Any, **kwargs: Any) -> None:
-        self.bus.log(*args, **kwargs)
-
-    def commit(self, step: int) -> dict[str, float]:
-        parts: list[Any] = [None] * tdist.get_world_size()
-        tdist.all_gather_object(parts, self.bus.export())
-        if self.rank != 0:
-            return {}
-        self.bus.ingest(parts)
-        return self.bus.commit(step=step)
-
-    def close(self, *, status: Status = "finished") -> None:
-        self.bus.close(status=status)
+def log_micro_batch(bus: MetricBus, batch: Batch, stats: dict[str, float]) -> None:
+    """What the trainer logs for one micro-batch: verl's values, the spec declared where they are logged."""
+    n = batch.n_tokens
+    bus.log("actor/pg_loss", stats["pg_loss"], agg=PRE_SCALED)
+    bus.log("actor/kl_loss", stats["kl_loss"], agg=PRE_SCALED)
+    for name in ("pg_clipfrac", "ppo_kl", "entropy"):  # local token means: token-weighted
+        bus.log(f"actor/{name}", stats[name], weight=n, agg="mean")
+    bus.log("response_length", batch.lengths.to(DTYPE), agg=["mean", "max", "min"])
+    bus.log("batch/tokens", float(n), agg="sum")
+    for name, (spec, _) in NAIVE.items():
+        bus.log(name, stats["pg_loss"], agg=spec)
+    bus.log("naive/pg_clipfrac", stats["pg_clipfrac"], agg="mean")  # mean of micro-batch means
 
 
-def make_bus(job: Job, *, rank: int) -> Any:
-    """The rank's bus: dist="torch" if available (adapters on rank 0 only), else export/gather/ingest."""
-    out = Path(job.out)
-    overrides: dict[str, Any] = {}
-    if job.config is None:  # a compare layout other than the first: its own jsonl only
-        config: dict[str, Any] = {"adapters": [f"jsonl:{out / 'metrics.jsonl'}"], "strict": True}
-        overrides["adapters"] = [f"jsonl:{out / 'metrics.jsonl'}"]  # not replaced by $METRICBUS_ADAPTERS
-    else:
-        config = dict(job.config)
-    run = dict(config.get("run") or {})
-    run["name"] = f"{run.get('name', 'ppo_grad_accum')}-{job.layout}"
-    run["config"] = {**run.get("config", {}), "ranks": job.ranks, "micro": job.micro, "steps": job.steps,
-                     "seed": job.seed, "lr": job.lr, **asdict(job.shape)}
-    overrides["run"] = run
-    if has_torch_dist():  # commit() is a collective; adapters live on rank 0, every rank journals its own records
-        if rank != 0:
-            overrides["adapters"] = []
-        return MetricBus.from_config(config, dist="torch", writer_rank=0, **overrides)
-    if rank != 0:
-        return _GatherBus(MetricBus(dist=None), rank=rank)
-    return _GatherBus(MetricBus.from_config(config, dist=None, **overrides), rank=rank)
+def all_reduce_mean(policy: Policy, ranks: int) -> None:
+    """DDP's gradient mean, by hand: one flat all_reduce."""
+    grads = [p.grad for p in policy.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    tdist.all_reduce(flat)
+    flat /= ranks
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def worker(rank: int, job: Job) -> None:
-    """One data-parallel rank: train ``job.steps`` steps, log everything, rank 0 saves what was emitted."""
+    """One data-parallel rank: train ``job.steps`` steps of K updates, log everything, rank 0 saves the rows."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=rank, world_size=job.ranks)
+    layout = job.layout
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=rank, world_size=layout.ranks)
     try:
-        policy = Policy(job.shape, seed=job.seed)
+        policy, ref = Policy(job.shape, seed=job.seed), Policy(job.shape, seed=job.seed).requires_grad_(False)
         opt = torch.optim.Adam(policy.parameters(), lr=job.lr)
         bus = make_bus(job, rank=rank)
-        emitted: list[tuple[int, dict[str, float]]] = []
+        emitted: Rows = []
+        total = job.steps * layout.updates
         try:
             for step in range(job.steps):
                 start = time.perf_counter()
-                lr = lr_at(step, steps=job.steps, base=job.lr)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                data = global_batch(step=step, seed=job.seed, shape=job.shape)
-                opt.zero_grad(set_to_none=False)
-                for m in range(job.micro):
-                    batch = data.shard(rank=rank, ranks=job.ranks, micro=m, micros=job.micro)
-                    stats = micro_step(policy, batch, global_tokens=data.n_tokens, dp_size=job.ranks)
-                    n = batch.n_tokens
-                    bus.log("actor/pg_loss", stats["pg_loss"], agg=PG_LOSS)
-                    bus.log("actor/pg_clipfrac", stats["pg_clipfrac"], weight=n, agg="mean")
-                    bus.log("actor/ppo_kl", stats["ppo_kl"], weight=n, agg="mean")
-                    bus.log("actor/entropy", stats["entropy"], weight=n, agg="mean")
-                    bus.log("response_length", batch.lengths.to(DTYPE), agg=["mean", "max", "min"])
-                    bus.log("batch/tokens", float(n), agg="sum")
-                    bus.log("naive_mean/pg_loss", stats["pg_loss"], agg="mean")  # verl before its fixes
-                    bus.log("naive_sum/pg_loss", stats["pg_loss"], agg="sum")  # verl after the first fix
-                    bus.log("naive/pg_clipfrac", stats["pg_clipfrac"], agg="mean")  # mean of micro-batch means
-                if job.ranks > 1:  # DDP's gradient mean, by hand: one flat all_reduce
-                    grads = [p.grad for p in policy.parameters() if p.grad is not None]
-                    flat = torch.cat([g.reshape(-1) for g in grads])
-                    tdist.all_reduce(flat)
-                    flat /= job.ranks
-                    offset = 0
-                    for g in grads:
-                        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                        offset += g.numel()
-                opt.step()
-                bus.log("actor/lr", lr, agg="mean")
+                for k in range(layout.updates):  # verl: one optimizer step per mini-batch
+                    update = step * layout.updates + k
+                    lr = lr_at(update, updates=total, base=job.lr)
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+                    data = mini_batch(update=update, seed=job.seed, shape=job.shape)
+                    opt.zero_grad(set_to_none=False)
+                    for m in range(layout.micro):
+                        batch = data.shard(rank=rank, ranks=layout.ranks, micro=m, micros=layout.micro)
+                        stats = micro_step(policy, ref, batch, mini_batch_tokens=data.n_tokens,
+                                           dp_size=layout.ranks)
+                        log_micro_batch(bus, batch, stats)
+                    if layout.ranks > 1:
+                        all_reduce_mean(policy, layout.ranks)
+                    opt.step()
+                    bus.log("actor/lr", lr, agg="mean")
+                    bus.end_update()  # the records since the last boundary are this update's micro level
                 bus.log("timing/step_s", time.perf_counter() - start, agg="mean")
                 out = bus.commit(step=step)
                 if rank == 0 and out:
@@ -243,7 +323,7 @@ def worker(rank: int, job: Job) -> None:
         bus.close()  # a collective, on every rank, before destroy_process_group()
         if rank == 0:
             Path(job.out).mkdir(parents=True, exist_ok=True)
-            (Path(job.out) / "values.json").write_text(json.dumps({"layout": job.layout, "rows": emitted}))
+            (Path(job.out) / "values.json").write_text(json.dumps({"layout": str(layout), "rows": emitted}))
     finally:
         tdist.destroy_process_group()
 
@@ -258,14 +338,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_layout(job: Job) -> list[tuple[int, dict[str, float]]]:
-    """Spawn ``job.ranks`` processes, wait, and return rank 0's emitted rows."""
-    tmp.spawn(worker, args=(job,), nprocs=job.ranks, join=True)
+def run_layout(job: Job) -> Rows:
+    """Spawn ``job.layout.ranks`` processes, wait, and return rank 0's emitted rows."""
+    tmp.spawn(worker, args=(job,), nprocs=job.layout.ranks, join=True)
     data = json.loads((Path(job.out) / "values.json").read_text())
     return [(int(step), metrics) for step, metrics in data["rows"]]
 
 
-def _series(rows: list[tuple[int, dict[str, float]]], name: str) -> list[float]:
+def _series(rows: Rows, name: str) -> list[float]:
     return [metrics[name] for _, metrics in rows]
 
 
@@ -274,73 +354,72 @@ def _max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True)) / scale
 
 
-def _factor(a: list[float], b: list[float]) -> float:
+def _ratio(a: list[float], b: list[float]) -> float:
+    """The median of a / b over rows (the naive rules are off by an exact factor)."""
     ratios = sorted(x / y for x, y in zip(a, b, strict=True) if abs(y) > 1e-12)
     return ratios[len(ratios) // 2] if ratios else float("nan")
 
 
-def compare_table(results: dict[str, list[tuple[int, dict[str, float]]]]) -> tuple[str, bool]:
+def compare_table(results: dict[Layout, Rows]) -> tuple[str, bool]:
     """The comparison table against the first layout, and whether metricbus agreed everywhere."""
-    ref_name = next(iter(results))
-    ref = results[ref_name]
-    lines = []
-    head = (f"{'layout':>6} | {'pg_loss last':>13} {'max rel dev':>11} | {'clipfrac last':>13} {'max rel dev':>11}"
-            f" | {'naive_mean/pg_loss':>18} {'factor':>8} {'1/M':>6} | {'naive_sum/pg_loss':>17} {'factor':>7}"
-            f" {'R':>3} | {'naive clipfrac':>14} {'max rel dev':>11}")
-    lines += [head, "-" * len(head)]
+    ref_layout, ref = next(iter(results.items()))
+    naive_heads = "".join(f" | {name.split('/')[0]:>14} {'ratio':>7} {want:>4}"
+                          for name, want in zip(NAIVE, ("1/M", "R", "K"), strict=True))
+    head = (f"{'layout':>6} | {'pg_loss last':>13} {'rel dev':>8} | {'all metrics':>11}{naive_heads}"
+            f" | {'naive/pg_clipfrac dev':>21}")
+    lines = [head, "-" * len(head)]
     ok = True
-    for name, rows in results.items():
-        ranks, micro = (int(x) for x in name.split("x"))
-        if [s for s, _ in rows] != [s for s, _ in ref]:
-            raise AssertionError(f"layout {name} emitted other steps than {ref_name}")
-        loss, ref_loss = _series(rows, "actor/pg_loss"), _series(ref, "actor/pg_loss")
-        clip, ref_clip = _series(rows, "actor/pg_clipfrac"), _series(ref, "actor/pg_clipfrac")
-        naive_mean, naive_sum = _series(rows, "naive_mean/pg_loss"), _series(rows, "naive_sum/pg_loss")
-        naive_clip = _series(rows, "naive/pg_clipfrac")
-        dev_loss, dev_clip = _max_rel(loss, ref_loss), _max_rel(clip, ref_clip)
-        for metric in COMPARED:
-            dev = _max_rel(_series(rows, metric), _series(ref, metric))
-            ok = ok and dev <= AGREE_REL
-        lines.append(
-            f"{name:>6} | {loss[-1]:>13.9f} {dev_loss:>11.1e} | {clip[-1]:>13.9f} {dev_clip:>11.1e}"
-            f" | {naive_mean[-1]:>18.9f} {_factor(naive_mean, loss):>8.4f} {1 / micro:>6.3f}"
-            f" | {naive_sum[-1]:>17.9f} {_factor(naive_sum, loss):>7.3f} {ranks:>3}"
-            f" | {naive_clip[-1]:>14.9f} {_max_rel(naive_clip, clip):>11.1e}"
-        )
+    for layout, rows in results.items():
+        if len(rows) != len(ref):
+            raise AssertionError(f"layout {layout} emitted {len(rows)} rows, {ref_layout} {len(ref)}")
+        devs = {name: _max_rel(_series(rows, name), _series(ref, name)) for name in COMPARED}
+        ok = ok and max(devs.values()) <= AGREE_REL
+        loss = _series(rows, "actor/pg_loss")
+        cells = []
+        for name, (_, factor) in NAIVE.items():
+            want = factor(layout.ranks, layout.micro, layout.updates)
+            cells.append(f" | {_series(rows, name)[-1]:>14.9f} {_ratio(_series(rows, name), loss):>7.4f} "
+                         f"{want:>4.3g}")
+        clip_dev = _max_rel(_series(rows, "naive/pg_clipfrac"), _series(ref, "actor/pg_clipfrac"))
+        lines.append(f"{layout!s:>6} | {loss[-1]:>13.9f} {devs['actor/pg_loss']:>8.1e} | "
+                     f"{max(devs.values()):>11.1e}{''.join(cells)} | {clip_dev:>21.1e}")
     return "\n".join(lines), ok
 
 
-def plot(results: dict[str, list[tuple[int, dict[str, float]]]], path: Path) -> None:
-    """Curves of pg_loss and pg_clipfrac, metricbus vs naive, per layout (PNG, matplotlib Agg backend)."""
+def plot(results: dict[Layout, Rows], path: Path, *, updates_per_row: int) -> None:
+    """Small multiples (PNG): one column per layout; pg_loss and pg_clipfrac, metricbus vs the naive rules."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8), sharex=True)
-    ref = next(iter(results))
-    for name, rows in results.items():
-        steps = [s for s, _ in rows]
-        loss, clip = _series(rows, "actor/pg_loss"), _series(rows, "actor/pg_clipfrac")
-        axes[0, 0].plot(steps, loss, label=name, lw=1.2)
-        for metric, style in (("naive_mean/pg_loss", "-"), ("naive_sum/pg_loss", "--")):
-            ratio = [n / t if abs(t) > 1e-12 else math.nan for n, t in zip(_series(rows, metric), loss, strict=True)]
-            axes[0, 1].plot(steps, ratio, ls=style, lw=1.2, label=f"{name} {metric.split('/')[0]}")
-        axes[1, 0].plot(steps, clip, label=name, lw=1.2)
-        gap = [n - c for n, c in zip(_series(rows, "naive/pg_clipfrac"), clip, strict=True)]
-        axes[1, 1].plot(steps, gap, label=f"{name}", lw=1)
-    axes[0, 1].set_yscale("log", base=2)
-    titles = [f"metricbus actor/pg_loss (all layouts overlap; max rel dev vs {ref} in the table)",
-              "naive pg_loss / true pg_loss: mean gives 1/M, sum gives R",
-              "metricbus actor/pg_clipfrac (token-weighted)",
-              "naive pg_clipfrac (mean of micro-batch means) minus the token-weighted one"]
-    for ax, title in zip(axes.flat, titles, strict=True):
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in axes[1]:
-        ax.set_xlabel("step")
-    fig.suptitle("Same global batches, layouts R ranks x M micro-batches")
+    n = len(results)
+    fig, axes = plt.subplots(2, n, figsize=(3.6 * n + 1, 6.5), sharex=True, sharey="row", squeeze=False)
+    styles = {"naive_mean/pg_loss": ("tab:blue", "--"), "naive_sum/pg_loss": ("tab:orange", "--"),
+              "naive_step_sum/pg_loss": ("tab:green", ":")}
+    for col, (layout, rows) in enumerate(results.items()):
+        x = [(i + 1) * updates_per_row for i in range(len(rows))]
+        top, bottom = axes[0, col], axes[1, col]
+        for name, (color, style) in styles.items():
+            factor = NAIVE[name][1](layout.ranks, layout.micro, layout.updates)
+            top.plot(x, _series(rows, name), color=color, ls=style, lw=1,
+                     label=f"{name} (x{factor:.3g} here)" if col == 0 else f"x{factor:.3g}")
+        top.plot(x, _series(rows, "actor/pg_loss"), color="black", lw=1.4, label="metricbus actor/pg_loss")
+        bottom.plot(x, _series(rows, "naive/pg_clipfrac"), color="tab:red", ls="--", lw=1,
+                    label="naive/pg_clipfrac (mean of micro-batch means)")
+        bottom.plot(x, _series(rows, "actor/pg_clipfrac"), color="black", lw=1.4,
+                    label="metricbus actor/pg_clipfrac (token-weighted)")
+        top.set_title(f"{layout}: R={layout.ranks} ranks, M={layout.micro}, K={layout.updates}", fontsize=9)
+        bottom.set_xlabel("optimizer updates")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+        top.legend(fontsize=7, loc="upper right")
+    axes[0, 0].set_ylabel("pg_loss (per-token, step mean)")
+    axes[1, 0].set_ylabel("clip fraction")
+    axes[1, 0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"Same {updates_per_row * len(next(iter(results.values())))} updates for every layout "
+                 f"RxMxK; one point = {updates_per_row} updates. Black: metricbus (identical in every column); "
+                 "dashed: naive rules", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -365,27 +444,26 @@ def how_to_look(out: Path, config: dict[str, Any]) -> list[str]:
             lines.append(f"  jsonl: {spec.partition(':')[2]}")
     journal = config.get("journal")
     if journal:
-        lines.append(f"  metricbus show {journal}")
-        lines.append(f"  metricbus replay {journal} --to console")
-    else:
-        lines.append("  (no journal: the config has none, or this metricbus lacks metricbus.journal)")
+        lines.append(f"  metricbus show {journal}   |   metricbus replay {journal} --to console")
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, train one layout or compare several, print the results."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=150, help="steps of the layout with the most updates per step")
     parser.add_argument("--ranks", type=int, default=2, help="data-parallel gloo processes (R)")
     parser.add_argument("--micro", type=int, default=2, help="gradient-accumulation micro-batches per rank (M)")
+    parser.add_argument("--updates", type=int, default=2, help="optimizer updates (mini-batches) per step (K)")
     parser.add_argument("--compare", action="store_true", help="train under several layouts and compare")
-    parser.add_argument("--layouts", default=",".join(f"{r}x{m}" for r, m in LAYOUTS), help="for --compare")
+    parser.add_argument("--layouts", default=LAYOUTS, help="for --compare: RxMxK,... (RxM: K from --updates)")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="metricbus config (adapters)")
     parser.add_argument("--out", type=Path, default=Path("runs/ppo_grad_accum"), help="run folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--batch", type=int, default=16, help="sequences per global batch")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per mini-batch (ppo_mini_batch_size)")
     parser.add_argument("--max-len", type=int, default=48)
+    parser.add_argument("--console-every", type=int, default=25, help="console: every N-th row (1: all)")
     args = parser.parse_args(argv)
 
     out: Path = args.out
@@ -395,57 +473,63 @@ def main(argv: list[str] | None = None) -> int:
     (out / MARKER).write_text("written by examples/ppo_grad_accum.py; rerunning into this folder replaces it\n")
     config = load_config(args.config, out)
     shape = Shape(batch=args.batch, max_len=args.max_len)
-    if args.compare:
-        layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
-    else:
-        layouts = [(args.ranks, args.micro)]
-    for ranks, micro in layouts:
-        if shape.batch % (ranks * micro):
-            parser.error(f"--batch {shape.batch} does not split into layout {ranks}x{micro}")
+    try:
+        if args.compare:
+            layouts = [Layout.parse(item, updates=args.updates) for item in args.layouts.split(",")]
+        else:
+            layouts = [Layout(args.ranks, args.micro, args.updates)]
+    except ValueError as exc:
+        parser.error(str(exc))
+    for layout in layouts:
+        if shape.batch % (layout.ranks * layout.micro):
+            parser.error(f"--batch {shape.batch} does not split into layout {layout} (R*M must divide it)")
+    per_row = math.lcm(*(layout.updates for layout in layouts))  # updates in one emitted row (compare)
 
-    mode = "metricbus.dist (dist='torch')" if has_torch_dist() else "export() -> all_gather_object -> ingest()"
-    print(f"PPO, {args.steps} steps, global batch {shape.batch} sequences of 1..{shape.max_len} response tokens, "
-          f"float64; rank exchange: {mode}")
-    results: dict[str, list[tuple[int, dict[str, float]]]] = {}
+    print(f"PPO + KL to the reference policy; mini-batches of {shape.batch} sequences of {shape.min_len}.."
+          f"{shape.max_len} response tokens, float64, rank exchange: metricbus.dist (dist='torch')")
+    results: dict[Layout, Rows] = {}
     started = time.perf_counter()
-    for i, (ranks, micro) in enumerate(layouts):
-        name = f"{ranks}x{micro}"
+    for i, layout in enumerate(layouts):
         first = i == 0
-        folder = out / "layouts" / name
+        folder = out / "layouts" / str(layout)
+        window = per_row // layout.updates if args.compare else None
+        steps = args.steps * window if window is not None else args.steps
         where = "the config's adapters" if first else f"{folder / 'metrics.jsonl'} only"
-        print(f"\n== layout {name}: {ranks} rank(s) x {micro} micro-batch(es); writing to {where}", flush=True)
-        job = Job(ranks=ranks, micro=micro, steps=args.steps, seed=args.seed, lr=args.lr, out=str(folder),
-                  config=config if first else None, port=free_port(), shape=shape)
+        every = f", log_every {window}" if window and window > 1 else ""
+        print(f"== layout {layout}: {layout.ranks} rank(s) x {layout.micro} micro-batch(es) x {layout.updates} "
+              f"update(s) per step, {steps} steps{every}; writing to {where}", flush=True)
+        job = Job(layout=layout, steps=steps, log_every=window, seed=args.seed, lr=args.lr, out=str(folder),
+                  config=config if first else None, console_every=args.console_every, port=free_port(),
+                  shape=shape)
         t0 = time.perf_counter()
-        results[name] = run_layout(job)
-        print(f"== layout {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
+        results[layout] = run_layout(job)
+        print(f"== layout {layout} done in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    if not results[next(iter(results))]:
+    first_rows = results[layouts[0]]
+    if not first_rows:
         print("nothing was emitted", file=sys.stderr)
         return 1
     ok = True
     if args.compare:
         table, ok = compare_table(results)
-        ref = next(iter(results))
-        print(f"\nCompared with layout {ref} over {args.steps} steps (last-step values; max rel dev over all steps):")
+        print(f"\nEvery layout trained on the same {per_row * len(first_rows)} mini-batches; one row = {per_row} "
+              f"update(s). Compared with {layouts[0]} (last row; max rel dev over all {len(first_rows)} rows):")
         print(table)
-        print(f"metricbus actor/pg_loss, pg_clipfrac, ppo_kl, response_length, batch/tokens agree with {ref} to "
-              f"rel {AGREE_REL:g}: {'YES' if ok else 'NO'}")
-        print(f"max rel dev = max over steps |x - x_{ref}| / max over steps |x_{ref}|; factor = median of naive / "
-              "metricbus pg_loss over steps.")
-        print("naive_mean/pg_loss = true/M (mean over M*R pre-scaled values); naive_sum/pg_loss = true*R "
-              "(each value already carries dp_size); naive/pg_clipfrac ignores token counts.")
+        print(f"metricbus agrees with {layouts[0]} to rel {AGREE_REL:g} on {', '.join(COMPARED)}: "
+              f"{'YES' if ok else 'NO'}")
+        print("ratio = median over rows of naive / metricbus pg_loss; it is exactly 1/M, R, K (the columns after it).")
         png = out / "compare.png"
-        plot(results, png)
-        print(f"Plot: {png}")
-        print(f"Values per layout: {out}/layouts/<RxM>/values.json; only layout {ref} wrote to the config's "
-              "adapters, the others to their own metrics.jsonl.")
+        plot(results, png, updates_per_row=per_row)
+        print(f"Plot: {png}   Rows per layout: {out}/layouts/<RxMxK>/values.json")
     else:
-        step, last = results[next(iter(results))][-1]
+        step, last = first_rows[-1]
         print(f"\nLast step {step}:")
         for key, value in last.items():
             print(f"  {key:<24} {value:.10g}")
-    print(f"\nTotal {time.perf_counter() - started:.1f} s.")
+    entropy = _series(first_rows, "actor/entropy")
+    print(f"Policy entropy {entropy[0]:.3f} -> {entropy[-1]:.3f} nats/token (uniform: {math.log(shape.vocab):.3f}); "
+          f"KL loss to the reference at the end {first_rows[-1][1]['actor/kl_loss']:.3f} (coef {KL_COEF})")
+    print(f"Total {time.perf_counter() - started:.1f} s.")
     print("\n".join(how_to_look(out, config)))
     return 0 if ok else 1
 

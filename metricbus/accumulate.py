@@ -1,7 +1,16 @@
-"""Per-metric micro-level accumulation: a small buffer folded into a Summary when full.
+"""Per-metric micro-level accumulation on one worker: buffers folded into a Summary, safe across threads.
 
-``log()`` appends to a plain list (near the cost of ``list.append``); memory stays O(metrics) because the buffer
-is folded into the metric's Summary every ``FOLD_AT`` records and at commit.
+Two buffers keep log order (``first``/``last``) without a lock on the hot path:
+
+* ``plain``: unit-weight records. ``log(name, float)`` appends here from any thread without a lock (a single
+  ``list.append`` is atomic under the GIL, and :meth:`Accumulator.fold` takes a prefix with ``values[:n]`` then
+  ``del values[:n]``, so a record appended meanwhile stays for the next fold).
+* ``weighted``: records with weights (appended under the collector's lock). Before a weighted record is buffered
+  the plain buffer is folded, so every weighted record is older than every plain one and a fold takes the
+  weighted buffer first.
+
+Memory stays O(metrics): the buffers are folded into the metric's Summary every ``FOLD_AT`` records and at
+commit (or at an update boundary).
 """
 
 from __future__ import annotations
@@ -14,50 +23,56 @@ FOLD_AT = 256
 
 
 class Accumulator:
-    """The uncommitted records of one metric on one worker."""
+    """The uncommitted records of one metric on one worker (mutated under the collector's lock, except ``plain``)."""
 
-    __slots__ = ("name", "nan", "spec", "state", "values", "weights")
+    __slots__ = ("name", "nan", "plain", "spec", "state", "values", "weights")
 
     def __init__(self, *, name: str, spec: Spec, nan: NanPolicy) -> None:
         self.name = name
         self.spec = spec
         self.nan: NanPolicy = nan
-        self.values: list[float] = []
-        self.weights: list[float] | None = None
+        self.plain: list[float] = []  # the lock-free fast path appends here; never replaced
+        self.values: list[float] = []  # weighted records, older than every plain record
+        self.weights: list[float] = []
         self.state = EMPTY
 
     def add(self, values: list[float], weights: list[float] | None) -> None:
-        """Append records; ``weights`` None means weight 1 each."""
-        if weights is not None and self.weights is None:
-            self.weights = [1.0] * len(self.values)
+        """Buffer records (``weights`` None: weight 1 each). Caller holds the collector's lock."""
+        if weights is None:
+            self.plain.extend(values)
+            if len(self.plain) >= FOLD_AT:
+                self.fold()
+            return
+        if self.plain:
+            self.fold()
         self.values.extend(values)
-        if self.weights is not None:
-            self.weights.extend(weights if weights is not None else [1.0] * len(values))
+        self.weights.extend(weights)
         if len(self.values) >= FOLD_AT:
             self.fold()
 
     def fold(self) -> None:
-        """Fold the buffer into the state (the buffer list object is kept: the bus's fast path holds it)."""
-        values = self.values
-        if not values:
-            return
-        weights = self.weights
+        """Fold both buffers into the state, weighted (older) first. Caller holds the collector's lock."""
+        if self.values:
+            self._merge(self.values, self.weights)
+            self.values = []
+            self.weights = []
+        plain = self.plain
+        n = len(plain)
+        if n:
+            chunk = plain[:n]
+            del plain[:n]  # records appended since the slice stay for the next fold
+            self._merge(chunk, None)
+
+    def _merge(self, values: list[float], weights: list[float] | None) -> None:
         if self.nan == "ignore":
             values, weights = drop_nonfinite(values, weights)
-        if values:
-            self.state = self.state.merge(Summary.of_batch(values, weights))
-        self.values.clear()
-        if self.weights is not None:
-            self.weights.clear()
+            if not values:
+                return
+        batch = Summary.of_batch(values, weights)
+        self.state = batch if self.state.count == 0 else self.state.merge(batch)
 
     def take(self) -> Summary:
-        """The folded state of everything since the last take, and reset."""
-        values = self.values
-        if values and self.weights is None and self.state.count == 0 and self.nan != "ignore":
-            # The common commit: one unweighted buffer and nothing folded yet, so no merge is needed.
-            state = Summary.of_batch(values, None)
-            values.clear()
-            return state
+        """The state of everything since the last take (one update's micro level), and reset."""
         self.fold()
         state, self.state = self.state, EMPTY
         return state
@@ -65,4 +80,4 @@ class Accumulator:
     @property
     def pending(self) -> bool:
         """True if records were added since the last take."""
-        return bool(self.values) or self.state.count > 0
+        return bool(self.plain) or bool(self.values) or self.state.count > 0

@@ -2,15 +2,15 @@
 
 Precedence, lowest first: the source, then ``$METRICBUS_ADAPTERS`` (a comma-separated adapter list that replaces
 the source's, like ``OTEL_METRICS_EXPORTER``; ``none`` means no adapters), then the keyword overrides given in code.
-Everything is validated before any adapter is built or opened; a mistake raises
-:class:`~metricbus.errors.ConfigError` naming where it is (``adapters[1].log_dir``,
+Everything is validated before any adapter is built or opened: each option by its validator in
+:mod:`metricbus.options`, after this module converts what a file writes differently. A mistake raises
+:class:`~metricbus.errors.ConfigError` naming where it is (``c.yaml: log_every``, ``adapters[1].log_dir``,
 ``metrics["actor/pg_loss"].micro``) and what is valid. Relative paths are relative to the working directory.
 TOML has no null: write ``dist = "none"`` there for ``dist: null``.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import sys
@@ -18,34 +18,23 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from metricbus.adapter import RunInfo
-from metricbus.delivery import QUEUE_POLICIES
-from metricbus.errors import AdapterNotFoundError, ConfigError, MetricBusError
+from metricbus.errors import AdapterNotFoundError, ConfigError
 from metricbus.kinds import KIND_NAMES
-from metricbus.spec import NAN_POLICIES, Agg, Spec, parse_spec
+from metricbus.options import VALIDATORS, check_rule, unknown_key
+from metricbus.spec import LEVELS, Agg, Spec, check_kind, check_nan
 
 ENV_CONFIG = "METRICBUS_CONFIG"
 ENV_ADAPTERS = "METRICBUS_ADAPTERS"
-KEYS = (
-    "adapters", "metrics", "log_every", "nan", "strict", "dist", "writer_rank", "journal", "fsync",
-    "queue_size", "queue_policy", "queue_timeout_s", "run",
-)  # fmt: skip
 CODE_ONLY_KEYS = ("group",)  # a process group object cannot come from a file
-RUN_KEYS = ("project", "name", "tags", "config")
-LEVEL_KEYS = ("micro", "rank", "step", "nan")
-DIST_VALUES = ("auto", "torch", "none", None)
+# The options a config sets: MetricBus's, with ``rules`` written ``metrics`` (as in a file's own words).
+KEYS = tuple("metrics" if name == "rules" else name for name in VALIDATORS if name not in CODE_ONLY_KEYS)
+LEVEL_KEYS = (*LEVELS, "nan")
 SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 B = TypeVar("B")
 
 
 def _error(where: str, what: str, origin: str) -> ConfigError:
     return ConfigError(f"{origin}: {where}: {what}" if where else f"{origin}: {what}")
-
-
-def _unknown(key: object, valid: Sequence[str]) -> str:
-    close = difflib.get_close_matches(str(key), valid, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown key {key!r}{hint}; valid keys: {', '.join(valid)}"
 
 
 # -- reading sources ---------------------------------------------------------------------------------------------
@@ -123,69 +112,42 @@ def load_source(source: Any) -> tuple[dict[str, Any], str]:
     return dict(plain), "config"
 
 
-# -- checking values ---------------------------------------------------------------------------------------------
+# -- converting file forms ---------------------------------------------------------------------------------------
+# Values are checked by metricbus.options (one validator per option); here only the forms a file writes differently
+# are converted (TOML's dist = "none", a spec mapping -> Agg), checking what the conversion itself needs.
 
 
-def _int(value: Any, *, where: str, origin: str, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise _error(where, f"must be an int >= {least}, got {value!r}", origin)
-    return value
+def _located(where: str, origin: str, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``check(*args, **kwargs)``; a ValueError it raises comes back as ConfigError at ``where`` in ``origin``."""
+    try:
+        return check(*args, **kwargs)
+    except ValueError as exc:
+        raise _error(where, str(exc), origin) from exc
 
 
-def _number(value: Any, *, where: str, origin: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise _error(where, f"must be a number >= 0, got {value!r}", origin)
-    return float(value)
-
-
-def _choice(value: Any, valid: Sequence[Any], *, where: str, origin: str) -> Any:
-    if value not in valid:
-        shown = ", ".join("null" if v is None else str(v) for v in valid)
-        raise _error(where, f"unknown value {value!r}; use one of {shown}", origin)
-    return value
-
-
-def _bool(value: Any, *, where: str, origin: str) -> bool:
-    if not isinstance(value, bool):
-        raise _error(where, f"must be true or false, got {value!r}", origin)
-    return value
-
-
-def _text(value: Any, *, where: str, origin: str, optional: bool = False) -> str | None:
-    if value is None and optional:
-        return None
-    if not isinstance(value, (str, os.PathLike)):
-        raise _error(where, f"must be a string, got {value!r}", origin)
-    return os.fspath(value)
-
-
-def _kind(value: Any, *, where: str, origin: str) -> str:
-    if not isinstance(value, str) or value not in KIND_NAMES:
-        raise _error(where, f"unknown aggregation {value!r}; use one of {', '.join(KIND_NAMES)}", origin)
-    return value
-
-
-def _agg(value: Mapping[str, Any], *, where: str, origin: str) -> Agg:
+def _agg(value: Mapping[str, Any], *, pattern: str, where: str, origin: str) -> Agg:
     levels: dict[str, Any] = {}
     for key, item in value.items():
-        if key not in LEVEL_KEYS:
-            raise _error(f"{where}.{key}", _unknown(key, LEVEL_KEYS), origin)
         if key == "nan":
-            levels[key] = _choice(item, NAN_POLICIES, where=f"{where}.nan", origin=origin)
+            levels[key] = _located(f"{where}.nan", origin, check_nan, item, metric=pattern)
+        elif key in LEVELS:
+            levels[key] = _located(f"{where}.{key}", origin, check_kind, item, metric=pattern, level=key)
         else:
-            levels[key] = _kind(item, where=f"{where}.{key}", origin=origin)
+            raise _error(f"{where}.{key}", unknown_key(key, LEVEL_KEYS), origin)
     return Agg(**levels)
 
 
-def _spec(value: Any, *, where: str, origin: str, nested: bool = False) -> Any:
+def _spec(value: Any, *, pattern: str, where: str, origin: str, nested: bool = False) -> Any:
+    """The SpecLike a file's spec stands for: a kind, a mapping of levels (-> Agg) or a list of those."""
     if isinstance(value, str):
-        return _kind(value, where=where, origin=origin)
+        return _located(where, origin, check_kind, value, metric=pattern, level="every")
     if isinstance(value, Mapping):
-        return _agg(value, where=where, origin=origin)
+        return _agg(value, pattern=pattern, where=where, origin=origin)
     if isinstance(value, list) and not nested:
-        if not value:
-            raise _error(where, "empty list of kinds; give at least one", origin)
-        return [_spec(item, where=f"{where}[{i}]", origin=origin, nested=True) for i, item in enumerate(value)]
+        return [
+            _spec(item, pattern=pattern, where=f"{where}[{i}]", origin=origin, nested=True)
+            for i, item in enumerate(value)
+        ]
     raise _error(
         where,
         f"invalid spec {value!r}; use a kind ({', '.join(KIND_NAMES)}), a list of kinds, or a mapping with "
@@ -195,44 +157,15 @@ def _spec(value: Any, *, where: str, origin: str, nested: bool = False) -> Any:
 
 
 def _metrics(value: Any, *, origin: str) -> dict[str, Spec]:
+    """``metrics:`` -> the ``rules`` option, each rule checked by the rules validator at its location."""
     if not isinstance(value, Mapping):
         raise _error("metrics", f"must be a mapping of name pattern -> spec, got {value!r}", origin)
     rules: dict[str, Spec] = {}
     for pattern, raw in value.items():
         where = f"metrics[{json.dumps(str(pattern))}]"
-        if not isinstance(pattern, str) or not pattern:
-            raise _error(where, "a pattern must be a non-empty string", origin)
-        try:
-            rules[pattern] = parse_spec(_spec(raw, where=where, origin=origin), metric=pattern)
-        except ConfigError:
-            raise
-        except MetricBusError as exc:  # e.g. a list that names one kind twice
-            raise _error(where, str(exc), origin) from exc
+        spec = _spec(raw, pattern=str(pattern), where=where, origin=origin)
+        rules[pattern] = _located(where, origin, check_rule, pattern, spec)[1]
     return rules
-
-
-def _run(value: Any, *, origin: str) -> RunInfo:
-    if isinstance(value, RunInfo):
-        return value
-    if not isinstance(value, Mapping):
-        raise _error("run", f"must be a mapping with {', '.join(RUN_KEYS)}, got {value!r}", origin)
-    for key in value:
-        if key not in RUN_KEYS:
-            raise _error(f"run.{key}", _unknown(key, RUN_KEYS), origin)
-    options: dict[str, Any] = {}
-    if "project" in value:
-        options["project"] = _text(value["project"], where="run.project", origin=origin)
-    if "name" in value:
-        options["name"] = _text(value["name"], where="run.name", origin=origin, optional=True)
-    tags = value.get("tags", [])
-    if isinstance(tags, str) or not isinstance(tags, Sequence) or not all(isinstance(t, str) for t in tags):
-        raise _error("run.tags", f"must be a list of strings, got {tags!r}", origin)
-    options["tags"] = tuple(tags)
-    config = value.get("config", {})
-    if not isinstance(config, Mapping):
-        raise _error("run.config", f"must be a mapping, got {config!r}", origin)
-    options["config"] = dict(config)
-    return RunInfo(**options)
 
 
 # -- adapters ----------------------------------------------------------------------------------------------------
@@ -283,24 +216,21 @@ def _env_adapters() -> list[str] | None:
 
 # -- the whole config --------------------------------------------------------------------------------------------
 
-_SCALARS: dict[str, Callable[..., Any]] = {
-    "log_every": lambda v, **kw: _int(v, least=1, **kw),
-    "writer_rank": lambda v, **kw: _int(v, least=0, **kw),
-    "queue_size": lambda v, **kw: _int(v, least=1, **kw),
-    "queue_timeout_s": _number,
-    "strict": _bool,
-    "nan": lambda v, **kw: _choice(v, NAN_POLICIES, **kw),
-    "queue_policy": lambda v, **kw: _choice(v, QUEUE_POLICIES, **kw),
-    "dist": lambda v, **kw: None if _choice(v, DIST_VALUES, **kw) == "none" else v,
-    "journal": lambda v, **kw: _text(v, optional=True, **kw),
-    "fsync": lambda v, **kw: _choice(v, _fsync_modes(), **kw),
+_FILE_FORMS: dict[str, tuple[Callable[[Any], Any], str]] = {
+    # option -> (file form -> option value, how a file writes it: added to a mistake's message)
+    "dist": (lambda v: None if v == "none" else v, 'in a file, null or "none" (TOML has no null) is None'),
 }
 
 
-def _fsync_modes() -> tuple[str, ...]:
-    from metricbus.journal import FSYNC_MODES
-
-    return tuple(FSYNC_MODES)
+def _option(key: str, value: Any, *, origin: str) -> Any:
+    """``value`` converted from its file form and checked by the option's validator."""
+    convert, form = _FILE_FORMS.get(key, (None, ""))
+    if convert is not None:
+        value = convert(value)
+    try:
+        return VALIDATORS[key](value)
+    except ValueError as exc:
+        raise _error("", f"{exc}; {form}" if form else str(exc), origin) from exc
 
 
 def bus_options(source: Any = None, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -317,22 +247,19 @@ def bus_options(source: Any = None, overrides: Mapping[str, Any] | None = None) 
     for key in data:
         allowed = KEYS + CODE_ONLY_KEYS if origins[key] == "from_config() override" else KEYS
         if key not in allowed:
-            raise _error(str(key), _unknown(key, KEYS), origins[key])
+            raise _error(str(key), unknown_key(key, KEYS), origins[key])
     options: dict[str, Any] = {}
-    for key, check in _SCALARS.items():
-        if key in data:
-            options[key] = check(data[key], where=key, origin=origins[key])
-    if "metrics" in data:
-        options["rules"] = _metrics(data["metrics"], origin=origins["metrics"])
-    if "run" in data:
-        options["run"] = _run(data["run"], origin=origins["run"])
-    if "group" in data:
-        options["group"] = data["group"]
+    for key, value in data.items():
+        if key == "metrics":
+            options["rules"] = _metrics(value, origin=origins[key])
+        elif key != "adapters":  # built last, once everything else is known to be valid
+            options[key] = _option(key, value, origin=origins[key])
     if "adapters" in data:
         where = origins["adapters"]
         name = "" if where.startswith("$") else "adapters"
         entries = _adapter_list(data["adapters"], origin=where)
-        options["adapters"] = [_make(e, where=f"{name}[{i}]", origin=where) for i, e in enumerate(entries)]
+        built = [_make(e, where=f"{name}[{i}]", origin=where) for i, e in enumerate(entries)]
+        options["adapters"] = list(_option("adapters", built, origin=where))
     return options
 
 

@@ -1,16 +1,17 @@
-"""The rank level over torch.distributed: one packed ``all_gather`` of every metric's Summary per commit.
+"""The rank level over torch.distributed: one packed ``all_gather`` of every metric's states per commit.
 
 The reduction itself stays the local code in :mod:`metricbus.reduce` (so live equals journal replay bitwise);
-this module only moves per-rank Summaries. All ranks keep an identical *agreed table* of metric names and specs.
-Each commit packs, for every agreed metric, the 12 Summary fields into one float64 buffer, plus one leading
-slot holding the byte length of this rank's pickled ``(new specs, partial)`` when it has names (or specs) the table
-lacks, else 0. One ``all_gather_single`` (the former ``all_gather_into_tensor``) then gives every rank every rank's
-Summaries. When any length is set, one more ``all_gather_single`` of bytes carries those ranks' new specs and
-partials (the other ranks' partials are complete in the first gather, since all their names are in the table), and
-every rank extends the table identically: a changed key set costs exactly one extra collective; the steady state
-costs exactly one, whatever the number of metrics. Conflicting specs raise
-:class:`~metricbus.errors.DistributedError` on every rank (all ranks see the same gathered specs, so all raise;
-nothing hangs).
+this module only moves each rank's update-level states (:func:`metricbus.reduce.StepReducer.worker`, computed by
+the rank itself). All ranks keep an identical *agreed table* of metric names and spec claims. Each commit packs,
+for every agreed metric, the 12 Summary fields of each of its state keys into one float64 buffer, plus one leading
+slot holding the byte length of this rank's pickled ``(new claims, partial)`` when it has names the table lacks
+(or sums too wide for the 12 fields), else 0. One ``all_gather_single`` then gives every rank every rank's states.
+When any length is set, one more ``all_gather_single`` of bytes carries those ranks' claims and partials (the other
+ranks' states are complete in the first gather), and every rank decides the new specs with the same
+:func:`metricbus.spec_table.decide` the single-process and ``ingest()`` paths use: a changed key set costs exactly
+one extra collective; the steady state costs exactly one, whatever the number of metrics. Conflicting declared
+specs, and two metrics that would emit the same output name, raise :class:`~metricbus.errors.DistributedError` on
+every rank (all ranks see the same gathered claims, so all raise; nothing hangs).
 
 Exit safety. A backend's worker thread (Gloo's ``runLoop``, NCCL's watchdog) drops its reference to a collective's
 tensors *after* the collective returns, and for a tensor that has a Python object that last drop takes the GIL
@@ -22,7 +23,7 @@ GIL released. On the CPU (Gloo) that happens right after each collective (the wo
 once it can take the GIL); on CUDA (NCCL, whose watchdog polls) the tensors are kept and settled at ``close()``
 and at interpreter exit, so the hot path never waits for the watchdog.
 
-Cost per commit with R ranks and K agreed metrics: each rank receives R*K*12*8 bytes (the all_gather is O(R)).
+Cost per commit with R ranks and K agreed metric states: each rank receives R*K*12*8 bytes (the all_gather is O(R)).
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from metricbus.errors import DistributedError, MetricBusWarning
+from metricbus.errors import DistributedError, MetricBusWarning, SpecError
 from metricbus.partial import Partial
+from metricbus.ranks import Exchange, with_specs
+from metricbus.reduce import StepReducer, WorkerStates, state_keys
 from metricbus.spec import Spec
+from metricbus.spec_table import Claim, SpecTable, decide, output_keys
 from metricbus.summary import N_FIELDS, Summary
 
 _LENGTH = 0  # slot 0 of each rank's block: the byte length of its pickled (new specs, partial), 0 if none
 SETTLE_S = 2.0  # the longest close() waits for a backend thread to let go of a collective's tensors
 _SETTLE_MAX_SLEEP_S = 1e-3
+_EMPTY = Summary().as_tuple()
 
 
 def make_torch_transport(*, required: bool, group: Any, writer_rank: int) -> TorchRanks | None:
@@ -79,8 +84,10 @@ class TorchRanks:
         self.rank: int = tdist.get_rank(group)
         self._size: int = tdist.get_world_size(group)
         self.is_writer: bool = self.rank == writer_rank
-        self._names: list[str] = []  # the agreed table, sorted, identical on every rank
+        self._agreed: dict[str, Claim] = {}  # the agreed table, identical on every rank
         self._specs: dict[str, Spec] = {}
+        self._names: list[str] = []  # sorted
+        self._keys: dict[str, tuple[str, ...]] = {}  # each name's worker-level state keys, in block order
         self._held: list[tuple[Any, int]] = []  # (tensor, its use count before the collective): not yet let go
         backend = str(tdist.get_backend(group)).lower()
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
@@ -88,8 +95,10 @@ class TorchRanks:
 
     # -- the protocol ------------------------------------------------------------------------------------------
 
-    def gather(self, *, own: Partial, ingested: Sequence[Partial]) -> list[Partial]:
-        """All ranks' partials of this commit, in rank order; a collective every rank of the group calls."""
+    def exchange(
+        self, *, own: Partial, ingested: Sequence[Partial], table: SpecTable, reducer: StepReducer
+    ) -> Exchange:
+        """Every rank's update-level states of this commit, in rank order; a collective every rank calls."""
         if ingested:
             # Ingested partials are workers of their own at the rank level; folding them into one rank's
             # contribution would change rank-level kinds (e.g. rank="mean"), so the combination is refused.
@@ -97,16 +106,31 @@ class TorchRanks:
                 "ingest() cannot be combined with torch.distributed; use export()/ingest() with dist=None, "
                 "or log on every rank and let commit() gather"
             )
-        mine = {name: (spec, summary) for name, spec, summary in own}
-        new = {name: spec for name, (spec, _) in mine.items() if self._specs.get(name) != spec}
-        payload = pickle.dumps((new, own), protocol=pickle.HIGHEST_PROTOCOL) if new else b""
+        claims = {}
+        for name, _, _ in own.entries:
+            claim = table.claim(name)
+            held = self._agreed.get(name)
+            if claim is not None and (held is None or held.spec != claim.spec):
+                claims[name] = claim
+        mine = {} if claims else reducer.worker(own.updates(), self._specs)
+        if claims or any(s.rest for states in mine.values() for s in states.values()):
+            # New names (or sums too wide for the packed block): the partial itself travels in the byte gather.
+            payload = pickle.dumps((claims, own), protocol=pickle.HIGHEST_PROTOCOL)
+        else:
+            payload = b""
         blocks = self._exchange(mine, length=len(payload))
         lengths = [int(block[_LENGTH]) for block in blocks]
         if any(lengths):
-            # The key set changed: one byte gather carries the new specs and partials of the ranks that have
+            # The key set changed: one byte gather carries the new claims and partials of the ranks that have
             # them, so the commit costs the data gather plus exactly one more collective.
-            return self._agree(blocks, lengths, payload)
-        return [self._partial(block) for block in blocks]
+            partials = self._agree(blocks, lengths, payload, table)
+            workers = [
+                reducer.worker(p.updates(), self._specs) if isinstance(p, Partial) else p for p in partials
+            ]
+        else:
+            workers = [self._states(block) for block in blocks]
+        specs = {name: self._specs[name] for name, _, _ in own.entries}
+        return Exchange(workers, dict(self._specs), [(self.rank, with_specs(own, specs))])
 
     def any_pending(self, *, pending: bool) -> bool:
         """True if any rank has uncommitted records (one small all_reduce)."""
@@ -165,15 +189,15 @@ class TorchRanks:
         all_gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
         self._collective(all_gather, out, local)
 
-    def _exchange(self, mine: dict[str, tuple[Spec, Summary]], *, length: int) -> list[list[float]]:
-        """One all_gather of ``[length, *fields of each agreed metric]``; per-rank blocks as floats."""
+    def _exchange(self, mine: WorkerStates, *, length: int) -> list[list[float]]:
+        """One all_gather of ``[length, *fields of each agreed metric's states]``; per-rank blocks as floats."""
         torch = self._torch
-        width = 1 + N_FIELDS * len(self._names)
         row = [float(length)]
-        empty = Summary().as_tuple()
         for name in self._names:
             held = mine.get(name)
-            row.extend(held[1].as_tuple() if held is not None and held[0] == self._specs[name] else empty)
+            for key in self._keys[name]:
+                row.extend(_EMPTY if held is None else held[key].as_tuple())
+        width = len(row)
         local = torch.tensor(row, dtype=torch.float64).to(self._device)
         out = torch.empty(width * self._size, dtype=torch.float64, device=self._device)
         self._all_gather(out, local)
@@ -193,40 +217,56 @@ class TorchRanks:
         data = out.cpu().numpy().tobytes()
         return [data[r * width : r * width + lengths[r]] for r in range(self._size)]
 
-    def _agree(self, blocks: list[list[float]], lengths: list[int], payload: bytes) -> list[Partial]:
-        """Gather the new specs and partials of the ranks that have them; extend the table identically on every
-        rank (or raise on every rank) and return every rank's partial."""
+    def _agree(
+        self, blocks: list[list[float]], lengths: list[int], payload: bytes, table: SpecTable
+    ) -> list[Partial | WorkerStates]:
+        """Gather the new claims and partials of the ranks that have them; extend the agreed table identically on
+        every rank (or raise on every rank: all ranks see the same claims) and return every rank's partial (or,
+        for a rank that sent none, its states)."""
         payloads = self._gather_bytes(payload, lengths)
-        gathered: list[tuple[dict[str, Spec], Partial]] = [
-            pickle.loads(data) if length else ({}, self._partial(block))  # pickled by the group.s own ranks
+        gathered: list[tuple[dict[str, Claim], Partial | WorkerStates]] = [
+            pickle.loads(data) if length else ({}, self._states(block))  # pickled by the group's own ranks
             for data, length, block in zip(payloads, lengths, blocks, strict=True)
         ]
-        seen: dict[str, tuple[int, Spec]] = {}
-        for rank, (names, _) in enumerate(gathered):
-            for name, spec in sorted(names.items()):
-                agreed = self._specs.get(name)
-                if agreed is not None and agreed != spec:
-                    raise DistributedError(
-                        f"rank {rank} logs {name!r} with spec {spec}, but the ranks agreed on {agreed} earlier; "
-                        "every rank must use the same spec for a name"
-                    )
-                held = seen.get(name)
-                if held is not None and held[1] != spec:
-                    raise DistributedError(
-                        f"ranks disagree on the spec of {name!r}: rank {held[0]} uses {held[1]}, rank {rank} "
-                        f"uses {spec}; every rank must use the same spec for a name"
-                    )
-                seen.setdefault(name, (rank, spec))
-        for name, (_, spec) in seen.items():
-            self._specs[name] = spec
-        self._names = sorted(self._specs)
-        return [partial for _, partial in gathered]
+        offers: dict[str, list[Claim]] = {}
+        for rank, (claims, _) in enumerate(gathered):
+            for name, claim in sorted(claims.items()):
+                offers.setdefault(name, []).append(Claim(claim.spec, claim.origin, f"rank {rank} ({claim.where})"))
+        decided: dict[str, Claim] = {}
+        outputs = {key: name for name, claim in self._agreed.items() for key in output_keys(name, claim.spec)}
+        try:
+            for name in sorted(offers):
+                held = self._agreed.get(name)
+                decided[name] = decide(name, held, offers[name], fixed=held is not None)
+            for name, claim in decided.items():
+                for key in output_keys(name, claim.spec):
+                    owner = outputs.setdefault(key, name)
+                    if owner != name:
+                        raise SpecError(
+                            f"{name!r} with spec {claim.spec} would emit {key!r}, which {owner!r} also emits "
+                            "(on another rank, or earlier); rename one of them or change its spec"
+                        )
+        except SpecError as exc:
+            raise DistributedError(f"rank {self.rank}: the ranks disagree: {exc}") from None
+        for name, claim in decided.items():
+            self._agreed[name] = claim
+            table.fix(name, claim)
+        table.seal(decided)
+        self._specs = {name: claim.spec for name, claim in self._agreed.items()}
+        self._names = sorted(self._agreed)
+        self._keys = {name: tuple(state_keys(self._specs[name])) for name in self._names}
+        return [part for _, part in gathered]
 
-    def _partial(self, block: list[float]) -> Partial:
-        entries = []
-        for i, name in enumerate(self._names):
-            start = 1 + i * N_FIELDS
-            fields = block[start : start + N_FIELDS]
-            if fields[0] > 0:
-                entries.append((name, self._specs[name], Summary.from_tuple(fields)))
-        return Partial(tuple(entries))
+    def _states(self, block: list[float]) -> WorkerStates:
+        out: WorkerStates = {}
+        pos = 1
+        for name in self._names:
+            states = {}
+            for key in self._keys[name]:
+                fields = block[pos : pos + N_FIELDS]
+                pos += N_FIELDS
+                if fields[0] > 0:
+                    states[key] = Summary.from_tuple(fields)
+            if states:
+                out[name] = states
+        return out

@@ -8,10 +8,6 @@ from types import MappingProxyType
 from metricbus.summary import Summary
 
 
-def _sum(s: Summary) -> float:
-    return s.total + s.total_lo
-
-
 def _count(s: Summary) -> float:
     return float(s.count)
 
@@ -19,7 +15,7 @@ def _count(s: Summary) -> float:
 KINDS: MappingProxyType[str, Callable[[Summary], float]] = MappingProxyType(
     {
         "mean": Summary.mean,
-        "sum": _sum,
+        "sum": Summary.sum,  # reads s.total: the correctly rounded exact sum (see summary's docstring)
         "min": lambda s: s.min,
         "max": lambda s: s.max,
         "first": lambda s: s.first,
@@ -29,7 +25,3 @@ KINDS: MappingProxyType[str, Callable[[Summary], float]] = MappingProxyType(
     }
 )
 KIND_NAMES: tuple[str, ...] = tuple(KINDS)
-# Kinds whose result does not depend on how the records were split (merge of any split == reduce of the whole),
-# for records split in order. ``last`` is the exception across workers: it takes the lowest-ranked worker's last
-# record (workers run side by side), so it is split-invariant over micro-batches and commits only.
-SPLIT_INVARIANT: frozenset[str] = frozenset(KIND_NAMES) - {"last"}

@@ -1,47 +1,79 @@
 """The rank level's transport. ``LocalRanks``: this process plus partials ingested from workers.
 
-A transport returns, for one commit, every worker's micro-level partial in rank order, identically on every
-participant, so the reduction itself is the same local code everywhere (see :mod:`metricbus.reduce`).
+A transport turns one commit's partials into every worker's update-level states, in rank order, identically on
+every participant, plus the specs they reduce with and what this process journals; the reduction itself is the
+same local code everywhere (see :mod:`metricbus.reduce`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from metricbus.partial import Partial
+from metricbus.reduce import StepReducer, WorkerStates
+from metricbus.spec import Spec
+from metricbus.spec_table import SpecTable
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One commit's rank level input: workers' states in rank order, their specs, and the journal's entries."""
+
+    workers: list[WorkerStates]
+    specs: dict[str, Spec]
+    journal: list[tuple[int, Partial]]  # (worker rank, its partial with the agreed specs)
 
 
 class RankTransport(Protocol):
-    """How a bus learns the other workers' partials at commit."""
+    """How a bus learns the other workers' states at commit."""
 
     is_writer: bool
     rank: int
-    collective: bool  # True: gather/any_pending are collectives that every participant must call together
+    collective: bool  # True: exchange/any_pending are collectives that every participant must call together
 
-    def gather(self, *, own: Partial, ingested: Sequence[Partial]) -> list[Partial]:
-        """All partials of this commit, in rank order."""
+    def exchange(
+        self, *, own: Partial, ingested: Sequence[Partial], table: SpecTable, reducer: StepReducer
+    ) -> Exchange:
+        """Every worker's states of this commit, in rank order."""
 
     def any_pending(self, *, pending: bool) -> bool:
         """True if any participant has uncommitted records (used by close)."""
 
     def usable(self) -> bool:
-        """True while gather/any_pending can run (a process group that was destroyed cannot)."""
+        """True while exchange/any_pending can run (a process group that was destroyed cannot)."""
 
     def settle(self) -> bool:
         """Wait until nothing of this transport is still held by a backend thread; False if that timed out."""
 
 
+def with_specs(partial: Partial, specs: dict[str, Spec]) -> Partial:
+    """``partial`` with each entry's spec replaced by the agreed one (what the journal keeps)."""
+    if all(specs[name] is spec for name, spec, _ in partial.entries):
+        return partial
+    return Partial(tuple((name, specs[name], s) for name, _, s in partial.entries), partial.undeclared)
+
+
 class LocalRanks:
-    """Single process: ingested partials rank first, in ingest order; this bus's own records rank last."""
+    """Single process: ingested partials rank first, in ingest order; this bus's own records rank last.
+
+    ``ingest()`` already settled every ingested name's spec in the table, so this only reduces.
+    """
 
     is_writer = True
     rank = 0
     collective = False
 
-    def gather(self, *, own: Partial, ingested: Sequence[Partial]) -> list[Partial]:
-        """``[*ingested, own]``."""
-        return [*ingested, own]
+    def exchange(
+        self, *, own: Partial, ingested: Sequence[Partial], table: SpecTable, reducer: StepReducer
+    ) -> Exchange:
+        """``[*ingested, own]``, each reduced to its update-level states."""
+        partials = [*ingested, own]
+        specs = {name: table.spec(name) for part in partials for name, _, _ in part.entries}
+        workers = [reducer.worker(p.updates(), specs) for p in partials]
+        journal = [(i, with_specs(p, specs)) for i, p in enumerate(partials)]
+        return Exchange(workers, specs, journal)
 
     def any_pending(self, *, pending: bool) -> bool:
         """Only this process."""

@@ -18,9 +18,8 @@ from typing import Any
 from metricbus.adapter import Adapter, RunInfo
 from metricbus.errors import JournalError
 from metricbus.journal import CursorStore, Journal, read_journal
-from metricbus.reduce import Window, reduce_ranks
+from metricbus.reduce import StepReducer
 from metricbus.spec import Spec, parse_spec_text
-from metricbus.summary import Summary
 
 Progress = Callable[[int, int], None]
 
@@ -80,29 +79,31 @@ def emitted(
     steps: StepRange | None = None,
     progress: Progress | None = None,
 ) -> Iterator[tuple[int, dict[str, float]]]:
-    """The ``(step, metrics)`` a live bus would have delivered, recomputed from the journal."""
-    window = Window(log_every=journal.log_every)
+    """The ``(step, metrics)`` a live bus would have delivered, recomputed from the journal.
+
+    Every commit is reduced, in order, through the live :class:`~metricbus.reduce.StepReducer` (so windows are
+    the live ones); ``steps`` only selects which emitted steps are yielded, never what is reduced.
+    """
+    reducer = StepReducer(log_every=journal.log_every)
     respec = _Respec(rules)
-    commits = [c for c in journal.commits if steps is None or c[0] in steps]
+    commits = journal.commits
     last: int | None = None
     for i, (step, partials) in enumerate(commits):
         specs: dict[str, Spec] = {}
-        ranks: list[dict[str, Summary]] = []
         for partial in partials:
             for name, spec, _ in partial.entries:
                 if name not in specs:
                     specs[name] = respec(name, spec)
-            ranks.append(partial.summaries())
+        workers = [reducer.worker(p.updates(), specs) for p in partials]
         last = step
-        if window.add(reduce_ranks(specs, ranks)):
-            out = window.emit()
-            if out:
-                yield step, out
+        out = reducer.commit(workers, specs)
+        if out and (steps is None or step in steps):
+            yield step, out
         if progress is not None:
             progress(i + 1, len(commits))
-    if window.pending and last is not None:
-        out = window.emit()
-        if out:
+    if reducer.pending and last is not None:
+        out = reducer.finish()
+        if out and (steps is None or last in steps):
             yield last, out
 
 

@@ -30,10 +30,14 @@ class Rules:
 
     def match(self, name: str) -> Spec:
         """The spec of the first rule whose pattern matches ``name``, else the default (``mean``)."""
+        return self.find(name)[1]
+
+    def find(self, name: str) -> tuple[str | None, Spec]:
+        """``(pattern, spec)`` of the first rule matching ``name``, else ``(None, the default spec)``."""
         for pattern, spec in self._rules:
             if fnmatchcase(name, pattern):
-                return spec
-        return DEFAULT_SPEC
+                return pattern, spec
+        return None, DEFAULT_SPEC
 
     def items(self) -> list[tuple[str, Spec]]:
         """The rules in order."""

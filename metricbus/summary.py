@@ -5,10 +5,19 @@ kinds, every level, the rank exchange and the journal. (STYLE.md suggests a stat
 state is simpler here because the journal must keep every statistic anyway, so re-aggregation with another kind
 is possible.)
 
-Sums are double-double (``hi`` + ``lo``) built with ``math.fsum``: the emitted ``sum`` and ``mean`` are the correctly
-rounded values of the exact sums, so they do not depend on how the records were split into micro-batches or ranks.
+The three sums (weight Σw, wsum Σw·x, total Σx) are exact: each is held as the greedy components of
+:mod:`metricbus.exact` — ``hi`` (the field itself), ``lo`` (the ``*_lo`` field), then any further components in
+``rest``. Within the double range ``hi`` IS the correctly rounded exact sum and ``lo`` the correctly rounded
+remainder; a double-double is almost always enough, so ``rest`` is ``()`` unless some sum needs a third component
+(``[1e16, 1, 1e-20]``) or lies beyond the double range (then ``hi`` is ±MAX, all components are finite and sum
+exactly to it). ``rest`` is then ``(rest_of_weight, rest_of_wsum, rest_of_total)``. Data with a NaN or an infinity
+has, for each sum it reaches, ``hi`` = the IEEE sum of its non-finite terms and ``lo`` = 0: NaN propagates and inf
+sums as IEEE says, whatever the split. Hence ``sum`` and ``mean`` are the correctly rounded exact values under any
+split into batches and any merge grouping. (Σw·x is exact per record as ``fl(w·x)`` plus its rounded remainder:
+see :func:`metricbus.exact.products`.)
+
 ``m2`` (weighted sum of squared deviations from the mean) merges with Chan et al.'s pairwise update, which is
-stable for data with a large mean and a tiny spread.
+stable for data with a large mean and a tiny spread; one that overflows is inf, and no finite data raises.
 """
 
 from __future__ import annotations
@@ -17,32 +26,23 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from metricbus import exact
+
 _INF = math.inf
 _NAN = math.nan
-
-
-def dd_sum(parts: Sequence[float]) -> tuple[float, float]:
-    """Return ``(hi, lo)`` with ``hi`` the correctly rounded sum of ``parts`` and ``lo`` the rounded remainder."""
-    try:
-        hi = math.fsum(parts)
-    except (ValueError, OverflowError):  # inf - inf, or an intermediate overflow: no exact sum exists
-        return sum(parts), 0.0
-    if not math.isfinite(hi):
-        return hi, 0.0
-    try:
-        lo = math.fsum([*parts, -hi])
-    except OverflowError:
-        lo = 0.0
-    return hi, lo
+_MAX = exact.MAX
+_fsum = math.fsum
+Rest = tuple[tuple[float, ...], ...]
 
 
 # A NamedTuple rather than a frozen slotted dataclass: it is just as immutable and slotted, but building one is
-# ~4x cheaper (tuple.__new__ instead of twelve object.__setattr__ calls), and a commit builds several per metric.
+# ~4x cheaper (tuple.__new__ instead of thirteen object.__setattr__ calls), and a commit builds several per metric.
 class Summary(NamedTuple):
     """Sufficient statistics of weighted records ``(x_i, w_i)`` in log order.
 
-    Fields: ``count`` records; ``weight`` = Σw; ``wsum`` = Σw·x; ``total`` = Σx (each with a ``*_lo`` remainder);
-    ``m2`` = Σw·(x − mean)²; ``min``/``max``; ``first``/``last`` value. The empty summary is the identity of merge.
+    Fields: ``count`` records; ``weight`` = Σw; ``wsum`` = Σw·x; ``total`` = Σx (each with a ``*_lo`` remainder and
+    further exact components in ``rest``, see the module docstring); ``m2`` = Σw·(x − mean)²; ``min``/``max``;
+    ``first``/``last`` value. The empty summary is the identity of merge.
     """
 
     count: int = 0  # type: ignore[assignment]  # shadows tuple.count on purpose: the field holds the count
@@ -57,12 +57,13 @@ class Summary(NamedTuple):
     max: float = -_INF
     first: float = _NAN
     last: float = _NAN
+    rest: Rest = ()
 
     @staticmethod
     def of_value(value: float) -> Summary:
         """A summary of one unit-weight record."""
         m2 = 0.0 if value - value == 0.0 else _NAN
-        return _new(Summary, (1, 1.0, 0.0, value, 0.0, value, 0.0, m2, value, value, value, value))
+        return _new(Summary, (1, 1.0, 0.0, value, 0.0, value, 0.0, m2, value, value, value, value, ()))
 
     @staticmethod
     def of_batch(values: list[float], weights: list[float] | None) -> Summary:
@@ -71,27 +72,35 @@ class Summary(NamedTuple):
         if weights is None:
             if n == 1:
                 return Summary.of_value(values[0])
-            try:  # dd_sum inlined: this is the per-metric cost of every commit
-                total = math.fsum(values)
-                total_lo = math.fsum([*values, -total]) if total - total == 0.0 else 0.0
+            # exact.components inlined for the hot path: nearly always the exact sum is (hi, lo), which two fsums
+            # give (a third one checks that nothing is left when lo != 0).
+            simple = False
+            try:
+                total = _fsum(values)
+                if total - total == 0.0:
+                    total_lo = _fsum([*values, -total])
+                    simple = total_lo == 0.0 or _fsum([*values, -total, -total_lo]) == 0.0
             except (ValueError, OverflowError):
-                total, total_lo = dd_sum(values)
-        else:
-            total, total_lo = dd_sum(values)
-        if weights is None:
-            weight, weight_lo = float(n), 0.0
-            wsum, wsum_lo = total, total_lo
-            # Finite data: two-pass m2 around the correctly rounded mean. math.dist is the accurate C loop for
-            # sqrt(sum((x - mean)**2)) (~1 ulp), half the cost of fsum over a list of squares.
-            m2 = math.dist(values, [total / n] * n) ** 2 if total - total == 0.0 else _NAN
-        else:
-            weight, weight_lo = dd_sum(weights)
-            wsum, wsum_lo = dd_sum([w * x for w, x in zip(weights, values, strict=False)])
-            if n == 1:
-                m2 = 0.0 if math.isfinite(values[0]) else _NAN
+                pass
+            rest_t: tuple[float, ...] = ()
+            if not simple:  # three or more components, beyond the double range, or non-finite data
+                total, total_lo, rest_t = _split(exact.components(values))
+            weight, weight_lo, rest_w = float(n), 0.0, rest_t[:0]
+            wsum, wsum_lo, rest_ws = total, total_lo, rest_t
+            if total - total == 0.0:
+                # Finite data: two-pass m2 around the mean. math.dist is the accurate C loop for
+                # sqrt(sum((x - mean)**2)) (~1 ulp), half the cost of fsum over a list of squares; d * d (not
+                # d ** 2, which raises) overflows to inf.
+                mean = total / n if -_MAX < total < _MAX else exact.divide((total, total_lo, *rest_t), (weight,))
+                d = math.dist(values, [mean] * n)
+                m2 = d * d
             else:
-                mean = (wsum + wsum_lo) / weight if weight > 0 else 0.0
-                m2 = _fsum_or_nan([w * (x - mean) * (x - mean) for w, x in zip(weights, values, strict=False)])
+                m2 = _NAN
+        else:
+            weight, weight_lo, rest_w = _split(exact.components(weights))
+            wsum, wsum_lo, rest_ws = _split(exact.components(exact.products(weights, values)))
+            total, total_lo, rest_t = _split(exact.components(values))
+            m2 = _weighted_m2(values, weights, (weight, weight_lo, *rest_w), (wsum, wsum_lo, *rest_ws), total)
         if total == total:  # noqa: PLR0124  (x == x is the cheapest not-NaN test, on the hot path)
             if n <= 32:  # sorting a few floats is cheaper than min() plus max()
                 ordered = sorted(values)
@@ -102,9 +111,10 @@ class Summary(NamedTuple):
             has_nan = any(math.isnan(x) for x in values)
             lowest = _NAN if has_nan else min(values)
             highest = _NAN if has_nan else max(values)
+        rest = (rest_w, rest_ws, rest_t) if rest_w or rest_ws or rest_t else ()
         return _new(
             Summary,
-            (n, weight, weight_lo, wsum, wsum_lo, total, total_lo, m2, lowest, highest, values[0], values[-1]),
+            (n, weight, weight_lo, wsum, wsum_lo, total, total_lo, m2, lowest, highest, values[0], values[-1], rest),
         )
 
     def merge(self, other: Summary) -> Summary:
@@ -113,19 +123,10 @@ class Summary(NamedTuple):
             return self
         if self.count == 0:
             return other
-        weight, weight_lo = _dd_add(self.weight, self.weight_lo, other.weight, other.weight_lo)
-        wsum, wsum_lo = _dd_add(self.wsum, self.wsum_lo, other.wsum, other.wsum_lo)
-        total, total_lo = _dd_add(self.total, self.total_lo, other.total, other.total_lo)
-        w_a, w_b = self.weight + self.weight_lo, other.weight + other.weight_lo
-        if w_a > 0 and w_b > 0:
-            # The means' difference in double-double: for data with a large mean and a tiny spread, the plain
-            # difference of two rounded means loses most of its digits (and delta² enters m2 directly).
-            a_hi, a_lo = _dd_div(self.wsum, self.wsum_lo, self.weight, self.weight_lo)
-            b_hi, b_lo = _dd_div(other.wsum, other.wsum_lo, other.weight, other.weight_lo)
-            delta = (b_hi - a_hi) + (b_lo - a_lo)
-            m2 = self.m2 + other.m2 + delta * delta * (w_a * w_b / (w_a + w_b))
-        else:
-            m2 = self.m2 + other.m2
+        a, b = self.rest or _NO_REST, other.rest or _NO_REST
+        weight, weight_lo, rest_w = _add(self.weight, self.weight_lo, a[0], other.weight, other.weight_lo, b[0])
+        wsum, wsum_lo, rest_ws = _add(self.wsum, self.wsum_lo, a[1], other.wsum, other.wsum_lo, b[1])
+        total, total_lo, rest_t = _add(self.total, self.total_lo, a[2], other.total, other.total_lo, b[2])
         return _new(
             Summary,
             (
@@ -136,30 +137,42 @@ class Summary(NamedTuple):
                 wsum_lo,
                 total,
                 total_lo,
-                m2,
+                _chan_m2(self, other),
                 _nan_min(self.min, other.min),
                 _nan_max(self.max, other.max),
                 self.first,
                 other.last,
+                (rest_w, rest_ws, rest_t) if rest_w or rest_ws or rest_t else (),
             ),
         )
 
+    def sum(self) -> float:
+        """Σx, correctly rounded (±inf beyond the double range)."""
+        total = self.total
+        if -_MAX < total < _MAX:  # within the range, hi is the correctly rounded sum
+            return total
+        return exact.value(self._parts(2))
+
     def mean(self) -> float:
-        """Weighted mean Σw·x / Σw (NaN when every weight is 0)."""
-        weight = self.weight + self.weight_lo
-        if weight == 0:
-            return _NAN
-        return (self.wsum + self.wsum_lo) / weight
+        """Weighted mean Σw·x / Σw, correctly rounded (NaN when the weight is 0)."""
+        if self.weight_lo == 0.0 and self.wsum_lo == 0.0:  # one component each: one IEEE division is exact
+            weight = self.weight
+            return self.wsum / weight if weight != 0.0 else _NAN
+        return exact.divide(self._parts(1), self._parts(0))
 
     def std(self) -> float:
         """Weighted population standard deviation sqrt(m2 / Σw)."""
-        weight = self.weight + self.weight_lo
-        if weight == 0:
+        m2, weight = self.m2, self.weight
+        if not weight > 0.0 or m2 != m2:  # noqa: PLR0124  (NaN test)
             return _NAN
-        return math.sqrt(max(self.m2, 0.0) / weight) if self.m2 == self.m2 else _NAN
+        m2 = max(m2, 0.0)
+        ratio = m2 / weight if weight < _MAX else exact.divide((m2,), self._parts(0))
+        if ratio == _INF and m2 < _INF:  # a tiny weight: the quotient overflows, its square root need not
+            return math.sqrt(m2) / math.sqrt(weight)
+        return math.sqrt(ratio)
 
     def as_tuple(self) -> tuple[float, ...]:
-        """The fields in declaration order (for packing into a buffer or a journal line)."""
+        """The 12 fixed fields in declaration order (for packing into a buffer or a journal line)."""
         return (
             float(self.count),
             self.weight,
@@ -175,28 +188,121 @@ class Summary(NamedTuple):
             self.last,
         )
 
+    def rest_flat(self) -> tuple[float, ...]:
+        """``rest`` as floats: ``()``, or ``(len_w, len_ws, len_t, *w, *ws, *t)``."""
+        if not self.rest:
+            return ()
+        w, ws, t = self.rest
+        return (float(len(w)), float(len(ws)), float(len(t)), *w, *ws, *t)
+
     @staticmethod
-    def from_tuple(fields: Sequence[float]) -> Summary:
-        """Inverse of :meth:`as_tuple`."""
+    def from_tuple(fields: Sequence[float], rest_flat: Sequence[float] = ()) -> Summary:
+        """Inverse of :meth:`as_tuple` and :meth:`rest_flat`."""
         if len(fields) != N_FIELDS:
             raise ValueError(f"a Summary has {N_FIELDS} fields, got {len(fields)}")
-        return Summary(int(fields[0]), *(float(f) for f in fields[1:]))
+        rest: Rest = ()
+        if len(rest_flat):
+            sizes = [int(f) for f in rest_flat[:3]]
+            if len(sizes) != 3 or min(sizes) < 0 or 3 + sum(sizes) != len(rest_flat):
+                raise ValueError(f"a Summary's rest is (len_w, len_ws, len_t, *components), got {len(rest_flat)} floats")
+            start = 3
+            parts = []
+            for size in sizes:
+                parts.append(tuple(float(f) for f in rest_flat[start : start + size]))
+                start += size
+            rest = tuple(parts)
+        return Summary(int(fields[0]), *(float(f) for f in fields[1:]), rest)  # type: ignore[arg-type]
+
+    def _parts(self, which: int) -> tuple[float, ...]:
+        """The components of weight (0), wsum (1) or total (2)."""
+        rest = self.rest[which] if self.rest else ()
+        if which == 0:
+            return (self.weight, self.weight_lo, *rest)
+        if which == 1:
+            return (self.wsum, self.wsum_lo, *rest)
+        return (self.total, self.total_lo, *rest)
 
 
 N_FIELDS = 12
 EMPTY = Summary()
+_NO_REST: Rest = ((), (), ())
 _new = tuple.__new__  # builds a Summary from a ready tuple without NamedTuple's argument parsing
 
 
-def _dd_add(a: float, a_lo: float, b: float, b_lo: float) -> tuple[float, float]:
-    """``dd_sum((a, a_lo, b, b_lo))``, skipping fsum in the common case where both remainders are zero."""
-    if a_lo == 0.0 and b_lo == 0.0:
+def _split(parts: tuple[float, ...]) -> tuple[float, float, tuple[float, ...]]:
+    """Components as ``(hi, lo, rest)``."""
+    return parts[0], (parts[1] if len(parts) > 1 else 0.0), parts[2:]
+
+
+def _add(
+    a: float, a_lo: float, a_rest: tuple[float, ...], b: float, b_lo: float, b_rest: tuple[float, ...]
+) -> tuple[float, float, tuple[float, ...]]:
+    """The components of the sum of two exact sums, by TwoSum in the common case of one component each."""
+    if a_lo == 0.0 and b_lo == 0.0:  # one component each (lo == 0 leaves nothing in rest)
         hi = a + b
-        if hi - hi == 0.0:  # finite: TwoSum gives the exact remainder
+        if hi - hi == 0.0:  # finite: TwoSum gives the exact remainder, so (hi, lo) is already canonical
             bb = hi - a
-            return hi, (a - (hi - bb)) + (b - bb)
-        return hi, 0.0
-    return dd_sum((a, a_lo, b, b_lo))
+            return hi, (a - (hi - bb)) + (b - bb), ()
+        if a - a != 0.0 or b - b != 0.0:  # non-finite data: IEEE
+            return hi, 0.0, ()
+    return _split(exact.add((a, a_lo, *a_rest), (b, b_lo, *b_rest)))
+
+
+def _weighted_m2(
+    values: list[float], weights: list[float], weight: tuple[float, ...], wsum: tuple[float, ...], total: float
+) -> float:
+    """Two-pass Σw·(x − mean)² of finite data (NaN for non-finite data, inf where it overflows)."""
+    if total - total != 0.0:
+        return _NAN
+    if weight[0] == 0.0:
+        return 0.0
+    if -_MAX < wsum[0] < _MAX and weight[0] < _MAX:
+        mean = wsum[0] / weight[0]  # within an ulp of the exact mean: plenty for the second pass
+    else:
+        mean = exact.divide(wsum, weight)
+    if mean - mean != 0.0:  # a product w·x overflowed: so does the second moment
+        return _INF
+    # Zero weights are skipped: 0 * inf would be NaN where x - mean overflows.
+    terms = [w * (x - mean) * (x - mean) for w, x in zip(weights, values, strict=True) if w]
+    try:
+        return _fsum(terms)
+    except OverflowError:  # non-negative terms: an intermediate overflow means the sum overflows
+        return _INF
+
+
+def _chan_m2(a: Summary, b: Summary) -> float:
+    """m2 of the union: ``m2_a + m2_b + δ²·w_a·w_b / (w_a + w_b)``, δ the difference of the means."""
+    w_a, w_b = a.weight, b.weight
+    if not (w_a > 0.0 and w_b > 0.0):
+        return a.m2 + b.m2
+    # The means' difference in double-double: for data with a large mean and a tiny spread, the plain difference
+    # of two rounded means loses most of its digits (and delta² enters m2 directly).
+    a_hi, a_lo = _mean_dd(a)
+    b_hi, b_lo = _mean_dd(b)
+    delta = (b_hi - a_hi) + (b_lo - a_lo)
+    between = delta * delta * (w_a * w_b / (w_a + w_b))
+    if between - between != 0.0:  # inf or NaN: an overflow (or underflow times inf) on the way, or non-finite data
+        between = _between_robust(a, b)
+    return a.m2 + b.m2 + between
+
+
+def _between_robust(a: Summary, b: Summary) -> float:
+    """``δ²·w_a·w_b / (w_a + w_b)`` without a spurious overflow or underflow: (2·(δ/2)·sqrt(factor))²."""
+    half_delta = 0.5 * b.mean() - 0.5 * a.mean()
+    if half_delta - half_delta != 0.0:  # a product w·x overflowed (finite data) or non-finite data (m2 is NaN)
+        return _INF
+    small, large = sorted((a.weight, b.weight))
+    both = small + large
+    share = large / both if both < _INF else (0.5 * large) / (0.5 * small + 0.5 * large)  # in [0.5, 1]
+    t = half_delta * (math.sqrt(small) * math.sqrt(share))
+    return 4.0 * t * t
+
+
+def _mean_dd(s: Summary) -> tuple[float, float]:
+    """The mean as a double-double (approximate beyond 106 bits), for Chan's delta."""
+    if s.rest:
+        return s.mean(), 0.0
+    return _dd_div(s.wsum, s.wsum_lo, s.weight, s.weight_lo)
 
 
 _SPLIT = 134217729.0  # 2**27 + 1, Dekker's splitter for float64
@@ -217,17 +323,10 @@ def _two_product(a: float, b: float) -> tuple[float, float]:
 def _dd_div(num: float, num_lo: float, den: float, den_lo: float) -> tuple[float, float]:
     """``(num + num_lo) / (den + den_lo)`` as a double-double ``(q, q_lo)``; ``den`` > 0."""
     q = num / den
-    if q - q != 0.0 or abs(q) > 1e290 or abs(den) > 1e290:  # non-finite, or the split would overflow
+    if q - q != 0.0 or abs(q) > 1e290 or den > 1e290 or den < 1e-290:  # non-finite, or the split would overflow
         return q, 0.0
     p, e = _two_product(q, den)
     return q, (((num - p) - e) + num_lo - q * den_lo) / den
-
-
-def _fsum_or_nan(parts: list[float]) -> float:
-    try:
-        return math.fsum(parts)
-    except (ValueError, OverflowError):
-        return _NAN
 
 
 def _nan_min(a: float, b: float) -> float:

@@ -1,11 +1,12 @@
 """Device-side accumulation of torch tensors: ``log()`` never synchronizes with the device.
 
-Per metric, one running float64 state vector on the tensor's device:
-``[count, weight, wsum, total, m2, min, max, first, last, bad_weight, nonfinite]``. Each ``log()`` summarises its
+Per metric and optimizer update, one running float64 state vector on the tensor's device, laid out as
+``FIELDS`` (``count, weight, wsum, total, m2, min, max, first, last, bad_weight, nonfinite``). Each ``log()`` summarises its
 batch with torch ops and merges it in (Chan's update for m2, NaN propagated by ``torch.minimum``/``maximum``), with no
-``.item()``, ``.cpu()``, ``float()`` or data-dependent branch. At commit/export :func:`take_all` stacks every
-metric's state and does ONE device-to-host copy. Negative/non-finite tensor weights and non-finite values under
-``nan='error'`` are therefore detected at commit (after that copy) and raise then, naming the metric.
+``.item()``, ``.cpu()``, ``float()`` or data-dependent branch. At commit/export :meth:`DeviceStates.take_all`
+stacks every metric's state of every update and does ONE device-to-host copy. Negative/non-finite tensor weights
+and non-finite values under ``nan='error'`` are therefore detected at commit (after that copy); they are returned
+as errors per metric, so the other metrics still commit.
 Device sums are plain float64 (no double-double remainder), so tensor-logged sums are not bitwise
 split-invariant the way host-logged floats are. A metric logged with both floats and tensors merges its host
 state first, then its device state: first/last follow log order within each source.
@@ -18,7 +19,18 @@ from typing import Any
 from metricbus.errors import MetricValueError
 from metricbus.summary import Summary
 
-_WIDTH = 11
+FIELDS = ("count", "weight", "wsum", "total", "m2", "min", "max", "first", "last", "bad_weight", "nonfinite")
+_BAD_WEIGHT = FIELDS.index("bad_weight")
+_NONFINITE = FIELDS.index("nonfinite")
+
+
+def check_device(metric: str, value: Any, what: str = "value") -> None:
+    """Reject a tensor that holds no data (``meta`` device) at ``log()``, naming the metric."""
+    if value.device.type == "meta":
+        raise MetricValueError(
+            f"cannot log a {what} on the 'meta' device for {metric!r}: it holds no data; log a tensor on the CPU "
+            "or an accelerator"
+        )
 
 
 def _batch(value: Any, weight: Any, *, ignore: bool) -> Any:
@@ -70,10 +82,11 @@ def _merge(a: Any, b: Any) -> Any:
 
 
 class DeviceStates:
-    """The device states of every tensor-logged metric of one bus."""
+    """The device states of every tensor-logged metric of one bus, per optimizer update."""
 
     def __init__(self) -> None:
-        self._states: dict[str, Any] = {}
+        self._states: dict[str, Any] = {}  # the current update
+        self._done: dict[int, dict[str, Any]] = {}  # finished updates of this commit, by update index
 
     def add(self, name: str, value: Any, weight: Any, *, nan: str) -> None:
         """Merge a tensor batch into ``name``'s device state (no host sync)."""
@@ -83,27 +96,49 @@ class DeviceStates:
         held = self._states.get(name)
         self._states[name] = batch if held is None else _merge(held, batch.to(held.device))
 
+    def end_update(self, index: int) -> None:
+        """The current update (number ``index`` of this commit) is finished."""
+        if self._states:
+            self._done[index] = self._states
+            self._states = {}
+
+    def shift(self, n: int) -> None:
+        """``n`` updates were put back in front of this commit's finished ones: renumber."""
+        self._done = {index + n: states for index, states in self._done.items()}
+
     def names(self) -> list[str]:
         """The metrics that hold device state."""
-        return list(self._states)
+        return sorted({n for states in (self._states, *self._done.values()) for n in states})
 
-    def take_all(self, nan_of: dict[str, str]) -> dict[str, Summary]:
-        """All metrics' Summaries with ONE device-to-host copy; reset. Raises for bad weights / nan='error'."""
+    def take_all(
+        self, *, index: int, nan_of: dict[str, str]
+    ) -> tuple[dict[int, dict[str, Summary]], dict[str, MetricValueError]]:
+        """Every update's Summaries with ONE device-to-host copy, and per metric the error that rejects it; reset.
+
+        ``index`` is the number of the current (last) update.
+        """
         import torch
 
-        if not self._states:
-            return {}
-        names = list(self._states)
-        device = next(iter(self._states.values())).device
-        rows = torch.stack([self._states[n].to(device) for n in names]).cpu().tolist()
-        self._states = {}
-        out = {}
-        for name, row in zip(names, rows, strict=True):
-            if row[9]:
-                raise MetricValueError(f"a tensor weight for {name!r} was negative or non-finite; weights must be >= 0")
-            if row[10] and nan_of.get(name) == "error":
-                raise MetricValueError(f"non-finite tensor value logged for {name!r} under nan='error'")
-            if row[0] > 0:
-                c, w, ws, t, m2, lo, hi, first, last = row[:9]
-                out[name] = Summary(int(c), w, 0.0, ws, 0.0, t, 0.0, m2, lo, hi, first, last)
-        return out
+        self.end_update(index)
+        done, self._done = self._done, {}
+        keys = [(u, name) for u in sorted(done) for name in done[u]]
+        if not keys:
+            return {}, {}
+        device = done[keys[0][0]][keys[0][1]].device
+        rows = torch.stack([done[u][name].to(device) for u, name in keys]).cpu().tolist()
+        out: dict[int, dict[str, Summary]] = {}
+        errors: dict[str, MetricValueError] = {}
+        for (u, name), row in zip(keys, rows, strict=True):
+            if row[_BAD_WEIGHT]:
+                errors[name] = MetricValueError(
+                    f"a tensor weight for {name!r} was negative or non-finite; weights must be finite and >= 0"
+                )
+            elif row[_NONFINITE] and nan_of.get(name) == "error":
+                errors[name] = MetricValueError(f"non-finite tensor value logged for {name!r} under nan='error'")
+            elif row[0] > 0:
+                c, w, ws, t, m2, lo, hi, first, last = row[:_BAD_WEIGHT]
+                out.setdefault(u, {})[name] = Summary(int(c), w, 0.0, ws, 0.0, t, 0.0, m2, lo, hi, first, last)
+        for per_update in out.values():
+            for name in errors:
+                per_update.pop(name, None)
+        return out, errors

@@ -1,0 +1,200 @@
+"""The collector: one worker's uncommitted records, per metric and optimizer update, safe across threads.
+
+``log()`` validates a whole call before recording anything (a rejected call records nothing and fixes no spec),
+then buffers host records in :class:`~metricbus.accumulate.Accumulator` s and tensors in device states. Update
+boundaries (``end_update()``) close the current update's micro level. ``take()`` ends the last update and returns
+every update's summaries. All mutation happens under one lock except the lock-free ``log(name, float)`` append
+(see :mod:`metricbus.accumulate`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from metricbus.accumulate import Accumulator
+from metricbus.errors import MetricTypeError, MetricValueError
+from metricbus.partial import Partial
+from metricbus.spec import NanPolicy, SpecLike
+from metricbus.spec_table import DEFAULT, SpecTable
+from metricbus.summary import Summary
+from metricbus.values import check_finite, is_tensor, to_values, to_weights
+
+Updates = list[dict[str, Summary]]  # per update, in order: metric -> micro-level Summary
+
+
+class Collector:
+    """Accumulators, the fast-path buffers and device states of one bus."""
+
+    def __init__(self, *, table: SpecTable, nan: NanPolicy) -> None:
+        self.table = table
+        self._nan: NanPolicy = nan
+        self.lock = threading.Lock()
+        self.accs: dict[str, Accumulator] = {}
+        self.fast: dict[str, list[float]] = {}  # name -> its accumulator's plain buffer (nan="propagate" only)
+        self._done: Updates = []  # finished updates of this commit
+        self._device: Any = None
+
+    # -- logging (the caller's fast path appends to ``fast`` itself) ------------------------------------------
+
+    def log(self, name: Any, value: Any, *, weight: Any, agg: SpecLike | None) -> None:
+        """Validate every record of the call, then buffer them all (or raise and record nothing)."""
+        if isinstance(name, Mapping):
+            if value is not None:
+                raise MetricTypeError("log(dict) takes the values in the dict; do not pass value= as well")
+            items = list(name.items())
+        else:
+            items = [(name, value)]
+        with self.lock:
+            introduced: list[str] = []
+            staged = []
+            try:
+                for metric, raw in items:  # validate everything before recording anything
+                    acc = self._accumulator(metric, agg, introduced)
+                    staged.append((acc, *self._records(acc, raw, weight)))
+            except Exception:
+                self._forget(introduced)  # a rejected call must not fix the spec of a name it introduced
+                raise
+            for acc, values, weights in staged:
+                if is_tensor(values):
+                    self._device_states().add(acc.name, values, weights, nan=acc.nan)
+                else:
+                    acc.add(values, weights)
+
+    def _accumulator(self, name: Any, agg: SpecLike | None, introduced: list[str]) -> Accumulator:
+        table = self.table
+        acc = self.accs.get(name)
+        if acc is not None and agg is None:
+            return acc
+        if table.claim(name) is None:
+            claim = table.own(name, agg)
+            table.check_outputs(name, claim.spec)
+            table.fix(name, claim)
+            introduced.append(name)
+            spec = claim.spec
+        else:
+            spec = table.resolve(name, agg)[0]  # raises for a different explicit spec
+        if acc is None:
+            acc = Accumulator(name=name, spec=spec, nan=spec.nan or self._nan)
+            self.accs[name] = acc
+            if acc.nan == "propagate":
+                self.fast[name] = acc.plain
+        return acc
+
+    def _records(self, acc: Accumulator, raw: Any, weight: Any) -> tuple[Any, Any]:
+        metric = acc.name
+        if is_tensor(raw) and not raw.is_complex():
+            from metricbus.tensors import check_device
+
+            check_device(metric, raw)
+            if is_tensor(weight):
+                check_device(metric, weight, "weight")
+                return raw, weight  # device tensors: accumulated on device, no host sync
+            if weight is None or type(weight) in (int, float):
+                to_weights(metric, weight, 1, 0.0)  # a scalar weight: checked now
+                return raw, weight
+        values = to_values(metric, raw)
+        weights = to_weights(metric, weight, len(values), raw)
+        if acc.nan == "error":
+            check_finite(metric, values)
+        return values, weights
+
+    def _forget(self, names: list[str]) -> None:
+        for name in names:
+            acc = self.accs.pop(name, None)
+            self.fast.pop(name, None)
+            if acc is not None and acc.pending:  # cannot happen: a new name has no records yet
+                raise AssertionError(name)
+        self.table.forget(names)
+
+    def _device_states(self) -> Any:
+        if self._device is None:
+            from metricbus.tensors import DeviceStates
+
+            self._device = DeviceStates()
+        return self._device
+
+    def fold(self, name: str) -> None:
+        """The fast path filled ``name``'s buffer: fold it."""
+        with self.lock:
+            self.accs[name].fold()
+
+    # -- updates and taking ------------------------------------------------------------------------------------
+
+    def _end_update(self) -> None:
+        """Close the current update (caller holds the lock)."""
+        update = {}
+        for name, acc in self.accs.items():
+            if acc.pending:
+                update[name] = acc.take()
+        if self._device is not None:
+            self._device.end_update(len(self._done))
+        self._done.append(update)
+
+    def end_update(self) -> None:
+        """The records logged since the previous boundary form one optimizer update."""
+        with self.lock:
+            self._end_update()
+
+    def take(self) -> tuple[Updates, dict[str, MetricValueError]]:
+        """Every update's summaries since the last take (the current update ends), and per metric the error that
+        rejected its device records (those metrics are left out); the buffers are left empty."""
+        with self.lock:
+            self._end_update()
+            updates, self._done = self._done, []
+            errors: dict[str, MetricValueError] = {}
+            if self._device is not None and self._device.names():
+                nan_of = {name: acc.nan for name, acc in self.accs.items()}
+                device, errors = self._device.take_all(nan_of=nan_of)
+                for index, summaries in device.items():
+                    update = updates[index]
+                    for name, held in summaries.items():  # host records first, then device records
+                        host = update.get(name)
+                        update[name] = held if host is None else host.merge(held)
+                for update in updates:
+                    for name in errors:
+                        update.pop(name, None)
+        return [u for u in updates if u], errors
+
+    def restore(self, updates: Updates) -> None:
+        """Put taken updates back (a commit or export that failed before anything left this process)."""
+        with self.lock:
+            kept = [u for u in updates if u]
+            if self._device is not None:
+                self._device.shift(len(kept))
+            self._done = kept + self._done
+
+    def partial(self, updates: Updates) -> Partial:
+        """``updates`` as a Partial, each entry with the table's spec of its name."""
+        table = self.table
+        entries = tuple((name, table.spec(name), s) for update in updates for name, s in update.items())
+        names = {name for name, _, _ in entries}
+        undeclared = frozenset(n for n in names if (c := table.claim(n)) is None or c.origin == DEFAULT)
+        return Partial(entries, undeclared)
+
+    def pending_names(self) -> set[str]:
+        """The metrics with records logged since the last take (host or device, any update)."""
+        with self.lock:
+            names = {name for name, acc in self.accs.items() if acc.pending}
+            names.update(name for update in self._done for name in update)
+            if self._device is not None:
+                names.update(self._device.names())
+        return names
+
+    def clear(self) -> None:
+        """Drop the fast path (the bus is closed)."""
+        self.fast = {}
+
+
+def merge_updates(updates: Updates) -> dict[str, list[Summary]]:
+    """``{name: [Summary of each update in which it was logged]}``."""
+    out: dict[str, list[Summary]] = {}
+    for update in updates:
+        for name, summary in update.items():
+            held = out.get(name)
+            if held is None:
+                out[name] = [summary]
+            else:
+                held.append(summary)
+    return out

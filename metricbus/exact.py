@@ -1,0 +1,169 @@
+"""Exact sums of doubles, held as short tuples of doubles ("components"), and correctly rounded division.
+
+Every finite double is an integer multiple of 2**-1074, so the exact sum ``V`` of any finite doubles is a dyadic
+rational. ``components(parts)`` holds ``V`` as its *greedy components* ``c0, c1, …``: ``c0 = rnd(V)``,
+``c1 = rnd(V - c0)``, ``c2 = rnd(V - c0 - c1)``, … until the remainder is exactly 0, where ``rnd`` is IEEE
+round-half-even, except that a value beyond the double range rounds to ±MAX (the largest finite double) instead of
+±inf. Hence:
+
+* every component is finite and the components sum exactly to ``V``;
+* within the double range ``c0`` IS the correctly rounded sum, ``c1`` the correctly rounded remainder, and so on;
+* beyond it, the tuple starts with one or more ±MAX (about ``|V| / MAX`` of them: finite doubles that sum to a
+  value beyond the range must be that many) and continues as the canonical form of what is left;
+* a zero sum is ``(0.0,)`` (or ``(-0.0,)``, as ``math.fsum`` gives); a tuple is never empty, and no component but a
+  lone first one is ever 0.
+
+Non-finite inputs: the sum is one component, the IEEE sum of the non-finite inputs alone (finite ones cannot change
+it): NaN if a NaN or both infinities are present, else ±inf. So a tuple whose first component is not finite stands
+for non-finite data, and a finite first component for finite data.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+
+MAX = sys.float_info.max
+_NAN = math.nan
+_INF = math.inf
+_fsum = math.fsum
+
+
+def components(parts: Sequence[float]) -> tuple[float, ...]:
+    """The greedy components of the exact sum of ``parts`` (see the module docstring)."""
+    try:
+        hi = _fsum(parts)
+        if hi - hi == 0.0:
+            out = [hi]
+            rest = [*parts, -hi]
+            while True:  # each round removes the top ~53 bits of the remainder: a few rounds at most
+                r = _fsum(rest)
+                if r == 0.0:
+                    return tuple(out)
+                out.append(r)
+                rest.append(-r)
+    except OverflowError:  # an intermediate sum left the double range: the integer path below
+        pass
+    except ValueError:  # inf - inf
+        return (_NAN,)
+    special = [x for x in parts if x - x != 0.0]
+    if special:
+        return (sum(special),)
+    return _of_ratio(*_ratio(parts))
+
+
+def add(a: Sequence[float], b: Sequence[float]) -> tuple[float, ...]:
+    """The components of the sum of two component tuples."""
+    if a[0] - a[0] != 0.0 or b[0] - b[0] != 0.0:  # non-finite data on either side: IEEE, as for the records
+        return (a[0] + b[0],)
+    return components([*a, *b])
+
+
+def value(parts: Sequence[float]) -> float:
+    """The correctly rounded value of a components tuple (±inf beyond the double range)."""
+    try:
+        return _fsum(parts)
+    except OverflowError:
+        return divide(parts, (1.0,))
+
+
+def divide(num: Sequence[float], den: Sequence[float]) -> float:
+    """The correctly rounded quotient of the exact sums ``Σnum / Σden``; NaN when ``Σden`` is 0.
+
+    Exact integer arithmetic: CPython's true division of two ints is correctly rounded (subnormals included).
+    """
+    if num[0] - num[0] != 0.0 or den[0] - den[0] != 0.0:  # non-finite data: IEEE on the leading components
+        return num[0] / den[0] if den[0] != 0.0 else _NAN
+    n_num, d_num = _ratio(num)
+    n_den, d_den = _ratio(den)
+    if n_den == 0:
+        return _NAN
+    top, bottom = n_num * d_den, d_num * n_den
+    try:
+        return top / bottom
+    except OverflowError:
+        return _INF if (top < 0) == (bottom < 0) else -_INF
+
+
+def products(weights: Sequence[float], values: Sequence[float]) -> list[float]:
+    """Doubles whose exact sum is ``Σ (p_i + e_i)``, with ``p_i = fl(w_i·x_i)`` and ``e_i = fl(w_i·x_i - p_i)``.
+
+    That is the exact ``Σ w·x`` whenever no product underflows (``|w·x| < 2**-960``: there ``e_i`` is rounded to a
+    multiple of 2**-1074) or overflows (then ``p_i`` is ±inf, as IEEE ``w*x``, and so is the sum).
+    """
+    ps = [w * x for w, x in zip(weights, values, strict=True)]
+    if not ps:
+        return ps
+    w_max, x_max = max(map(abs, weights)), max(map(abs, values))
+    if w_max < _BIG_FACTOR and x_max < _BIG_FACTOR and w_max * x_max < _BIG_PRODUCT:
+        errors = _dekker_errors(weights, values, ps)
+        if min(map(abs, ps)) < _TINY_PRODUCT:  # zero weights or tiny products: redo those few exactly
+            for i, p in enumerate(ps):
+                if -_TINY_PRODUCT < p < _TINY_PRODUCT:
+                    errors[i] = _product_error(weights[i], values[i], p)
+    else:
+        errors = [_product_error(w, x, p) for w, x, p in zip(weights, values, ps, strict=True)]
+    return [*ps, *errors]
+
+
+# Dekker's two-product is exact when nothing overflows or underflows: the splits need |w|, |x| < 2**995, the
+# partial products |w·x| < 2**1020, and with |w·x| >= 2**-960 every partial product is a multiple of 2**-1065.
+_SPLIT = 134217729.0  # 2**27 + 1
+_BIG_FACTOR = 2.0**995
+_BIG_PRODUCT = 2.0**1020
+_TINY_PRODUCT = 2.0**-960
+
+
+def _dekker_errors(weights: Sequence[float], values: Sequence[float], ps: Sequence[float]) -> list[float]:
+    """``w·x - p`` for each record, exact in the range :func:`products` checks (Dekker, no fma in Python 3.11)."""
+    out = []
+    for w, x, p in zip(weights, values, ps, strict=True):
+        c = _SPLIT * w
+        w_hi = c - (c - w)
+        w_lo = w - w_hi
+        c = _SPLIT * x
+        x_hi = c - (c - x)
+        x_lo = x - x_hi
+        out.append(((w_hi * x_hi - p) + w_hi * x_lo + w_lo * x_hi) + w_lo * x_lo)
+    return out
+
+
+def _product_error(w: float, x: float, p: float) -> float:
+    """``fl(w·x - p)`` by integer arithmetic; 0 where ``p`` is 0 (then ``w·x`` rounds to 0) or not finite."""
+    if p == 0.0 or p - p != 0.0:
+        return 0.0
+    a, b = w.as_integer_ratio()
+    c, d = x.as_integer_ratio()
+    e, f = p.as_integer_ratio()
+    return (a * c * f - e * b * d) / (b * d * f)
+
+
+def _ratio(parts: Sequence[float]) -> tuple[int, int]:
+    """The exact sum of finite ``parts`` as ``(numerator, denominator)``, the denominator a power of two."""
+    num, den = 0, 1
+    for x in parts:
+        n, d = x.as_integer_ratio()
+        if d > den:
+            num = num * (d // den) + n
+            den = d
+        else:
+            num += n * (den // d)
+    return num, den
+
+
+def _of_ratio(num: int, den: int) -> tuple[float, ...]:
+    """The greedy components of ``num / den`` (``den`` a power of two, so every remainder stays exact)."""
+    out: list[float] = []
+    while num:
+        try:
+            c = num / den
+        except OverflowError:
+            c = MAX if num > 0 else -MAX
+        out.append(c)
+        n, d = c.as_integer_ratio()
+        if d > den:
+            num = num * (d // den)
+            den = d
+        num -= n * (den // d)
+    return tuple(out) if out else (0.0,)

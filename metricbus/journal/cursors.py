@@ -1,0 +1,72 @@
+"""Delivery cursors: per adapter, the last step its backend acknowledged, kept beside the journal's files."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+
+def adapter_key(adapter: Any) -> str:
+    """A file-name-safe key naming ``adapter`` by its name and options, so two adapters never share a cursor.
+
+    An adapter may set ``cursor_key`` itself; otherwise the key is its name plus a hash of the values of its
+    constructor options (paths made absolute), read back from same-named attributes (or ``_``-prefixed ones).
+    """
+    explicit = getattr(adapter, "cursor_key", None)
+    name = str(getattr(adapter, "name", type(adapter).__name__))
+    if isinstance(explicit, str) and explicit:
+        ident = explicit
+    else:
+        from metricbus.registry import adapter_options
+
+        try:
+            options = adapter_options(type(adapter))
+        except (TypeError, ValueError):
+            options = []
+        parts = []
+        for option in options:
+            value = getattr(adapter, option, getattr(adapter, f"_{option}", None))
+            if isinstance(value, os.PathLike):
+                value = os.path.abspath(os.fspath(value))
+            parts.append(f"{option}={value!r}")
+        ident = ";".join(parts)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:40]
+    return f"{safe}-{zlib.crc32(ident.encode()):08x}"
+
+
+class CursorStore:
+    """Per adapter, the last step its backend acknowledged, in ``<journal>/cursors/<key>.json``."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory) / "cursors"
+        self._last: dict[str, int] = {}
+
+    def _path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+    def get(self, adapter: Any) -> int | None:
+        """The last acknowledged step of ``adapter`` (None: nothing yet)."""
+        try:
+            data = json.loads(self._path(adapter_key(adapter)).read_text(encoding="utf-8"))
+            return int(data["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def advance(self, adapter: Any, step: int) -> None:
+        """Record ``step`` as acknowledged (atomically: tmp file + rename); never moves backwards."""
+        key = adapter_key(adapter)
+        last = self._last.get(key)
+        if last is None:
+            last = self.get(adapter)
+        if last is not None and step <= last:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        target = self._path(key)
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        name = str(getattr(adapter, "name", type(adapter).__name__))
+        tmp.write_text(json.dumps({"adapter": name, "key": key, "step": int(step)}), encoding="utf-8")
+        os.replace(tmp, target)
+        self._last[key] = int(step)

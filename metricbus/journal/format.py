@@ -1,0 +1,169 @@
+"""The journal's byte format: magic, frames, a commit's entries, and the JSON of specs, runs and headers.
+
+File format (version 2), little-endian::
+
+    magic   b"MBJOURN\\x00"                      8 bytes, once
+    frame   <I length> <I crc32(payload)> payload   repeated; payload[0] is the frame type
+      b"H" + JSON  header: format, metricbus version, rank, run metadata, rules, log_every (again after a restart)
+      b"N" + JSON  name table additions: [[id, name, spec], ...], written once per (name, spec)
+      b"S" + <q step> <I n> n * (<I rank> <I id> <12d summary fields>)     a commit, no entry has a rest
+      b"R" + the body of an "S" frame, then the rests of its entries that have one:
+             <I m> m * (<I entry index> <I k>) <K d>                    indexes increasing, K = the sum of the k
+
+An entry is one Summary of one worker's metric; a name may repeat within a commit (one entry per optimizer update
+of that worker, in update order) and entries keep their order. ``Summary.rest_flat()`` (the terms that make a
+sum exact beyond its ``hi``/``lo`` pair) is stored bit for bit in an "R" frame, so the common commit, with no
+rest, is the same "S" frame as in format 1 and costs the same to write. A commit is always one frame, so one CRC
+covers its entries and their rests together.
+
+Format 1 differs only in that it has no "R" frames and its chains have four levels (no ``update``); it is read
+as is. A format-1 reader refuses format 2 (it would skip "R" frames, losing commits silently).
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from metricbus._version import __version__
+from metricbus.adapter import RunInfo
+from metricbus.spec import Chain, Spec, check_nan
+from metricbus.summary import N_FIELDS
+
+FORMAT_VERSION = 2
+MAGIC = b"MBJOURN\x00"
+SUFFIX = ".mbj"
+FSYNC_MODES = ("commit", "interval", "never")
+FSYNC_INTERVAL_S = 1.0
+FRAME_TYPES = b"HNSR"
+MAX_FRAME = 1 << 30
+FRAME = struct.Struct("<II")
+STEP = struct.Struct("<qI")
+ENTRY = struct.Struct(f"<II{N_FIELDS}d")
+_COUNT = struct.Struct("<I")
+# The Summary fields in as_tuple() order, read in one C call (count packs as a double).
+SUMMARY_FIELDS = operator.attrgetter(
+    "count", "weight", "weight_lo", "wsum", "wsum_lo", "total", "total_lo", "m2", "min", "max", "first", "last"
+)
+
+# One unpacked entry: (rank, name id, the 12 summary fields, the entry's rest_flat()).
+Row = tuple[int, int, Sequence[float], tuple[float, ...]]
+
+
+def rank_file(directory: str | os.PathLike[str], rank: int) -> Path:
+    """The file rank ``rank`` writes in ``directory``."""
+    return Path(directory) / f"rank-{rank:05d}{SUFFIX}"
+
+
+def check_fsync(fsync: object) -> str:
+    """Return ``fsync`` if valid, else raise ValueError listing the valid modes."""
+    if fsync not in FSYNC_MODES:
+        raise ValueError(f"unknown fsync mode {fsync!r}; use one of {', '.join(FSYNC_MODES)} (default interval)")
+    return str(fsync)
+
+
+def frame(kind: bytes, body: bytes) -> bytes:
+    """One frame: length, CRC32 and the payload ``kind + body``."""
+    payload = kind + body
+    return FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+# -- a commit's entries ------------------------------------------------------------------------------------------
+
+
+def entries_layout(n: int) -> struct.Struct:
+    """The layout of an "S" body with ``n`` entries (writers build it once per entry count)."""
+    return struct.Struct("<qI" + f"II{N_FIELDS}d" * n)
+
+
+def commit_frame(layout: struct.Struct, flat: Sequence[float], rests: Sequence[tuple[int, Sequence[float]]]) -> bytes:
+    """A commit's frame: ``flat`` is step, n and each entry's rank, id and fields; ``rests`` (index, floats)."""
+    body = layout.pack(*flat)
+    if not rests:
+        return frame(b"S", body)
+    lengths = [x for index, rest in rests for x in (index, len(rest))]
+    floats = [x for _, rest in rests for x in rest]
+    extra = struct.pack(f"<I{len(lengths)}I{len(floats)}d", len(rests), *lengths, *floats)
+    return frame(b"R", body + extra)
+
+
+def unpack_commit(kind: bytes, body: bytes) -> tuple[int, list[Row]]:
+    """``(step, rows)`` of an "S" or "R" body; raise ValueError or struct.error if it is inconsistent."""
+    step, n = STEP.unpack_from(body, 0)
+    end = STEP.size + n * ENTRY.size
+    if len(body) < end or (kind == b"S" and len(body) != end):
+        raise ValueError(f"a commit of {n} entries cannot be {len(body)} bytes long")
+    rows: list[Row] = [(e[0], e[1], e[2:], ()) for e in ENTRY.iter_unpack(body[STEP.size : end])]
+    if kind == b"R":
+        (m,) = _COUNT.unpack_from(body, end)
+        lengths = struct.unpack_from(f"<{2 * m}I", body, end + _COUNT.size)
+        pos = end + _COUNT.size + 8 * m
+        if len(body) != pos + 8 * sum(lengths[1::2]):
+            raise ValueError(f"the rests of a commit of {n} entries cannot end at byte {len(body)}")
+        last = -1
+        for index, k in zip(lengths[::2], lengths[1::2], strict=True):
+            if not last < index < n:
+                raise ValueError(f"rest of entry {index} out of order or range ({n} entries)")
+            rank, ident, fields, _ = rows[index]
+            rows[index] = (rank, ident, fields, struct.unpack_from(f"<{k}d", body, pos))
+            pos += 8 * k
+            last = index
+    return step, rows
+
+
+# -- JSON parts ----------------------------------------------------------------------------------------------------
+
+
+def spec_to_json(spec: Spec) -> dict[str, Any]:
+    """An exact, version-stable form of ``spec``."""
+    return {"chains": [[c.micro, c.update, c.rank, c.step, c.suffix] for c in spec.chains], "nan": spec.nan}
+
+
+def spec_from_json(data: Any) -> Spec:
+    """Inverse of :func:`spec_to_json`; also reads format 1's four-level chains (update = micro)."""
+    chains = tuple(
+        Chain(*(str(f) for f in c)) if len(c) == 5 else Chain(str(c[0]), str(c[0]), *(str(f) for f in c[1:]))
+        for c in data["chains"]
+    )
+    nan = data.get("nan")
+    return Spec(chains, None if nan is None else check_nan(nan, metric="journal"))
+
+
+def run_to_json(run: RunInfo) -> dict[str, Any]:
+    """Run metadata as JSON (config values that are not JSON become their ``str``)."""
+    return {
+        "project": run.project,
+        "name": run.name,
+        "tags": list(run.tags),
+        "config": json.loads(json.dumps(dict(run.config), default=str)),
+        "start_time_unix_ns": run.start_time_unix_ns,
+    }
+
+
+def run_from_json(data: Any) -> RunInfo:
+    """Inverse of :func:`run_to_json`."""
+    return RunInfo(
+        project=str(data.get("project", "metricbus")),
+        name=data.get("name"),
+        tags=tuple(data.get("tags", ())),
+        config=dict(data.get("config", {})),
+        start_time_unix_ns=int(data.get("start_time_unix_ns", 0)),
+    )
+
+
+def make_header(*, rank: int, run: RunInfo, rules: Sequence[tuple[str, Spec]], log_every: int) -> dict[str, Any]:
+    """A file header; its keys are stable across versions (readers of any version look them up by name)."""
+    return {
+        "format": FORMAT_VERSION,
+        "metricbus": __version__,
+        "rank": int(rank),
+        "run": run_to_json(run),
+        "rules": [[pattern, spec_to_json(spec)] for pattern, spec in rules],
+        "log_every": int(log_every),
+    }

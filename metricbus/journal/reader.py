@@ -1,0 +1,216 @@
+"""Reading: one rank file (torn and damaged frames skipped with a warning), or a whole journal merged by step.
+
+Every frame carries a CRC32: a torn or damaged frame is skipped with a :class:`JournalWarning`, and the reader
+resynchronises on the next valid frame. Files of every format up to ``FORMAT_VERSION`` are read; a newer one is
+refused with a :class:`~metricbus.errors.JournalError` that says to upgrade.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import warnings
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metricbus.adapter import RunInfo
+from metricbus.errors import JournalError
+from metricbus.journal.format import (
+    FORMAT_VERSION,
+    FRAME,
+    FRAME_TYPES,
+    MAGIC,
+    MAX_FRAME,
+    SUFFIX,
+    run_from_json,
+    spec_from_json,
+    unpack_commit,
+)
+from metricbus.partial import Partial
+from metricbus.spec import Spec
+from metricbus.summary import Summary
+
+Entry = tuple[str, Spec, Summary]
+
+
+class JournalWarning(UserWarning):
+    """A journal file has a torn or damaged record; it was skipped."""
+
+
+@dataclass
+class RankFile:
+    """What one journal file holds: its headers and, per step, the entries of each rank it wrote (in order)."""
+
+    path: Path
+    headers: list[dict[str, Any]] = field(default_factory=list)
+    steps: dict[int, dict[int, list[Entry]]] = field(default_factory=dict)
+    damaged: int = 0
+
+
+def _warn(path: Path, what: str) -> None:
+    warnings.warn(f"journal {path}: {what}", JournalWarning, stacklevel=3)
+
+
+def _frames(path: Path, data: bytes, rf: RankFile) -> Iterator[tuple[int, bytes]]:
+    pos, end = len(MAGIC), len(data)
+    while pos < end:
+        if pos + FRAME.size <= end:
+            length, crc = FRAME.unpack_from(data, pos)
+            stop = pos + FRAME.size + length
+            if 0 < length <= MAX_FRAME and stop <= end:
+                payload = data[pos + FRAME.size : stop]
+                if zlib.crc32(payload) == crc:
+                    yield pos, payload
+                    pos = stop
+                    continue
+        rf.damaged += 1
+        resume = _resync(data, pos + 1)
+        if resume is None:
+            _warn(path, f"torn or damaged record at byte {pos}; skipped the last {end - pos} bytes")
+            return
+        _warn(path, f"damaged record at byte {pos}; skipped {resume - pos} bytes")
+        pos = resume
+
+
+def _resync(data: bytes, pos: int) -> int | None:
+    """The next offset where a whole frame with a valid CRC starts."""
+    end = len(data)
+    while pos + FRAME.size < end:
+        length, crc = FRAME.unpack_from(data, pos)
+        stop = pos + FRAME.size + length
+        if (
+            0 < length <= MAX_FRAME
+            and stop <= end
+            and data[pos + FRAME.size] in FRAME_TYPES
+            and zlib.crc32(data[pos + FRAME.size : stop]) == crc
+        ):
+            return pos
+        pos += 1
+    return None
+
+
+def _check_header(path: Path, header: Any) -> dict[str, Any]:
+    if not isinstance(header, dict):
+        raise TypeError(f"a header is a JSON object, not {type(header).__name__}")
+    fmt = header.get("format")
+    if not isinstance(fmt, int) or fmt > FORMAT_VERSION:
+        raise JournalError(
+            f"{path} has journal format {fmt!r}, newer than this metricbus reads ({FORMAT_VERSION}); upgrade metricbus"
+        )
+    return dict(header)
+
+
+def read_rank_file(path: str | os.PathLike[str]) -> RankFile:
+    """Read one journal file; raise JournalError if it is missing, foreign or from a newer format."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise JournalError(f"cannot read journal file {path}: {exc.strerror or exc}") from exc
+    if not data.startswith(MAGIC):
+        raise JournalError(f"{path} is not a metricbus journal file (bad magic)")
+    rf = RankFile(path)
+    names: dict[int, tuple[str, Spec]] = {}
+    unknown = 0
+    from_tuple = Summary.from_tuple
+    for pos, payload in _frames(path, data, rf):
+        kind, body = payload[:1], payload[1:]
+        try:
+            if kind == b"H":
+                rf.headers.append(_check_header(path, json.loads(body)))
+                names = {}  # a restarted writer numbers its names afresh
+            elif kind == b"N":
+                for ident, name, spec, *_ in json.loads(body):  # later versions may add per-name fields
+                    names[int(ident)] = (str(name), spec_from_json(spec))
+            elif kind in {b"S", b"R"}:
+                step, rows = unpack_commit(kind, body)
+                ranks = rf.steps.setdefault(step, {})  # a restarted run's later records of a step win
+                seen: set[int] = set()
+                for rank, ident, fields, rest in rows:
+                    if rank not in seen:
+                        ranks[rank] = []
+                        seen.add(rank)
+                    known = names.get(ident)
+                    if known is None:
+                        unknown += 1
+                        continue
+                    ranks[rank].append((known[0], known[1], from_tuple(fields, rest)))
+                if not rows:
+                    ranks.setdefault(-1, [])  # a commit with nothing logged still counts in the window
+            # other frame types: written by a newer minor version; skipped
+        except JournalError:
+            raise
+        except (ValueError, KeyError, TypeError, struct.error) as exc:
+            rf.damaged += 1
+            _warn(path, f"unreadable record at byte {pos} ({exc}); skipped")
+    if not rf.headers:
+        raise JournalError(f"{path} has no readable journal header")
+    if unknown:
+        _warn(path, f"{unknown} entries refer to a lost name table record; skipped")
+    return rf
+
+
+@dataclass
+class Journal:
+    """A whole journal directory: header of the lowest rank, and every commit's partials in rank order."""
+
+    directory: Path
+    header: dict[str, Any]
+    files: list[RankFile]
+    commits: list[tuple[int, list[Partial]]]
+    ranks: list[int]
+
+    @property
+    def run(self) -> RunInfo:
+        """The run metadata."""
+        return run_from_json(self.header.get("run", {}))
+
+    @property
+    def log_every(self) -> int:
+        """The bus's log_every."""
+        return int(self.header.get("log_every", 1))
+
+    @property
+    def rules(self) -> list[tuple[str, Spec]]:
+        """The bus's rules when the journal was written."""
+        return [(str(p), spec_from_json(s)) for p, s in self.header.get("rules", [])]
+
+    def metrics(self) -> dict[str, Spec]:
+        """Every metric journaled and its spec (the last one seen)."""
+        out: dict[str, Spec] = {}
+        for _, partials in self.commits:
+            for partial in partials:
+                for name, spec, _ in partial.entries:
+                    out[name] = spec
+        return dict(sorted(out.items()))
+
+
+def read_journal(directory: str | os.PathLike[str]) -> Journal:
+    """Read every rank file of ``directory`` (or a single ``.mbj`` file) and merge them by step and rank."""
+    directory = Path(directory)
+    if directory.is_file():
+        paths = [directory]
+    elif directory.is_dir():
+        paths = sorted(directory.glob(f"rank-*{SUFFIX}"))
+        if not paths:
+            raise JournalError(f"{directory} holds no journal files (rank-*{SUFFIX})")
+    else:
+        raise JournalError(f"no journal at {directory}")
+    files = [read_rank_file(p) for p in paths]
+    merged: dict[int, dict[int, list[Entry]]] = {}
+    for rf in files:
+        for step, ranks in rf.steps.items():
+            slot = merged.setdefault(step, {})
+            for rank, entries in ranks.items():
+                slot[rank] = entries
+    all_ranks = sorted({r for ranks in merged.values() for r in ranks if r >= 0})
+    commits = [
+        (step, [Partial(tuple(merged[step][r])) for r in sorted(merged[step]) if r >= 0])
+        for step in sorted(merged)
+    ]
+    first = min(files, key=lambda rf: int(rf.headers[0].get("rank", 0)))
+    return Journal(directory, first.headers[-1], files, commits, all_ranks)

@@ -1,0 +1,78 @@
+"""The sink: where a committed step goes. The journal first (before ``commit()`` returns), then the adapters.
+
+The journal is written on every rank (each its own file); adapters run only on the writer rank, each from its own
+delivery thread (:mod:`metricbus.delivery`), and the journal keeps their delivery cursors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from metricbus.adapter import Adapter, RunInfo, Status
+from metricbus.delivery import Delivery
+from metricbus.partial import Partial
+from metricbus.spec import Spec
+
+
+class Sink:
+    """The journal (optional) and the delivery of emitted steps to the adapters."""
+
+    def __init__(
+        self,
+        *,
+        adapters: Sequence[Adapter],
+        journal: str | None,
+        fsync: str,
+        rank: int,
+        run: RunInfo,
+        rules: list[tuple[str, Spec]],
+        log_every: int,
+        strict: bool,
+        queue_size: int,
+        queue_policy: str,
+        queue_timeout_s: float,
+    ) -> None:
+        self._journal: Any = None
+        if journal is not None:
+            from metricbus.journal import open_journal
+
+            self._journal = open_journal(
+                path=journal, fsync=fsync, rank=rank, run=run, rules=rules, log_every=log_every
+            )
+        self.delivery = Delivery(
+            list(adapters),
+            strict=strict,
+            queue_size=queue_size,
+            queue_policy=queue_policy,
+            queue_timeout_s=queue_timeout_s,
+            on_delivered=None if self._journal is None else self._journal.delivered,
+        )
+        self.delivery.open(run=run)
+        self._has_adapters = bool(adapters)
+
+    @property
+    def durable(self) -> bool:
+        """True when there is something to close at interpreter exit (a journal or adapters)."""
+        return self._journal is not None or self._has_adapters
+
+    def record(self, *, step: int, entries: list[tuple[int, Partial]]) -> None:
+        """Journal one commit (every worker's partial this process keeps), before commit() returns."""
+        if self._journal is not None:
+            self._journal.append(step=step, entries=entries)
+
+    def submit(self, *, step: int, metrics: Mapping[str, float]) -> None:
+        """Hand an emitted step to the adapters (enqueue only)."""
+        self.delivery.submit(step=step, metrics=metrics)
+
+    def check(self) -> None:
+        """Re-raise a strict bus's adapter failure."""
+        self.delivery.check()
+
+    def close(self, *, status: Status, timeout_s: float) -> None:
+        """Close the journal, then drain, flush and close the adapters."""
+        try:
+            if self._journal is not None:
+                self._journal.close()
+        finally:
+            self.delivery.close(status=status, timeout_s=timeout_s)
