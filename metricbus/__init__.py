@@ -8,9 +8,11 @@ from metricbus.adapter import Adapter, RunInfo
 from metricbus.bus import MetricBus
 from metricbus.errors import (
     AdapterError,
+    AdapterNotFoundError,
     ClosedError,
     ConfigError,
     DistributedError,
+    JournalError,
     MetricBusError,
     MetricBusWarning,
     MetricTypeError,
@@ -25,10 +27,12 @@ from metricbus.summary import Summary
 __all__ = [
     "Adapter",
     "AdapterError",
+    "AdapterNotFoundError",
     "Agg",
     "ClosedError",
     "ConfigError",
     "DistributedError",
+    "JournalError",
     "MetricBus",
     "MetricBusError",
     "MetricBusWarning",

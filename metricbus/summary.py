@@ -124,9 +124,9 @@ class Summary(NamedTuple):
         if self.count == 0:
             return other
         a, b = self.rest or _NO_REST, other.rest or _NO_REST
-        weight, weight_lo, rest_w = _add(self.weight, self.weight_lo, a[0], other.weight, other.weight_lo, b[0])
-        wsum, wsum_lo, rest_ws = _add(self.wsum, self.wsum_lo, a[1], other.wsum, other.wsum_lo, b[1])
-        total, total_lo, rest_t = _add(self.total, self.total_lo, a[2], other.total, other.total_lo, b[2])
+        weight, weight_lo, rest_w = _add(self.weight, self.weight_lo, other.weight, other.weight_lo, (a[0], b[0]))
+        wsum, wsum_lo, rest_ws = _add(self.wsum, self.wsum_lo, other.wsum, other.wsum_lo, (a[1], b[1]))
+        total, total_lo, rest_t = _add(self.total, self.total_lo, other.total, other.total_lo, (a[2], b[2]))
         return _new(
             Summary,
             (
@@ -204,14 +204,14 @@ class Summary(NamedTuple):
         if len(rest_flat):
             sizes = [int(f) for f in rest_flat[:3]]
             if len(sizes) != 3 or min(sizes) < 0 or 3 + sum(sizes) != len(rest_flat):
-                raise ValueError(f"a Summary's rest is (len_w, len_ws, len_t, *components), got {len(rest_flat)} floats")
+                raise ValueError(f"a Summary's rest is (len_w, len_ws, len_t, *parts), got {len(rest_flat)} floats")
             start = 3
             parts = []
             for size in sizes:
                 parts.append(tuple(float(f) for f in rest_flat[start : start + size]))
                 start += size
             rest = tuple(parts)
-        return Summary(int(fields[0]), *(float(f) for f in fields[1:]), rest)  # type: ignore[arg-type]
+        return _new(Summary, (int(fields[0]), *(float(f) for f in fields[1:]), rest))
 
     def _parts(self, which: int) -> tuple[float, ...]:
         """The components of weight (0), wsum (1) or total (2)."""
@@ -235,9 +235,12 @@ def _split(parts: tuple[float, ...]) -> tuple[float, float, tuple[float, ...]]:
 
 
 def _add(
-    a: float, a_lo: float, a_rest: tuple[float, ...], b: float, b_lo: float, b_rest: tuple[float, ...]
+    a: float, a_lo: float, b: float, b_lo: float, rests: tuple[tuple[float, ...], tuple[float, ...]]
 ) -> tuple[float, float, tuple[float, ...]]:
-    """The components of the sum of two exact sums, by TwoSum in the common case of one component each."""
+    """The components of the sum of two exact sums ``(a, a_lo, *rests[0])`` and ``(b, b_lo, *rests[1])``.
+
+    TwoSum in the common case of one component each.
+    """
     if a_lo == 0.0 and b_lo == 0.0:  # one component each (lo == 0 leaves nothing in rest)
         hi = a + b
         if hi - hi == 0.0:  # finite: TwoSum gives the exact remainder, so (hi, lo) is already canonical
@@ -245,7 +248,7 @@ def _add(
             return hi, (a - (hi - bb)) + (b - bb), ()
         if a - a != 0.0 or b - b != 0.0:  # non-finite data: IEEE
             return hi, 0.0, ()
-    return _split(exact.add((a, a_lo, *a_rest), (b, b_lo, *b_rest)))
+    return _split(exact.add((a, a_lo, *rests[0]), (b, b_lo, *rests[1])))
 
 
 def _weighted_m2(
@@ -256,10 +259,8 @@ def _weighted_m2(
         return _NAN
     if weight[0] == 0.0:
         return 0.0
-    if -_MAX < wsum[0] < _MAX and weight[0] < _MAX:
-        mean = wsum[0] / weight[0]  # within an ulp of the exact mean: plenty for the second pass
-    else:
-        mean = exact.divide(wsum, weight)
+    # Within the range one division is within an ulp of the exact mean: plenty for the second pass.
+    mean = wsum[0] / weight[0] if -_MAX < wsum[0] < _MAX and weight[0] < _MAX else exact.divide(wsum, weight)
     if mean - mean != 0.0:  # a product w·x overflowed: so does the second moment
         return _INF
     # Zero weights are skipped: 0 * inf would be NaN where x - mean overflows.
@@ -299,10 +300,10 @@ def _between_robust(a: Summary, b: Summary) -> float:
 
 
 def _mean_dd(s: Summary) -> tuple[float, float]:
-    """The mean as a double-double (approximate beyond 106 bits), for Chan's delta."""
-    if s.rest:
-        return s.mean(), 0.0
-    return _dd_div(s.wsum, s.wsum_lo, s.weight, s.weight_lo)
+    """The mean as a double-double (to ~2**-100, which ``rest`` cannot change), for Chan's delta."""
+    if -_MAX < s.wsum < _MAX and s.weight < _MAX:
+        return _dd_div(s.wsum, s.wsum_lo, s.weight, s.weight_lo)
+    return s.mean(), 0.0  # beyond the double range, hi and lo say little: the exact mean
 
 
 _SPLIT = 134217729.0  # 2**27 + 1, Dekker's splitter for float64

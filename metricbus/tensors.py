@@ -110,16 +110,11 @@ class DeviceStates:
         """The metrics that hold device state."""
         return sorted({n for states in (self._states, *self._done.values()) for n in states})
 
-    def take_all(
-        self, *, index: int, nan_of: dict[str, str]
-    ) -> tuple[dict[int, dict[str, Summary]], dict[str, MetricValueError]]:
-        """Every update's Summaries with ONE device-to-host copy, and per metric the error that rejects it; reset.
-
-        ``index`` is the number of the current (last) update.
-        """
+    def take_all(self, *, nan_of: dict[str, str]) -> tuple[dict[int, dict[str, Summary]], dict[str, MetricValueError]]:
+        """Every finished update's Summaries with ONE device-to-host copy, and per metric the error that rejects
+        it; reset. The caller ends the current update first."""
         import torch
 
-        self.end_update(index)
         done, self._done = self._done, {}
         keys = [(u, name) for u in sorted(done) for name in done[u]]
         if not keys:

@@ -98,3 +98,55 @@ def count_worker(rank: int, size: int, port: int, out: Any) -> None:
         out.put((rank, result))
     finally:
         tdist.destroy_process_group()
+
+
+def collision_worker(rank: int, size: int, port: int, out: Any) -> None:
+    """Rank 0 logs 'x' as [mean, max] (emits x/mean), rank 1 a plain 'x/mean': every rank must raise."""
+    _init(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch")
+        if rank == 0:
+            bus.log("x", 1.0, agg=["mean", "max"])
+        else:
+            bus.log("x/mean", 2.0)
+        try:
+            bus.commit()
+            out.put((rank, "no error"))
+        except DistributedError as exc:
+            out.put((rank, str(exc)))
+        bus.close()
+    finally:
+        tdist.destroy_process_group()
+
+
+def adopt_worker(rank: int, size: int, port: int, out: Any) -> None:
+    """Rank 0 declares 'x' as sum; rank 1 logs it with only the default: both use sum."""
+    _init(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch")
+        bus.log("x", float(rank + 1), agg="sum" if rank == 0 else None)
+        first = bus.commit()
+        bus.log("x", 10.0)
+        out.put((rank, (first, bus.commit(), str(bus.spec_of("x")))))
+        bus.close()
+    finally:
+        tdist.destroy_process_group()
+
+
+def updates_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
+    rank: int, size: int, port: int, plan: Any, journal: str, out: Any
+) -> None:
+    """Log this rank's share of ``plan`` (steps x updates x micro-batches of (name, value, weight)); commit."""
+    from tests.update_plan import log_rank
+
+    _init(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch", journal=journal, rules=plan["rules"])
+        rows = []
+        for step in range(len(plan["steps"])):
+            log_rank(bus, plan, step=step, rank=rank)
+            rows.append(bus.commit(step=step))
+        bus.close()
+        out.put((rank, rows))
+    finally:
+        tdist.destroy_process_group()

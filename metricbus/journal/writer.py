@@ -66,7 +66,7 @@ class JournalWriter:
         new: list[list[Any]] = []
         flat: list[float] = [step, 0]
         rests: list[tuple[int, tuple[float, ...]]] = []
-        fields, append, extend = SUMMARY_FIELDS, flat.append, flat.extend
+        fields = SUMMARY_FIELDS
         n = 0
         for rank, partial in entries:
             for name, spec, summary in partial.entries:
@@ -76,9 +76,9 @@ class JournalWriter:
                     self._next_id += 1
                     ids[name] = known
                     new.append([known[0], name, spec_to_json(spec)])
-                append(rank)
-                append(known[0])
-                extend(fields(summary))
+                flat.append(rank)
+                flat.append(known[0])
+                flat.extend(fields(summary))
                 if summary.rest:  # a field read: the common entry has none, and pays no call
                     rests.append((n, summary.rest_flat()))
                 n += 1
