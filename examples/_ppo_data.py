@@ -78,20 +78,18 @@ def mini_batch(*, update: int, seed: int, shape: Shape) -> MiniBatch:
     """The mini-batch of optimizer update number ``update`` (counted over the whole run): a function of
     (seed, update, shape) only."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + update)
+    n, longest = shape.batch, shape.max_len
+    lengths = torch.randint(shape.min_len, longest + 1, (n,), generator=gen).tolist()
+    follow = torch.where(torch.rand(n, generator=gen) < 0.5, 0.9, 0.1)  # a good or a bad response
+    hit = (torch.rand(n, longest, generator=gen) < follow[:, None]).tolist()
+    draws = torch.randint(0, shape.vocab, (n, longest + 1), generator=gen).tolist()
     sequences, rewards, noise = [], [], []
-    for _ in range(shape.batch):
-        length = int(torch.randint(shape.min_len, shape.max_len + 1, (1,), generator=gen))
-        follow = 0.9 if torch.rand((), generator=gen) < 0.5 else 0.1  # a good or a bad response
-        tokens = [int(torch.randint(0, shape.vocab, (1,), generator=gen))]
-        hits = 0
-        for _ in range(length):
-            if torch.rand((), generator=gen) < follow:
-                tokens.append((tokens[-1] + 1) % shape.vocab)
-                hits += 1
-            else:
-                tokens.append(int(torch.randint(0, shape.vocab, (1,), generator=gen)))
+    for i, length in enumerate(lengths):
+        tokens = [draws[i][0]]  # the prompt token
+        for t in range(length):  # follow the pattern, or a random token
+            tokens.append((tokens[-1] + 1) % shape.vocab if hit[i][t] else draws[i][t + 1])
         sequences.append(torch.tensor(tokens))
-        rewards.append(hits / length)
+        rewards.append(sum(hit[i][:length]) / length)
         noise.append(0.15 * torch.randn(length, generator=gen, dtype=DTYPE))
     reward = torch.tensor(rewards, dtype=DTYPE)
     advantages = (reward - reward.mean()) / (reward.std() + 1e-6)  # GRPO-style group normalization

@@ -48,12 +48,12 @@ import sys
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 from typing import Any
 
 for _key, _value in (("MLFLOW_DISABLE_TELEMETRY", "true"), ("DO_NOT_TRACK", "true"), ("WANDB_MODE", "offline"),
-                     ("WANDB_SILENT", "true")):  # before any backend is imported, here or in the workers
+                     ("WANDB_SILENT", "true"), ("MLFLOW_LOGGING_LEVEL", "WARNING")):  # before any backend import
     os.environ.setdefault(_key, _value)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,10 +72,10 @@ LAYOUTS = "1x1x1,2x2x2,2x4x2,4x2x2"
 CLIP = 0.2
 KL_COEF = 0.3  # verl's use_kl_loss / kl_loss_coef with kl_loss_type=low_var_kl: keeps the policy from collapsing
 PRE_SCALED = Agg(micro="sum", update="mean", rank="mean")  # sum an update's micro-batches, mean updates and ranks
-NAIVE = {  # name -> (spec, the factor it is off by, as a function of (R, M, K))
-    "naive_mean/pg_loss": ("mean", lambda r, m, k: 1 / m),
-    "naive_sum/pg_loss": (Agg(micro="sum", update="mean", rank="sum", step="mean"), lambda r, m, k: r),
-    "naive_step_sum/pg_loss": (Agg(micro="sum", update="sum", rank="mean"), lambda r, m, k: k),
+NAIVE = {  # name -> (spec, the factor it is off by as a function of (R, M, K), that factor's name)
+    "naive_mean/pg_loss": ("mean", lambda r, m, k: 1 / m, "1/M"),
+    "naive_sum/pg_loss": (Agg(micro="sum", update="mean", rank="sum", step="mean"), lambda r, m, k: r, "R"),
+    "naive_step_sum/pg_loss": (Agg(micro="sum", update="sum", rank="mean"), lambda r, m, k: k, "K"),
 }
 COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
             "response_length/mean", "response_length/max", "response_length/min", "batch/tokens")
@@ -264,7 +264,7 @@ def log_micro_batch(bus: MetricBus, batch: Batch, stats: dict[str, float]) -> No
         bus.log(f"actor/{name}", stats[name], weight=n, agg="mean")
     bus.log("response_length", batch.lengths.to(DTYPE), agg=["mean", "max", "min"])
     bus.log("batch/tokens", float(n), agg="sum")
-    for name, (spec, _) in NAIVE.items():
+    for name, (spec, _, _) in NAIVE.items():
         bus.log(name, stats["pg_loss"], agg=spec)
     bus.log("naive/pg_clipfrac", stats["pg_clipfrac"], agg="mean")  # mean of micro-batch means
 
@@ -362,66 +362,68 @@ def _ratio(a: list[float], b: list[float]) -> float:
 
 def compare_table(results: dict[Layout, Rows]) -> tuple[str, bool]:
     """The comparison table against the first layout, and whether metricbus agreed everywhere."""
-    ref_layout, ref = next(iter(results.items()))
-    naive_heads = "".join(f" | {name.split('/')[0]:>14} {'ratio':>7} {want:>4}"
-                          for name, want in zip(NAIVE, ("1/M", "R", "K"), strict=True))
-    head = (f"{'layout':>6} | {'pg_loss last':>13} {'rel dev':>8} | {'all metrics':>11}{naive_heads}"
-            f" | {'naive/pg_clipfrac dev':>21}")
+    ref = next(iter(results.values()))
+    naive = "".join(f" | {name.split('/')[0]:>14} {label:>3}" for name, (_, _, label) in NAIVE.items())
+    head = f"{'layout':>6} | {'pg_loss (last)':>14} {'max rel dev':>11} | {'9 metrics':>9}{naive} | naive clipfrac"
     lines = [head, "-" * len(head)]
     ok = True
     for layout, rows in results.items():
         if len(rows) != len(ref):
-            raise AssertionError(f"layout {layout} emitted {len(rows)} rows, {ref_layout} {len(ref)}")
+            raise AssertionError(f"layout {layout} emitted {len(rows)} rows, the first layout {len(ref)}")
         devs = {name: _max_rel(_series(rows, name), _series(ref, name)) for name in COMPARED}
         ok = ok and max(devs.values()) <= AGREE_REL
         loss = _series(rows, "actor/pg_loss")
-        cells = []
-        for name, (_, factor) in NAIVE.items():
-            want = factor(layout.ranks, layout.micro, layout.updates)
-            cells.append(f" | {_series(rows, name)[-1]:>14.9f} {_ratio(_series(rows, name), loss):>7.4f} "
-                         f"{want:>4.3g}")
+        cells = "".join(f" | {_ratio(_series(rows, name), loss):>14.4f} {factor(*astuple(layout)):>3.3g}"
+                        for name, (_, factor, _) in NAIVE.items())
         clip_dev = _max_rel(_series(rows, "naive/pg_clipfrac"), _series(ref, "actor/pg_clipfrac"))
-        lines.append(f"{layout!s:>6} | {loss[-1]:>13.9f} {devs['actor/pg_loss']:>8.1e} | "
-                     f"{max(devs.values()):>11.1e}{''.join(cells)} | {clip_dev:>21.1e}")
+        lines.append(f"{layout!s:>6} | {loss[-1]:>14.9f} {devs['actor/pg_loss']:>11.1e} | "
+                     f"{max(devs.values()):>9.1e}{cells} | {clip_dev:>14.1e}")
     return "\n".join(lines), ok
 
 
 def plot(results: dict[Layout, Rows], path: Path, *, updates_per_row: int) -> None:
-    """Small multiples (PNG): one column per layout; pg_loss and pg_clipfrac, metricbus vs the naive rules."""
+    """Small multiples (PNG), one column per layout: pg_loss, naive / metricbus, clip fraction."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n = len(results)
-    fig, axes = plt.subplots(2, n, figsize=(3.6 * n + 1, 6.5), sharex=True, sharey="row", squeeze=False)
-    styles = {"naive_mean/pg_loss": ("tab:blue", "--"), "naive_sum/pg_loss": ("tab:orange", "--"),
-              "naive_step_sum/pg_loss": ("tab:green", ":")}
+    fig, axes = plt.subplots(3, n, figsize=(3.6 * n + 1, 9), sharex=True, sharey="row", squeeze=False)
+    styles = {"naive_mean/pg_loss": ("tab:blue", "--", 2.2), "naive_sum/pg_loss": ("tab:orange", "--", 2.2),
+              "naive_step_sum/pg_loss": ("tab:green", ":", 1.2)}  # equal factors: the thin line over the thick
     for col, (layout, rows) in enumerate(results.items()):
         x = [(i + 1) * updates_per_row for i in range(len(rows))]
-        top, bottom = axes[0, col], axes[1, col]
-        for name, (color, style) in styles.items():
-            factor = NAIVE[name][1](layout.ranks, layout.micro, layout.updates)
-            top.plot(x, _series(rows, name), color=color, ls=style, lw=1,
-                     label=f"{name} (x{factor:.3g} here)" if col == 0 else f"x{factor:.3g}")
-        top.plot(x, _series(rows, "actor/pg_loss"), color="black", lw=1.4, label="metricbus actor/pg_loss")
+        loss = _series(rows, "actor/pg_loss")
+        top, mid, bottom = axes[:, col]
+        top.plot(x, loss, color="black", lw=2, label="metricbus actor/pg_loss")
+        for name, (color, style, width) in styles.items():
+            factor = NAIVE[name][1](*astuple(layout))
+            label = f"{name if col == 0 else name.split('/')[0]} (x{factor:.3g})"
+            series = _series(rows, name)
+            top.plot(x, series, color=color, ls=style, lw=width / 2, label=label)
+            mid.plot(x, [a / b for a, b in zip(series, loss, strict=True)], color=color, ls=style, lw=width,
+                     label=label)
+        bottom.plot(x, _series(rows, "actor/pg_clipfrac"), color="black", lw=2,
+                    label="metricbus actor/pg_clipfrac (token-weighted)")
         bottom.plot(x, _series(rows, "naive/pg_clipfrac"), color="tab:red", ls="--", lw=1,
                     label="naive/pg_clipfrac (mean of micro-batch means)")
-        bottom.plot(x, _series(rows, "actor/pg_clipfrac"), color="black", lw=1.4,
-                    label="metricbus actor/pg_clipfrac (token-weighted)")
-        top.set_title(f"{layout}: R={layout.ranks} ranks, M={layout.micro}, K={layout.updates}", fontsize=9)
+        top.set_title(f"{layout}: R={layout.ranks} ranks, M={layout.micro} micro, K={layout.updates} updates",
+                      fontsize=9)
         bottom.set_xlabel("optimizer updates")
-        for ax in (top, bottom):
+        for ax in (top, mid, bottom):
             ax.grid(alpha=0.3)
-        top.legend(fontsize=7, loc="upper right")
-    axes[0, 0].set_ylabel("pg_loss (per-token, step mean)")
-    axes[1, 0].set_ylabel("clip fraction")
-    axes[1, 0].legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"Same {updates_per_row * len(next(iter(results.values())))} updates for every layout "
-                 f"RxMxK; one point = {updates_per_row} updates. Black: metricbus (identical in every column); "
-                 "dashed: naive rules", fontsize=10)
+        top.legend(fontsize=7, loc="upper left")
+    axes[1, 0].set_yscale("log", base=2)
+    axes[0, 0].set_ylabel("pg_loss (per token, mean over updates)")
+    axes[1, 0].set_ylabel("naive / metricbus pg_loss")
+    axes[2, 0].set_ylabel("clip fraction")
+    axes[2, 0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"The same {updates_per_row * len(next(iter(results.values())))} optimizer updates under every "
+                 f"layout RxMxK, one point per {updates_per_row} updates. Black: metricbus, identical in every "
+                 "column; colours: naive rules", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
@@ -448,10 +450,49 @@ def how_to_look(out: Path, config: dict[str, Any]) -> list[str]:
     return lines
 
 
+def train_layouts(layouts: list[Layout], args: argparse.Namespace, config: dict[str, Any]) -> dict[Layout, Rows]:
+    """Train every layout in turn (the first with the config's adapters); with ``--compare`` each emitted row covers
+    the same lcm(K) updates: ``log_every = lcm(K) / K``."""
+    per_row = math.lcm(*(layout.updates for layout in layouts)) if args.compare else None
+    results: dict[Layout, Rows] = {}
+    for i, layout in enumerate(layouts):
+        window = None if per_row is None else per_row // layout.updates
+        steps = args.steps * (window or 1)
+        folder = args.out / "layouts" / str(layout)
+        where = "the config's adapters" if i == 0 else f"{folder / 'metrics.jsonl'}"
+        print(f"== {layout}: R={layout.ranks} x M={layout.micro} x K={layout.updates} updates/step, {steps} steps"
+              f"{f', log_every {window}' if window and window > 1 else ''} -> {where}",
+              end="\n" if i == 0 else "", flush=True)
+        job = Job(layout=layout, steps=steps, log_every=window, seed=args.seed, lr=args.lr, out=str(folder),
+                  config=config if i == 0 else None, console_every=args.console_every, port=free_port(),
+                  shape=Shape(batch=args.batch, max_len=args.max_len))
+        t0 = time.perf_counter()
+        results[layout] = run_layout(job)
+        print(f"{'== ' + str(layout) + ' done in' if i == 0 else ':'} {time.perf_counter() - t0:.1f} s", flush=True)
+    return results
+
+
+def report_compare(results: dict[Layout, Rows], out: Path) -> bool:
+    """Print the table, write the plot; True if metricbus agreed across layouts."""
+    table, ok = compare_table(results)
+    ref, rows = next(iter(results.items()))
+    per_row = math.lcm(*(layout.updates for layout in results))
+    print(f"\nAll layouts trained on the same {per_row * len(rows)} mini-batches; one row = {per_row} updates. "
+          f"Against {ref}, over {len(rows)} rows:")
+    print(table)
+    print(f"metricbus agrees with {ref} to rel {AGREE_REL:g} on all 9 metrics (pg_loss, kl_loss, pg_clipfrac, ppo_kl, "
+          f"entropy, lengths, tokens): {'YES' if ok else 'NO'}")
+    print("naive_*: median over rows of naive / metricbus pg_loss, then the predicted factor; clipfrac: max rel dev")
+    png = out / "compare.png"
+    plot(results, png, updates_per_row=per_row)
+    print(f"Plot: {png}   Rows: {out}/layouts/<RxMxK>/values.json")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, train one layout or compare several, print the results."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=150, help="steps of the layout with the most updates per step")
+    parser.add_argument("--steps", type=int, default=100, help="steps (--compare: of the layouts with the largest K)")
     parser.add_argument("--ranks", type=int, default=2, help="data-parallel gloo processes (R)")
     parser.add_argument("--micro", type=int, default=2, help="gradient-accumulation micro-batches per rank (M)")
     parser.add_argument("--updates", type=int, default=2, help="optimizer updates (mini-batches) per step (K)")
@@ -465,6 +506,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=48)
     parser.add_argument("--console-every", type=int, default=25, help="console: every N-th row (1: all)")
     args = parser.parse_args(argv)
+    try:
+        items = args.layouts.split(",") if args.compare else [f"{args.ranks}x{args.micro}x{args.updates}"]
+        layouts = [Layout.parse(item, updates=args.updates) for item in items]
+    except ValueError as exc:
+        parser.error(str(exc))
+    for layout in layouts:
+        if args.batch % (layout.ranks * layout.micro):
+            parser.error(f"--batch {args.batch} does not split into layout {layout} (R*M must divide it)")
 
     out: Path = args.out
     if (out / MARKER).exists():  # a folder this script made before: start clean (backends append otherwise)
@@ -472,64 +521,22 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("written by examples/ppo_grad_accum.py; rerunning into this folder replaces it\n")
     config = load_config(args.config, out)
-    shape = Shape(batch=args.batch, max_len=args.max_len)
-    try:
-        if args.compare:
-            layouts = [Layout.parse(item, updates=args.updates) for item in args.layouts.split(",")]
-        else:
-            layouts = [Layout(args.ranks, args.micro, args.updates)]
-    except ValueError as exc:
-        parser.error(str(exc))
-    for layout in layouts:
-        if shape.batch % (layout.ranks * layout.micro):
-            parser.error(f"--batch {shape.batch} does not split into layout {layout} (R*M must divide it)")
-    per_row = math.lcm(*(layout.updates for layout in layouts))  # updates in one emitted row (compare)
-
-    print(f"PPO + KL to the reference policy; mini-batches of {shape.batch} sequences of {shape.min_len}.."
-          f"{shape.max_len} response tokens, float64, rank exchange: metricbus.dist (dist='torch')")
-    results: dict[Layout, Rows] = {}
+    print(f"PPO + KL loss to a reference policy, float64; {args.batch} sequences of 4..{args.max_len} tokens per "
+          "mini-batch; R ranks x M micro-batches x K updates per step")
     started = time.perf_counter()
-    for i, layout in enumerate(layouts):
-        first = i == 0
-        folder = out / "layouts" / str(layout)
-        window = per_row // layout.updates if args.compare else None
-        steps = args.steps * window if window is not None else args.steps
-        where = "the config's adapters" if first else f"{folder / 'metrics.jsonl'} only"
-        every = f", log_every {window}" if window and window > 1 else ""
-        print(f"== layout {layout}: {layout.ranks} rank(s) x {layout.micro} micro-batch(es) x {layout.updates} "
-              f"update(s) per step, {steps} steps{every}; writing to {where}", flush=True)
-        job = Job(layout=layout, steps=steps, log_every=window, seed=args.seed, lr=args.lr, out=str(folder),
-                  config=config if first else None, console_every=args.console_every, port=free_port(),
-                  shape=shape)
-        t0 = time.perf_counter()
-        results[layout] = run_layout(job)
-        print(f"== layout {layout} done in {time.perf_counter() - t0:.1f} s", flush=True)
-
-    first_rows = results[layouts[0]]
-    if not first_rows:
+    results = train_layouts(layouts, args, config)
+    rows = results[layouts[0]]
+    if not rows:
         print("nothing was emitted", file=sys.stderr)
         return 1
-    ok = True
-    if args.compare:
-        table, ok = compare_table(results)
-        print(f"\nEvery layout trained on the same {per_row * len(first_rows)} mini-batches; one row = {per_row} "
-              f"update(s). Compared with {layouts[0]} (last row; max rel dev over all {len(first_rows)} rows):")
-        print(table)
-        print(f"metricbus agrees with {layouts[0]} to rel {AGREE_REL:g} on {', '.join(COMPARED)}: "
-              f"{'YES' if ok else 'NO'}")
-        print("ratio = median over rows of naive / metricbus pg_loss; it is exactly 1/M, R, K (the columns after it).")
-        png = out / "compare.png"
-        plot(results, png, updates_per_row=per_row)
-        print(f"Plot: {png}   Rows per layout: {out}/layouts/<RxMxK>/values.json")
-    else:
-        step, last = first_rows[-1]
-        print(f"\nLast step {step}:")
-        for key, value in last.items():
+    ok = report_compare(results, out) if args.compare else True
+    if not args.compare:
+        print(f"\nLast step {rows[-1][0]}:")
+        for key, value in rows[-1][1].items():
             print(f"  {key:<24} {value:.10g}")
-    entropy = _series(first_rows, "actor/entropy")
-    print(f"Policy entropy {entropy[0]:.3f} -> {entropy[-1]:.3f} nats/token (uniform: {math.log(shape.vocab):.3f}); "
-          f"KL loss to the reference at the end {first_rows[-1][1]['actor/kl_loss']:.3f} (coef {KL_COEF})")
-    print(f"Total {time.perf_counter() - started:.1f} s.")
+    entropy = _series(rows, "actor/entropy")
+    print(f"Policy entropy {entropy[0]:.3f} -> {entropy[-1]:.3f} nats/token (uniform {math.log(Shape.vocab):.3f}), "
+          f"KL loss to the reference {rows[-1][1]['actor/kl_loss']:.3f}. Total {time.perf_counter() - started:.1f} s.")
     print("\n".join(how_to_look(out, config)))
     return 0 if ok else 1
 

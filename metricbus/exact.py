@@ -141,8 +141,8 @@ def _product_error(w: float, x: float, p: float) -> float:
 
 def _ratio(parts: Sequence[float]) -> tuple[int, int]:
     """The exact sum of finite ``parts`` as ``(numerator, denominator)``, the denominator a power of two."""
-    num, den = 0, 1
-    for x in parts:
+    num, den = parts[0].as_integer_ratio()
+    for x in parts[1:]:
         n, d = x.as_integer_ratio()
         if d > den:
             num = num * (d // den) + n

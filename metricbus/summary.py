@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import NamedTuple
 
 from metricbus import exact
@@ -69,6 +70,8 @@ class Summary(NamedTuple):
     def of_batch(values: list[float], weights: list[float] | None) -> Summary:
         """Summarise records (``weights`` None means weight 1 each). ``values`` must be non-empty."""
         n = len(values)
+        if weights is not None and weights.count(1.0) == n:  # unit weights (a metric that got a weight later)
+            weights = None
         if weights is None:
             if n == 1:
                 return Summary.of_value(values[0])
@@ -215,17 +218,16 @@ class Summary(NamedTuple):
 
     def _parts(self, which: int) -> tuple[float, ...]:
         """The components of weight (0), wsum (1) or total (2)."""
-        rest = self.rest[which] if self.rest else ()
-        if which == 0:
-            return (self.weight, self.weight_lo, *rest)
-        if which == 1:
-            return (self.wsum, self.wsum_lo, *rest)
-        return (self.total, self.total_lo, *rest)
+        hi, lo = _HI_LO[which](self)
+        if lo == 0.0:  # lo == 0 leaves nothing in rest
+            return (hi,)
+        return (hi, lo, *self.rest[which]) if self.rest else (hi, lo)
 
 
 N_FIELDS = 12
 EMPTY = Summary()
 _NO_REST: Rest = ((), (), ())
+_HI_LO = (attrgetter("weight", "weight_lo"), attrgetter("wsum", "wsum_lo"), attrgetter("total", "total_lo"))
 _new = tuple.__new__  # builds a Summary from a ready tuple without NamedTuple's argument parsing
 
 

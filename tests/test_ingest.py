@@ -120,8 +120,8 @@ def test_ingested_partials_apply_to_the_next_commit_only() -> None:
 
 
 def test_ingest_with_a_different_spec_names_both() -> None:
-    """A partial whose spec differs from the driver's is a SpecError naming both; nothing is lost."""
-    d = bus()
+    """A partial whose spec differs from the driver's rule is a SpecError naming both; nothing is lost."""
+    d = bus(rules={"a": "mean"})
     d.log("a", 3.0)
     with pytest.raises(SpecError) as info:
         d.ingest([worker_partial({"a": [1.0]}, rules={"a": "sum"})])

@@ -147,9 +147,9 @@ def test_any_commits_round_trip(tmp_path_factory: pytest.TempPathFactory, commit
 
 
 def write_format1(path: Path, commits: list[tuple[int, list[tuple[int, str, Summary]]]]) -> None:
-    """A format-1 file, byte for byte as metricbus 0.x wrote it: four-level chains, "S" frames only."""
+    """A format-1 file, byte for byte as metricbus 0.1 wrote it: four-level chains, "S" frames only."""
     names = {"loss": 0, "tokens": 1}
-    header = {"format": 1, "metricbus": "0.4.0", "rank": 0, "run": {"project": "old", "name": None, "tags": [],
+    header = {"format": 1, "metricbus": "0.1.0", "rank": 0, "run": {"project": "old", "name": None, "tags": [],
               "config": {}, "start_time_unix_ns": 9}, "rules": [["loss", {"chains": [["mean"] * 3 + [""]],
               "nan": None}]], "log_every": 1}
     table = [[0, "loss", {"chains": [["mean", "mean", "mean", ""]], "nan": None}],

@@ -96,16 +96,15 @@ def test_multi_rank_gloo_replay_equals_live_bitwise(tmp_path: Path) -> None:
 
 def test_per_rank_files_merge_in_rank_order(tmp_path: Path) -> None:
     """Two rank files, each with its own partials (as torch.distributed ranks write), replay like one controller."""
-    from types import SimpleNamespace
-
+    from metricbus.adapter import RunInfo
     from metricbus.journal import open_journal
     from metricbus.rules import Rules
 
-    def fake_bus(rank: int) -> SimpleNamespace:
-        return SimpleNamespace(_ranks=SimpleNamespace(rank=rank), run=MetricBus(dist=None).run, _rules=Rules(RULES),
-                               _log_every=3)
-
-    writers = [open_journal(path=str(tmp_path / "ranks"), fsync="never", bus=fake_bus(r)) for r in (0, 1)]
+    writers = [
+        open_journal(path=str(tmp_path / "ranks"), fsync="never", rank=r, run=RunInfo(), rules=Rules(RULES).items(),
+                     log_every=3)
+        for r in (0, 1)
+    ]
     workers = [MetricBus(dist=None, rules=RULES) for _ in writers]
     live = MemoryAdapter()
     with MetricBus(dist=None, rules=RULES, adapters=[live], strict=True, log_every=3) as controller:
