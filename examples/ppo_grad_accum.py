@@ -363,7 +363,7 @@ def _ratio(a: list[float], b: list[float]) -> float:
 def compare_table(results: dict[Layout, Rows]) -> tuple[str, bool]:
     """The comparison table against the first layout, and whether metricbus agreed everywhere."""
     ref = next(iter(results.values()))
-    naive = "".join(f" | {name.split('/')[0]:>14} {label:>3}" for name, (_, _, label) in NAIVE.items())
+    naive = "".join(f" | {name.split('/')[0]:>14} {label:>4}" for name, (_, _, label) in NAIVE.items())
     head = f"{'layout':>6} | {'pg_loss (last)':>14} {'max rel dev':>11} | {'9 metrics':>9}{naive} | naive clipfrac"
     lines = [head, "-" * len(head)]
     ok = True
@@ -373,7 +373,7 @@ def compare_table(results: dict[Layout, Rows]) -> tuple[str, bool]:
         devs = {name: _max_rel(_series(rows, name), _series(ref, name)) for name in COMPARED}
         ok = ok and max(devs.values()) <= AGREE_REL
         loss = _series(rows, "actor/pg_loss")
-        cells = "".join(f" | {_ratio(_series(rows, name), loss):>14.4f} {factor(*astuple(layout)):>3.3g}"
+        cells = "".join(f" | {_ratio(_series(rows, name), loss):>14.4f} {factor(*astuple(layout)):>4.3g}"
                         for name, (_, factor, _) in NAIVE.items())
         clip_dev = _max_rel(_series(rows, "naive/pg_clipfrac"), _series(ref, "actor/pg_clipfrac"))
         lines.append(f"{layout!s:>6} | {loss[-1]:>14.9f} {devs['actor/pg_loss']:>11.1e} | "
@@ -390,8 +390,8 @@ def plot(results: dict[Layout, Rows], path: Path, *, updates_per_row: int) -> No
 
     n = len(results)
     fig, axes = plt.subplots(3, n, figsize=(3.6 * n + 1, 9), sharex=True, sharey="row", squeeze=False)
-    styles = {"naive_mean/pg_loss": ("tab:blue", "--", 2.2), "naive_sum/pg_loss": ("tab:orange", "--", 2.2),
-              "naive_step_sum/pg_loss": ("tab:green", ":", 1.2)}  # equal factors: the thin line over the thick
+    styles = {"naive_mean/pg_loss": ("tab:blue", "-", 3.6), "naive_sum/pg_loss": ("tab:orange", "--", 2.2),
+              "naive_step_sum/pg_loss": ("tab:green", ":", 1.2)}  # equal factors: each line on a wider one
     for col, (layout, rows) in enumerate(results.items()):
         x = [(i + 1) * updates_per_row for i in range(len(rows))]
         loss = _series(rows, "actor/pg_loss")
@@ -480,8 +480,8 @@ def report_compare(results: dict[Layout, Rows], out: Path) -> bool:
     print(f"\nAll layouts trained on the same {per_row * len(rows)} mini-batches; one row = {per_row} updates. "
           f"Against {ref}, over {len(rows)} rows:")
     print(table)
-    print(f"metricbus agrees with {ref} to rel {AGREE_REL:g} on all 9 metrics (pg_loss, kl_loss, pg_clipfrac, ppo_kl, "
-          f"entropy, lengths, tokens): {'YES' if ok else 'NO'}")
+    print(f"metricbus agrees with {ref} to rel {AGREE_REL:g} on all 9 metrics (losses, clipfrac, ppo_kl, entropy, "
+          f"lengths, tokens): {'YES' if ok else 'NO'}")
     print("naive_*: median over rows of naive / metricbus pg_loss, then the predicted factor; clipfrac: max rel dev")
     png = out / "compare.png"
     plot(results, png, updates_per_row=per_row)
@@ -521,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("written by examples/ppo_grad_accum.py; rerunning into this folder replaces it\n")
     config = load_config(args.config, out)
-    print(f"PPO + KL loss to a reference policy, float64; {args.batch} sequences of 4..{args.max_len} tokens per "
-          "mini-batch; R ranks x M micro-batches x K updates per step")
+    print(f"PPO + KL loss to a reference policy, float64; mini-batches of {args.batch} sequences, 4..{args.max_len} "
+          "tokens each")
     started = time.perf_counter()
     results = train_layouts(layouts, args, config)
     rows = results[layouts[0]]

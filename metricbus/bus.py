@@ -18,10 +18,10 @@ from typing import Any
 from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT
 from metricbus.adapter import Adapter, RunInfo, Status
-from metricbus.collect import Collector, Updates
+from metricbus.collect import Collector
 from metricbus.errors import ClosedError, DistributedError, MetricBusWarning, MetricTypeError, MetricValueError
 from metricbus.options import BusOptions
-from metricbus.partial import Partial
+from metricbus.partial import Partial, Updates
 from metricbus.ranks import LocalRanks, RankTransport
 from metricbus.reduce import StepReducer
 from metricbus.rules import Rules
@@ -29,6 +29,7 @@ from metricbus.sink import Sink
 from metricbus.spec import NanPolicy, Spec, SpecLike, check_nan, parse_spec
 from metricbus.spec_table import DECLARED, DEFAULT, Claim, SpecTable
 
+_NOTHING = Partial()
 CLOSE_TIMEOUT_S = 30.0  # how long close() (and the close at interpreter exit) gives the adapters to drain
 
 
@@ -212,17 +213,21 @@ class MetricBus:
             return out
 
     def _commit(self, step: int, updates: Updates) -> dict[str, float]:
-        own = self._collector.partial(updates)
+        needed = self._sink.journaled or self._ranks.collective  # else the reducer reads ``updates`` alone
+        own = self._collector.partial(updates, undeclared=False) if needed else _NOTHING
         ingested, self._ingested = self._ingested, []
         try:
-            exchange = self._ranks.exchange(own=own, ingested=ingested, table=self._table, reducer=self._reducer)
+            exchange = self._ranks.exchange(
+                own=own, own_updates=updates, ingested=ingested, table=self._table, reducer=self._reducer,
+                journaled=self._sink.journaled,
+            )
         except BaseException:
             if not self._ranks.collective:  # nothing left this process: put the records back
                 self._collector.restore(updates)
                 self._ingested = ingested + self._ingested
             raise
         self._sink.record(step=step, entries=exchange.journal)
-        self._table.seal(exchange.specs)
+        self._table.seal()
         self._last_step = step
         out = self._reducer.commit(exchange.workers, exchange.specs)
         if out is None:

@@ -15,13 +15,10 @@ from typing import Any
 
 from metricbus.accumulate import Accumulator
 from metricbus.errors import MetricTypeError, MetricValueError
-from metricbus.partial import Partial
+from metricbus.partial import Partial, Updates
 from metricbus.spec import NanPolicy, SpecLike
 from metricbus.spec_table import DEFAULT, SpecTable
-from metricbus.summary import Summary
 from metricbus.values import check_finite, is_tensor, to_values, to_weights
-
-Updates = list[dict[str, Summary]]  # per update, in order: metric -> micro-level Summary
 
 
 class Collector:
@@ -124,10 +121,7 @@ class Collector:
 
     def _end_update(self) -> None:
         """Close the current update (caller holds the lock)."""
-        update = {}
-        for name, acc in self.accs.items():
-            if acc.pending:
-                update[name] = acc.take()
+        update = {name: acc.take() for name, acc in self.accs.items() if acc.plain or acc.values or acc.state.count}
         if self._device is not None:
             self._device.end_update(len(self._done))
         self._done.append(update)
@@ -165,13 +159,16 @@ class Collector:
                 self._device.shift(len(kept))
             self._done = kept + self._done
 
-    def partial(self, updates: Updates) -> Partial:
-        """``updates`` as a Partial, each entry with the table's spec of its name."""
+    def partial(self, updates: Updates, *, undeclared: bool = True) -> Partial:
+        """``updates`` as a Partial, each entry with the table's spec of its name (``undeclared``: also say which
+        names have only the default spec, for a receiving bus; a commit here does not need it)."""
+        specs = self.table.specs
+        entries = tuple((name, specs[name], s) for update in updates for name, s in update.items())
+        if not undeclared:
+            return Partial(entries)
         table = self.table
-        entries = tuple((name, table.spec(name), s) for update in updates for name, s in update.items())
         names = {name for name, _, _ in entries}
-        undeclared = frozenset(n for n in names if (c := table.claim(n)) is None or c.origin == DEFAULT)
-        return Partial(entries, undeclared)
+        return Partial(entries, frozenset(n for n in names if (c := table.claim(n)) is None or c.origin == DEFAULT))
 
     def pending_names(self) -> set[str]:
         """The metrics with records logged since the last take (host or device, any update)."""
@@ -187,14 +184,3 @@ class Collector:
         self.fast = {}
 
 
-def merge_updates(updates: Updates) -> dict[str, list[Summary]]:
-    """``{name: [Summary of each update in which it was logged]}``."""
-    out: dict[str, list[Summary]] = {}
-    for update in updates:
-        for name, summary in update.items():
-            held = out.get(name)
-            if held is None:
-                out[name] = [summary]
-            else:
-                held.append(summary)
-    return out

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from metricbus.errors import DistributedError, MetricBusWarning, SpecError
-from metricbus.partial import Partial
+from metricbus.partial import Partial, Updates
 from metricbus.ranks import Exchange, with_specs
 from metricbus.reduce import StepReducer, WorkerStates, state_keys
 from metricbus.spec import Spec
@@ -96,7 +96,14 @@ class TorchRanks:
     # -- the protocol ------------------------------------------------------------------------------------------
 
     def exchange(
-        self, *, own: Partial, ingested: Sequence[Partial], table: SpecTable, reducer: StepReducer
+        self,
+        *,
+        own: Partial,
+        own_updates: Updates,
+        ingested: Sequence[Partial],
+        table: SpecTable,
+        reducer: StepReducer,
+        journaled: bool,
     ) -> Exchange:
         """Every rank's update-level states of this commit, in rank order; a collective every rank calls."""
         if ingested:
@@ -112,8 +119,8 @@ class TorchRanks:
             held = self._agreed.get(name)
             if claim is not None and (held is None or held.spec != claim.spec):
                 claims[name] = claim
-        mine = {} if claims else reducer.worker(own.updates(), self._specs)
-        if claims or any(s.rest for states in mine.values() for s in states.values()):
+        mine = {} if claims else reducer.worker(own_updates, self._specs)
+        if claims or any(s.rest for states in mine.values() for s in states):
             # New names (or sums too wide for the packed block): the partial itself travels in the byte gather.
             payload = pickle.dumps((claims, own), protocol=pickle.HIGHEST_PROTOCOL)
         else:
@@ -129,8 +136,8 @@ class TorchRanks:
             ]
         else:
             workers = [self._states(block) for block in blocks]
-        specs = {name: self._specs[name] for name, _, _ in own.entries}
-        return Exchange(workers, dict(self._specs), [(self.rank, with_specs(own, specs))])
+        journal = [(self.rank, with_specs(own, self._specs))] if journaled else []
+        return Exchange(workers, self._specs, journal)
 
     def any_pending(self, *, pending: bool) -> bool:
         """True if any rank has uncommitted records (one small all_reduce)."""
@@ -195,8 +202,11 @@ class TorchRanks:
         row = [float(length)]
         for name in self._names:
             held = mine.get(name)
-            for key in self._keys[name]:
-                row.extend(_EMPTY if held is None else held[key].as_tuple())
+            if held is None:
+                row.extend(_EMPTY * len(self._keys[name]))
+            else:
+                for state in held:
+                    row.extend(state.as_tuple())
         width = len(row)
         local = torch.tensor(row, dtype=torch.float64).to(self._device)
         out = torch.empty(width * self._size, dtype=torch.float64, device=self._device)
@@ -261,12 +271,10 @@ class TorchRanks:
         out: WorkerStates = {}
         pos = 1
         for name in self._names:
-            states = {}
-            for key in self._keys[name]:
-                fields = block[pos : pos + N_FIELDS]
-                pos += N_FIELDS
-                if fields[0] > 0:
-                    states[key] = Summary.from_tuple(fields)
-            if states:
-                out[name] = states
+            n = len(self._keys[name])
+            if block[pos] > 0:  # a rank that has the metric has records in every one of its states
+                out[name] = tuple(
+                    Summary.from_tuple(block[pos + i * N_FIELDS : pos + (i + 1) * N_FIELDS]) for i in range(n)
+                )
+            pos += n * N_FIELDS
         return out

@@ -86,6 +86,40 @@ def divide(num: Sequence[float], den: Sequence[float]) -> float:
         return _INF if (top < 0) == (bottom < 0) else -_INF
 
 
+def divide_by_count(hi: float, lo: float, count: float) -> float | None:
+    """The correctly rounded ``(hi + lo) / count``, or None where this quick path cannot decide (then use divide).
+
+    ``hi + lo`` is exact (no further components) and ``count`` an integer-valued double in [1, 2**26): the mean of
+    unit-weight records. Each candidate ``q`` is checked with the exact residual ``rho = hi - q·count``: ``q`` has
+    a 26-bit high half, so both partial products are exact, ``hi - q_hi·count`` is exact by Sterbenz, and ``rho``, a
+    multiple of ulp(q) below 2**27 ulps, is representable. ``q`` is the correct rounding iff ``rho + lo`` lies
+    strictly inside ``count`` times the half gaps around ``q`` (those thresholds are exact: a power of two times
+    ``count``), and a rounded ``fl(rho + lo)`` strictly inside them implies the exact value is (rounding is
+    monotone). On a threshold, an exact ``rho + lo`` (TwoSum error 0) is a tie: the even neighbour wins.
+    """
+    if not (1.0 <= count < _COUNT_LIMIT and count.is_integer()):
+        return None
+    q = hi / count
+    for _ in range(2):
+        if not _QUOTIENT_LOW < abs(q) < _QUOTIENT_HIGH:
+            return None
+        c = _SPLIT * q
+        q_hi = c - (c - q)
+        rho = (hi - q_hi * count) - (q - q_hi) * count
+        off = rho + lo
+        above, below = math.nextafter(q, _INF), math.nextafter(q, -_INF)
+        up, down = (above - q) * 0.5 * count, (below - q) * 0.5 * count
+        if down < off < up:
+            return q
+        if off in (up, down):
+            bb = off - rho
+            if (rho - (off - bb)) + (lo - bb) == 0.0:  # off is exact: a tie, rounded to even
+                even = math.frexp(q)[0] * _TWO_53 % 2.0 == 0.0
+                return q if even else (above if off == up else below)
+        q += off / count
+    return None
+
+
 def products(weights: Sequence[float], values: Sequence[float]) -> list[float]:
     """Doubles whose exact sum is ``Σ (p_i + e_i)``, with ``p_i = fl(w_i·x_i)`` and ``e_i = fl(w_i·x_i - p_i)``.
 
@@ -113,6 +147,10 @@ _SPLIT = 134217729.0  # 2**27 + 1
 _BIG_FACTOR = 2.0**995
 _BIG_PRODUCT = 2.0**1020
 _TINY_PRODUCT = 2.0**-960
+_COUNT_LIMIT = 2.0**26
+_QUOTIENT_LOW = 2.0**-960  # no gap, partial product or threshold of divide_by_count underflows ...
+_QUOTIENT_HIGH = 2.0**900  # ... or overflows
+_TWO_53 = 2.0**53
 
 
 def _dekker_errors(weights: Sequence[float], values: Sequence[float], ps: Sequence[float]) -> list[float]:

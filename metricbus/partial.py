@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from metricbus.spec import Spec
 from metricbus.summary import Summary
 
+Updates = list[dict[str, Summary]]  # per optimizer update, in order: metric -> micro-level Summary
+
 
 @dataclass(frozen=True, slots=True)
 class Partial:
@@ -27,13 +29,12 @@ class Partial:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def updates(self) -> dict[str, list[Summary]]:
-        """``{name: [Summary of each update, in order]}``."""
-        out: dict[str, list[Summary]] = {}
+    def updates(self) -> Updates:
+        """The entries as updates: a new update starts where a name repeats (each name's order is kept, which is
+        all the reduction reads)."""
+        out: Updates = [{}]
         for name, _, summary in self.entries:
-            held = out.get(name)
-            if held is None:
-                out[name] = [summary]
-            else:
-                held.append(summary)
-        return out
+            if name in out[-1]:
+                out.append({})
+            out[-1][name] = summary
+        return out if out[0] else []

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from metricbus.partial import Partial
+from metricbus.partial import Partial, Updates
 from metricbus.reduce import StepReducer, WorkerStates
 from metricbus.spec import Spec
 from metricbus.spec_table import SpecTable
@@ -22,8 +22,8 @@ class Exchange:
     """One commit's rank level input: workers' states in rank order, their specs, and the journal's entries."""
 
     workers: list[WorkerStates]
-    specs: dict[str, Spec]
-    journal: list[tuple[int, Partial]]  # (worker rank, its partial with the agreed specs)
+    specs: dict[str, Spec]  # read only
+    journal: list[tuple[int, Partial]]  # (worker rank, its partial with the agreed specs); [] if not journaled
 
 
 class RankTransport(Protocol):
@@ -34,7 +34,14 @@ class RankTransport(Protocol):
     collective: bool  # True: exchange/any_pending are collectives that every participant must call together
 
     def exchange(
-        self, *, own: Partial, ingested: Sequence[Partial], table: SpecTable, reducer: StepReducer
+        self,
+        *,
+        own: Partial,
+        own_updates: Updates,
+        ingested: Sequence[Partial],
+        table: SpecTable,
+        reducer: StepReducer,
+        journaled: bool,
     ) -> Exchange:
         """Every worker's states of this commit, in rank order."""
 
@@ -66,13 +73,20 @@ class LocalRanks:
     collective = False
 
     def exchange(
-        self, *, own: Partial, ingested: Sequence[Partial], table: SpecTable, reducer: StepReducer
+        self,
+        *,
+        own: Partial,
+        own_updates: Updates,
+        ingested: Sequence[Partial],
+        table: SpecTable,
+        reducer: StepReducer,
+        journaled: bool,
     ) -> Exchange:
         """``[*ingested, own]``, each reduced to its update-level states."""
-        partials = [*ingested, own]
-        specs = {name: table.spec(name) for part in partials for name, _, _ in part.entries}
-        workers = [reducer.worker(p.updates(), specs) for p in partials]
-        journal = [(i, with_specs(p, specs)) for i, p in enumerate(partials)]
+        specs = table.specs  # ingest() claimed every ingested name; log() every own name
+        workers = [reducer.worker(p.updates(), specs) for p in ingested]
+        workers.append(reducer.worker(own_updates, specs))
+        journal = [(i, with_specs(p, specs)) for i, p in enumerate([*ingested, own])] if journaled else []
         return Exchange(workers, specs, journal)
 
     def any_pending(self, *, pending: bool) -> bool:

@@ -22,8 +22,9 @@ from metricbus.kinds import KINDS
 from metricbus.spec import Spec
 from metricbus.summary import Summary
 
-WorkerStates = dict[str, dict[str, Summary]]  # metric -> state key -> update-level state
+WorkerStates = dict[str, tuple[Summary, ...]]  # metric -> its update-level states, in state_keys(spec) order
 _of_value = Summary.of_value
+_MERGED = ("",)  # the state keys of a spec whose chains all keep the micro kind at the update level
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +32,7 @@ class Plan:
     """One chain of a spec, decided once per name: what to read and where to lift."""
 
     key: str  # the emitted name
-    state: str  # the worker-level state it reads ("" or the micro kind)
+    state: int  # the worker-level state it reads: its index in state_keys(spec) ("" or the micro kind)
     rank_lift: Callable[[Summary], float] | None  # the update kind, where the rank kind differs
     step_lift: Callable[[Summary], float] | None  # the rank kind, where the step kind differs
     emit: Callable[[Summary], float]  # the step kind
@@ -39,10 +40,11 @@ class Plan:
 
 def plans_of(name: str, spec: Spec) -> tuple[Plan, ...]:
     """The plans of ``name``'s chains."""
+    keys = state_keys(spec)
     return tuple(
         Plan(
             key=f"{name}/{c.suffix}" if c.suffix else name,
-            state="" if c.micro == c.update else c.micro,
+            state=keys.index("" if c.micro == c.update else c.micro),
             rank_lift=None if c.update == c.rank else KINDS[c.update],
             step_lift=None if c.rank == c.step else KINDS[c.rank],
             emit=KINDS[c.step],
@@ -56,9 +58,9 @@ def state_keys(spec: Spec) -> list[str]:
     return sorted({"" if c.micro == c.update else c.micro for c in spec.chains})
 
 
-def worker_state(keys: Iterable[str], updates: Sequence[Summary]) -> dict[str, Summary]:
+def worker_state(keys: Iterable[str], updates: Sequence[Summary]) -> tuple[Summary, ...]:
     """One worker's update-level states of one metric from its per-update micro summaries (in update order)."""
-    out: dict[str, Summary] = {}
+    out: list[Summary] = []
     for key in keys:
         if key == "":
             state = updates[0]
@@ -69,8 +71,8 @@ def worker_state(keys: Iterable[str], updates: Sequence[Summary]) -> dict[str, S
             state = _of_value(kind(updates[0]))
             for part in updates[1:]:
                 state = state.merge(_of_value(kind(part)))
-        out[key] = state
-    return out
+        out.append(state)
+    return tuple(out)
 
 
 class StepReducer:
@@ -95,28 +97,39 @@ class StepReducer:
             held = self._plans[name] = (spec, plans_of(name, spec), tuple(state_keys(spec)))
         return held
 
-    def worker(self, updates: Mapping[str, Sequence[Summary]], specs: Mapping[str, Spec]) -> WorkerStates:
-        """A worker's update-level states of every metric it logged (``updates``: per name, per-update summaries,
-        in update order; see :func:`worker_state`)."""
+    def worker(self, updates: Sequence[Mapping[str, Summary]], specs: Mapping[str, Spec]) -> WorkerStates:
+        """A worker's update-level states of every metric it logged (``updates``: per optimizer update, in order,
+        metric -> micro-level Summary; see :func:`worker_state`)."""
         out: WorkerStates = {}
-        for name, parts in updates.items():
-            if len(parts) != 1 or not parts[0].count:
-                parts = [p for p in parts if p.count]
-                if not parts:
-                    continue
-            keys = self._plan(name, specs[name])[2]
-            if len(parts) == 1 and keys == ("",):
-                out[name] = {"": parts[0]}  # the common case: one update, no lift
-            else:
-                out[name] = worker_state(keys, parts)
+        plans = self._plans
+        if len(updates) == 1:  # the common case: one update, so no merge; a lift only where a chain asks
+            for name, summary in updates[0].items():
+                if summary.count:
+                    spec = specs[name]
+                    held = plans.get(name)
+                    keys = held[2] if held is not None and held[0] is spec else self._plan(name, spec)[2]
+                    out[name] = (summary,) if keys == _MERGED else worker_state(keys, [summary])
+            return out
+        grouped: dict[str, list[Summary]] = {}
+        for update in updates:
+            for name, summary in update.items():
+                if summary.count:
+                    grouped.setdefault(name, []).append(summary)
+        for name, parts in grouped.items():
+            out[name] = worker_state(self._plan(name, specs[name])[2], parts)
         return out
 
     def commit(self, workers: Sequence[WorkerStates], specs: Mapping[str, Spec]) -> dict[str, float] | None:
         """Add one commit (every worker's states, in rank order); the emitted values when the window completes."""
+        plans = self._plans
+        if len(workers) == 1 and self._log_every == 1:
+            return self._single(workers[0], specs)
         ranked: dict[str, tuple[Plan, Summary]] = {}
         for states in workers:
             for name, by_key in states.items():
-                for plan in self._plan(name, specs[name])[1]:
+                spec = specs[name]
+                held = plans.get(name)
+                for plan in held[1] if held is not None and held[0] is spec else self._plan(name, spec)[1]:
                     state = by_key[plan.state]
                     if plan.rank_lift is not None:
                         state = _of_value(plan.rank_lift(state))
@@ -135,6 +148,22 @@ class StepReducer:
         if self._commits < self._log_every:
             return None
         return self.finish()
+
+    def _single(self, states: WorkerStates, specs: Mapping[str, Spec]) -> dict[str, float]:
+        """``commit()`` for one worker and ``log_every=1``, the common case: no merge at the rank or step level."""
+        plans = self._plans
+        out: dict[str, float] = {}
+        for name, by_key in states.items():
+            spec = specs[name]
+            held = plans.get(name)
+            for plan in held[1] if held is not None and held[0] is spec else self._plan(name, spec)[1]:
+                state = by_key[plan.state]
+                if plan.rank_lift is not None:
+                    state = _of_value(plan.rank_lift(state))
+                if plan.step_lift is not None:
+                    state = _of_value(plan.step_lift(state))
+                out[plan.key] = plan.emit(state)
+        return {key: out[key] for key in sorted(out)}
 
     def finish(self) -> dict[str, float]:
         """The step-level values of the window so far (sorted by name), and reset it."""

@@ -52,6 +52,11 @@ class Sink:
         self._has_adapters = bool(adapters)
 
     @property
+    def journaled(self) -> bool:
+        """True when commits are journaled."""
+        return self._journal is not None
+
+    @property
     def durable(self) -> bool:
         """True when there is something to close at interpreter exit (a journal or adapters)."""
         return self._journal is not None or self._has_adapters

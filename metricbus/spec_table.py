@@ -57,13 +57,15 @@ def conflict(name: str, held: Claim, new: Claim) -> str:
 class SpecTable:
     """Name -> Claim, plus the output names each name claims."""
 
-    __slots__ = ("_claims", "_outputs", "_sealed", "rules")
+    __slots__ = ("_claims", "_outputs", "_sealed", "_unsealed", "rules", "specs")
 
     def __init__(self, rules: Rules) -> None:
         self.rules = rules
         self._claims: dict[str, Claim] = {}
         self._outputs: dict[str, str] = {}  # emitted name -> metric it comes from
         self._sealed: set[str] = set()  # names committed at least once: their spec can no longer change
+        self._unsealed: set[str] = set()
+        self.specs: dict[str, Spec] = {}  # name -> its spec, for every claimed name (read by the hot paths)
 
     def __contains__(self, name: object) -> bool:
         return name in self._claims
@@ -110,9 +112,17 @@ class SpecTable:
             return decide(name, held, offers, fixed=name in self._sealed)
         return decide(name, self.own(name, None), offers, fixed=False)
 
-    def seal(self, names: Iterable[str]) -> None:
-        """These names were committed: a default spec among them can no longer give way to a declaration."""
-        self._sealed.update(names)
+    def seal(self, names: Iterable[str] | None = None) -> None:
+        """These names (None: every claimed name) were committed: a default spec among them can no longer give
+        way to a declaration."""
+        if names is None:
+            if self._unsealed:
+                self._sealed.update(self._unsealed)
+                self._unsealed.clear()
+            return
+        for name in names:
+            self._sealed.add(name)
+            self._unsealed.discard(name)
 
     def check_outputs(self, name: str, spec: Spec, pending: dict[str, str] | None = None) -> None:
         """Raise SpecError if ``name`` with ``spec`` would emit a name another metric emits."""
@@ -135,6 +145,9 @@ class SpecTable:
             for key in output_keys(name, old.spec):
                 self._outputs.pop(key, None)
         self._claims[name] = claim
+        self.specs[name] = claim.spec
+        if name not in self._sealed:
+            self._unsealed.add(name)
         for key in output_keys(name, claim.spec):
             self._outputs[key] = name
 
@@ -142,6 +155,8 @@ class SpecTable:
         """Drop names whose claims were recorded by a call that then failed (so it fixes nothing)."""
         for name in names:
             self._sealed.discard(name)
+            self._unsealed.discard(name)
+            self.specs.pop(name, None)
             old = self._claims.pop(name, None)
             if old is not None:
                 for key in output_keys(name, old.spec):

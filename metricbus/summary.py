@@ -158,9 +158,14 @@ class Summary(NamedTuple):
 
     def mean(self) -> float:
         """Weighted mean Σw·x / Σw, correctly rounded (NaN when the weight is 0)."""
-        if self.weight_lo == 0.0 and self.wsum_lo == 0.0:  # one component each: one IEEE division is exact
-            weight = self.weight
-            return self.wsum / weight if weight != 0.0 else _NAN
+        weight, wsum_lo = self.weight, self.wsum_lo
+        if self.weight_lo == 0.0:
+            if wsum_lo == 0.0:  # one component each: one IEEE division is correctly rounded
+                return self.wsum / weight if weight != 0.0 else _NAN
+            if not self.rest or not self.rest[1]:  # Σw·x = wsum + wsum_lo exactly: try the quick path
+                quick = exact.divide_by_count(self.wsum, wsum_lo, weight)
+                if quick is not None:
+                    return quick
         return exact.divide(self._parts(1), self._parts(0))
 
     def std(self) -> float:

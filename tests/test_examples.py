@@ -1,8 +1,8 @@
 """The examples at a tiny size, as a user runs them: exit 0, metricbus agrees across layouts, the backends agree.
 
-``ppo_grad_accum.py --compare`` runs two layouts (1x1 with every adapter of examples/demo.yaml, 2x2 with a jsonl
-only); the test reads each layout's emitted values and every backend the first layout wrote, back through the
-backend's own reader.
+``ppo_grad_accum.py --compare`` runs two layouts that differ in R, M and K (1x1x1 with every adapter of
+examples/demo.yaml, 2x4x3 with a jsonl only) over the same 3 x 3 optimizer updates; the test reads each layout's
+emitted rows and every backend the first layout wrote, back through the backend's own reader.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from backend_env import isolate_env, read_wandb_history
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-STEPS = 3
+ROWS = 3  # emitted rows per layout; each covers K_OTHER optimizer updates
+R, M, K_OTHER = 2, 4, 3  # the second layout: the naive factors 1/M, R and K all differ
+LAYOUTS = ("1x1x1", f"{R}x{M}x{K_OTHER}")
 REL = 1e-9
-EXACT = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "response_length/mean", "batch/tokens")
+EXACT = ("actor/pg_loss", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
+         "response_length/mean", "response_length/max", "response_length/min", "batch/tokens")
 Rows = list[tuple[int, dict[str, float]]]
 
 
@@ -60,7 +63,7 @@ def compare_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         isolate_env(monkeypatch, root)
         out = root / "run"
         stdout = _run(
-            [str(EXAMPLES / "ppo_grad_accum.py"), "--compare", "--layouts", "1x1,2x2", "--steps", str(STEPS),
+            [str(EXAMPLES / "ppo_grad_accum.py"), "--compare", "--layouts", ",".join(LAYOUTS), "--steps", str(ROWS),
              "--max-len", "12", "--out", str(out)],
             cwd=root,
         )  # fmt: skip
@@ -68,21 +71,33 @@ def compare_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 def test_metricbus_agrees_across_layouts_and_naive_does_not(compare_run: tuple[Path, str]) -> None:
-    """pg_loss/pg_clipfrac (and the other exact metrics) agree to 1e-9; naive mean is /M, naive sum is *R."""
+    """The exact metrics agree to 1e-9 across layouts differing in R, M and K; naive rules are off by 1/M, R, K."""
     out, stdout = compare_run
-    ref, other = _rows(out / "layouts/1x1/values.json"), _rows(out / "layouts/2x2/values.json")
-    assert [s for s, _ in ref] == [s for s, _ in other] == list(range(STEPS))
+    ref, other = (_rows(out / f"layouts/{name}/values.json") for name in LAYOUTS)
+    assert [s for s, _ in ref] == [K_OTHER * i + K_OTHER - 1 for i in range(ROWS)]  # K=1: log_every=K_OTHER steps
+    assert [s for s, _ in other] == list(range(ROWS))
     for name in EXACT:
         np.testing.assert_allclose(_series(other, name), _series(ref, name), rtol=REL, atol=0, err_msg=name)
     loss = _series(ref, "actor/pg_loss")
-    np.testing.assert_allclose(_series(ref, "naive_mean/pg_loss"), loss, rtol=1e-12)  # 1x1: naive is right
-    np.testing.assert_allclose(_series(other, "naive_mean/pg_loss"), loss / 2, rtol=1e-9)  # M = 2
-    np.testing.assert_allclose(_series(other, "naive_sum/pg_loss"), loss * 2, rtol=1e-9)  # R = 2
+    for naive in ("naive_mean/pg_loss", "naive_sum/pg_loss", "naive_step_sum/pg_loss"):  # 1x1x1: every rule is right
+        np.testing.assert_allclose(_series(ref, naive), loss, rtol=1e-12, err_msg=naive)
+    np.testing.assert_allclose(_series(other, "naive_mean/pg_loss"), loss / M, rtol=REL)
+    np.testing.assert_allclose(_series(other, "naive_sum/pg_loss"), loss * R, rtol=REL)
+    np.testing.assert_allclose(_series(other, "naive_step_sum/pg_loss"), loss * K_OTHER, rtol=REL)
     naive_clip, clip = _series(other, "naive/pg_clipfrac"), _series(ref, "actor/pg_clipfrac")
     assert np.max(np.abs(naive_clip - clip) / clip) > 1e-3  # unequal token counts: the unweighted mean is off
-    assert "agree with 1x1 to rel 1e-09: YES" in stdout
-    for hint in ("tensorboard --logdir", "mlflow ui --backend-store-uri"):
+    assert re.search(r"metricbus agrees with 1x1x1 to rel 1e-09 on all 9 metrics .*: YES", stdout)
+    for hint in ("tensorboard --logdir", "mlflow ui --backend-store-uri", "metricbus show"):
         assert hint in stdout
+
+
+def test_the_demo_output_fits_a_screen(compare_run: tuple[Path, str]) -> None:
+    """The console shows the first and the last row only (every 25th row), the whole output is short."""
+    out, stdout = compare_run
+    steps = [int(m.group(1)) for m in re.finditer(r"^step\s+(\d+) \|", stdout, flags=re.MULTILINE)]
+    assert steps == [K_OTHER - 1, K_OTHER * ROWS - 1]
+    assert len(stdout.splitlines()) <= 40
+    assert max(len(line) for line in stdout.splitlines() if str(out) not in line) <= 132
 
 
 def test_plot_is_a_readable_png(compare_run: tuple[Path, str]) -> None:
@@ -99,19 +114,19 @@ def test_plot_is_a_readable_png(compare_run: tuple[Path, str]) -> None:
 
 
 def test_backends_hold_the_emitted_values(compare_run: tuple[Path, str]) -> None:
-    """jsonl, TensorBoard (float32), MLflow sqlite and wandb offline hold layout 1x1's values; console shows them."""
+    """jsonl, TensorBoard (float32), MLflow sqlite and wandb offline hold layout 1x1x1's rows; the console the last."""
     from metricbus.adapters.console import format_value
     from metricbus.adapters.jsonl import read_jsonl
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out, stdout = compare_run
-    ref = _rows(out / "layouts/1x1/values.json")
+    ref = _rows(out / f"layouts/{LAYOUTS[0]}/values.json")
     names = sorted(ref[0][1])
     expected = {name: [(s, m[name]) for s, m in ref] for name in names}
 
     assert read_jsonl(out / "metrics.jsonl") == ref
-    assert read_jsonl(out / "layouts/2x2/metrics.jsonl") == _rows(out / "layouts/2x2/values.json")
+    assert read_jsonl(out / f"layouts/{LAYOUTS[1]}/metrics.jsonl") == _rows(out / f"layouts/{LAYOUTS[1]}/values.json")
 
     acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
@@ -136,19 +151,17 @@ def test_backends_hold_the_emitted_values(compare_run: tuple[Path, str]) -> None
 
     last_step, last = ref[-1]
     line = next(ln for ln in stdout.splitlines() if re.match(rf"step\s+{last_step} \|", ln))
-    for name in ("actor/pg_loss", "actor/pg_clipfrac"):
+    for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/entropy"):
         assert f"{name} {format_value(last[name]).strip()}" in line
 
 
 def test_journal_shows_the_same_values(compare_run: tuple[Path, str]) -> None:
-    """``metricbus show`` on the run's journal prints layout 1x1's steps (when this metricbus has a journal)."""
+    """``metricbus show`` on the run's journal replays layout 1x1x1's rows (its log_every windows)."""
     out, _ = compare_run
-    journal = out / "journal"
-    if not journal.exists():
-        pytest.skip("this metricbus writes no journal")
-    shown = _run(["-m", "metricbus", "show", str(journal)], cwd=out)
+    shown = _run(["-m", "metricbus", "show", str(out / "journal")], cwd=out)
     assert "actor/pg_loss" in shown
-    assert len([ln for ln in shown.splitlines() if re.match(r"\d+\s", ln)]) == STEPS
+    ref = _rows(out / f"layouts/{LAYOUTS[0]}/values.json")
+    assert [int(ln.split()[0]) for ln in shown.splitlines() if re.match(r"\d+\s", ln)] == [s for s, _ in ref]
 
 
 def test_single_controller_example(env: Path) -> None:
@@ -162,14 +175,26 @@ def test_single_controller_example(env: Path) -> None:
 
 
 def test_one_layout_with_adapters_from_the_environment(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """METRICBUS_ADAPTERS replaces the config's adapters; a 2x1 run writes exactly what rank 0's commit returned."""
+    """METRICBUS_ADAPTERS replaces the config's adapters; a 2x1x2 run writes exactly what rank 0's commit returned."""
     from metricbus.adapters.jsonl import read_jsonl
 
     target = env / "swapped.jsonl"
     monkeypatch.setenv("METRICBUS_ADAPTERS", f"jsonl:{target}")
     out = env / "one"
-    stdout = _run([str(EXAMPLES / "ppo_grad_accum.py"), "--ranks", "2", "--micro", "1", "--steps", "2",
-                   "--max-len", "8", "--out", str(out)], cwd=env)  # fmt: skip
-    assert read_jsonl(target) == _rows(out / "layouts/2x1/values.json")
+    stdout = _run([str(EXAMPLES / "ppo_grad_accum.py"), "--ranks", "2", "--micro", "1", "--updates", "2",
+                   "--steps", "2", "--max-len", "8", "--out", str(out)], cwd=env)  # fmt: skip
+    assert read_jsonl(target) == _rows(out / "layouts/2x1x2/values.json")
     assert not (out / "tensorboard").exists()
     assert "$METRICBUS_ADAPTERS" in stdout
+
+
+def test_the_policy_keeps_its_entropy(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the demo's 200 updates the policy learns (entropy falls) without collapsing (it stays above 1 nat)."""
+    monkeypatch.setenv("METRICBUS_ADAPTERS", "none")
+    out = env / "long"
+    _run([str(EXAMPLES / "ppo_grad_accum.py"), "--ranks", "1", "--micro", "1", "--updates", "2", "--steps", "100",
+          "--out", str(out)], cwd=env)  # fmt: skip
+    entropy = _series(_rows(out / "layouts/1x1x2/values.json"), "actor/entropy")
+    assert entropy[0] > 3.3  # near uniform over 32 tokens (3.47)
+    assert 1.0 < entropy[-1] < 2.5
+    assert entropy.min() > 1.0
