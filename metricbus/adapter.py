@@ -20,7 +20,6 @@ from types import MappingProxyType
 from typing import Any, Literal, Protocol, runtime_checkable
 
 Status = Literal["finished", "failed"]
-STATUSES: tuple[Status, ...] = ("finished", "failed")
 
 
 def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:

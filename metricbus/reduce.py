@@ -133,17 +133,16 @@ class StepReducer:
                     state = by_key[plan.state]
                     if plan.rank_lift is not None:
                         state = _of_value(plan.rank_lift(state))
-                    held = ranked.get(plan.key)
-                    if held is None:
+                    seen = ranked.get(plan.key)
+                    if seen is None:
                         ranked[plan.key] = (plan, state)
                     else:  # across workers, first *and* last come from the lowest-ranked worker that has it
-                        ranked[plan.key] = (plan, held[1].merge(state)._replace(last=held[1].last))
+                        ranked[plan.key] = (plan, seen[1].merge(state)._replace(last=seen[1].last))
         window = self._window
-        for key, (plan, state) in ranked.items():
-            if plan.step_lift is not None:
-                state = _of_value(plan.step_lift(state))
-            held = window.get(key)
-            window[key] = (plan, state if held is None else held[1].merge(state))
+        for key, (plan, result) in ranked.items():
+            state = result if plan.step_lift is None else _of_value(plan.step_lift(result))
+            seen = window.get(key)
+            window[key] = (plan, state if seen is None else seen[1].merge(state))
         self._commits += 1
         if self._commits < self._log_every:
             return None

@@ -85,7 +85,8 @@ def test_conflicting_specs_raise_on_every_rank() -> None:
     for rank in range(2):
         assert "'x'" in results[rank]
         assert "disagree" in results[rank]
-        assert "rank 0" in results[rank] and "rank 1" in results[rank]
+        assert "rank 0" in results[rank]
+        assert "rank 1" in results[rank]
 
 
 def test_an_output_name_collision_across_ranks_raises_on_every_rank() -> None:
