@@ -2,8 +2,8 @@
 
 Per metric and optimizer update, one running float64 state vector on the tensor's device, laid out as
 ``FIELDS`` (``count, weight, wsum, total, m2, min, max, first, last, bad_weight, nonfinite``). Each ``log()``
-summarises its batch with torch ops and merges it in (Chan's update for m2, NaN propagated by ``torch.minimum``/``maximum``), with no
-``.item()``, ``.cpu()``, ``float()`` or data-dependent branch. At commit/export :meth:`DeviceStates.take_all`
+summarises its batch with torch ops and merges it in (Chan's update for m2, NaN propagated by
+``torch.minimum``/``maximum``), with no ``.item()``, ``.cpu()``, ``float()`` or data-dependent branch. At commit/export :meth:`DeviceStates.take_all`
 stacks every metric's state of every update and does ONE device-to-host copy. Negative/non-finite tensor weights
 and non-finite values under ``nan='error'`` are therefore detected at commit (after that copy); they are returned
 as errors per metric, so the other metrics still commit.
