@@ -1,15 +1,14 @@
 """Device-side accumulation of torch tensors: ``log()`` never synchronizes with the device.
 
-Per metric and optimizer update, one running float64 state vector on the tensor's device, laid out as
-``FIELDS`` (``count, weight, wsum, total, m2, min, max, first, last, bad_weight, nonfinite``). Each ``log()``
-summarises its batch with torch ops and merges it in (Chan's update for m2, NaN propagated by
-``torch.minimum``/``maximum``), with no ``.item()``, ``.cpu()``, ``float()`` or data-dependent branch. At commit/export :meth:`DeviceStates.take_all`
-stacks every metric's state of every update and does ONE device-to-host copy. Negative/non-finite tensor weights
-and non-finite values under ``nan='error'`` are therefore detected at commit (after that copy); they are returned
-as errors per metric, so the other metrics still commit.
-Device sums are plain float64 (no double-double remainder), so tensor-logged sums are not bitwise
-split-invariant the way host-logged floats are. A metric logged with both floats and tensors merges its host
-state first, then its device state: first/last follow log order within each source.
+Per metric and optimizer update, one running float64 state vector on the tensor's device, laid out as ``FIELDS``
+(``count, weight, wsum, total, m2, min, max, first, last, bad_weight, nonfinite``). Each ``log()`` summarises its
+batch with torch ops and merges it in (Chan's update for m2, NaN propagated by ``torch.minimum``/``maximum``), with
+no ``.item()``, ``.cpu()``, ``float()`` or data-dependent branch. At commit/export :meth:`DeviceStates.take_all`
+stacks every metric's state of every update and does ONE device-to-host copy. Negative/non-finite tensor weights and
+non-finite values under ``nan='error'`` are therefore detected at commit (after that copy); they are returned as
+errors per metric, so the other metrics still commit. Device sums are plain float64 (no double-double remainder), so
+tensor-logged sums are not bitwise split-invariant the way host-logged floats are. A metric logged with both floats
+and tensors merges its host state first, then its device state: first/last follow log order within each source.
 """
 
 from __future__ import annotations
