@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--config", help="config file whose adapters receive the replay")
     rp.add_argument("--to", action="append", default=[], metavar="ADAPTER", help="a name or URI, e.g. jsonl:out.jsonl")
     rp.add_argument("--rule", action="append", default=[], metavar="PATTERN=SPEC", help="re-aggregate; first wins")
-    rp.add_argument("--steps", help="commits A:B (half-open; A: or :B)")
+    rp.add_argument("--steps", help="emit only steps A:B (half-open; A: or :B); every commit is still reduced")
     sp = sub.add_parser("sync", help="send each adapter the steps it has not acknowledged")
     sp.add_argument("journal")
     sp.add_argument("--config", help="config file with the adapters (default $METRICBUS_CONFIG)")

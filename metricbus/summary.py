@@ -70,40 +70,36 @@ class Summary(NamedTuple):
     def of_batch(values: list[float], weights: list[float] | None) -> Summary:
         """Summarise records (``weights`` None means weight 1 each). ``values`` must be non-empty."""
         n = len(values)
+        rest: Rest
         if weights is not None and weights.count(1.0) == n:  # unit weights (a metric that got a weight later)
             weights = None
         if weights is None:
             if n == 1:
                 return Summary.of_value(values[0])
             # exact.components inlined for the hot path: nearly always the exact sum is (hi, lo), which two fsums
-            # give (a third one checks that nothing is left when lo != 0).
-            simple = False
+            # give (a third one checks that nothing is left when lo != 0). total_lo NaN: take the general path.
             try:
                 total = _fsum(values)
-                if total - total == 0.0:
-                    total_lo = _fsum([*values, -total])
-                    simple = total_lo == 0.0 or _fsum([*values, -total, -total_lo]) == 0.0
+                total_lo = _fsum([*values, -total])
+                if total_lo != 0.0 and _fsum([*values, -total, -total_lo]) != 0.0:
+                    total_lo = _NAN
             except (ValueError, OverflowError):
-                pass
-            rest_t: tuple[float, ...] = ()
-            if not simple:  # three or more components, beyond the double range, or non-finite data
-                total, total_lo, rest_t = _split(exact.components(values))
-            weight, weight_lo, rest_w = float(n), 0.0, rest_t[:0]
-            wsum, wsum_lo, rest_ws = total, total_lo, rest_t
-            if total - total == 0.0:
-                # Finite data: two-pass m2 around the mean. math.dist is the accurate C loop for
-                # sqrt(sum((x - mean)**2)) (~1 ulp), half the cost of fsum over a list of squares; d * d (not
-                # d ** 2, which raises) overflows to inf.
-                mean = total / n if -_MAX < total < _MAX else exact.divide((total, total_lo, *rest_t), (weight,))
-                d = math.dist(values, [mean] * n)
-                m2 = d * d
-            else:
-                m2 = _NAN
+                total_lo = _NAN
+            if total_lo == total_lo:  # noqa: PLR0124  (not NaN: (hi, lo) of finite data within the range)
+                # Two-pass m2 around the mean. math.dist is the accurate C loop for sqrt(sum((x - mean)**2))
+                # (~1 ulp), half the cost of fsum over a list of squares; d * d (not d ** 2, which raises)
+                # overflows to inf.
+                d = math.dist(values, [total / n] * n)
+                m2, rest = d * d, ()
+            else:  # three or more components, beyond the double range, or non-finite data
+                total, total_lo, m2, rest = _unweighted_general(values)
+            weight, weight_lo, wsum, wsum_lo = float(n), 0.0, total, total_lo
         else:
             weight, weight_lo, rest_w = _split(exact.components(weights))
             wsum, wsum_lo, rest_ws = _split(exact.components(exact.products(weights, values)))
             total, total_lo, rest_t = _split(exact.components(values))
             m2 = _weighted_m2(values, weights, (weight, weight_lo, *rest_w), (wsum, wsum_lo, *rest_ws), total)
+            rest = (rest_w, rest_ws, rest_t) if rest_w or rest_ws or rest_t else ()
         if total == total:  # noqa: PLR0124  (x == x is the cheapest not-NaN test, on the hot path)
             if n <= 32:  # sorting a few floats is cheaper than min() plus max()
                 ordered = sorted(values)
@@ -114,7 +110,6 @@ class Summary(NamedTuple):
             has_nan = any(math.isnan(x) for x in values)
             lowest = _NAN if has_nan else min(values)
             highest = _NAN if has_nan else max(values)
-        rest = (rest_w, rest_ws, rest_t) if rest_w or rest_ws or rest_t else ()
         return _new(
             Summary,
             (n, weight, weight_lo, wsum, wsum_lo, total, total_lo, m2, lowest, highest, values[0], values[-1], rest),
@@ -256,6 +251,16 @@ def _add(
         if a - a != 0.0 or b - b != 0.0:  # non-finite data: IEEE
             return hi, 0.0, ()
     return _split(exact.add((a, a_lo, *rests[0]), (b, b_lo, *rests[1])))
+
+
+def _unweighted_general(values: list[float]) -> tuple[float, float, float, Rest]:
+    """``(total, total_lo, m2, rest)`` of unit-weight records whose sum is not a double-double within the range."""
+    total, total_lo, rest_t = _split(exact.components(values))
+    if total - total != 0.0:  # non-finite data
+        return total, total_lo, _NAN, ()
+    mean = total / len(values) if -_MAX < total < _MAX else exact.divide((total, total_lo, *rest_t), (len(values),))
+    d = math.dist(values, [mean] * len(values))
+    return total, total_lo, d * d, ((), rest_t, rest_t) if rest_t else ()
 
 
 def _weighted_m2(
