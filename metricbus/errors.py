@@ -52,3 +52,7 @@ class JournalError(MetricBusError, ValueError):
 
 class MetricBusWarning(UserWarning):
     """Something was not done as asked but nothing already committed is lost (e.g. records left uncommitted at exit)."""
+
+
+class JournalWarning(UserWarning):
+    """A journal file has a torn or damaged record; it was skipped."""

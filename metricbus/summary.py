@@ -121,10 +121,14 @@ class Summary(NamedTuple):
             return self
         if self.count == 0:
             return other
-        a, b = self.rest or _NO_REST, other.rest or _NO_REST
-        weight, weight_lo, rest_w = _add(self.weight, self.weight_lo, other.weight, other.weight_lo, (a[0], b[0]))
-        wsum, wsum_lo, rest_ws = _add(self.wsum, self.wsum_lo, other.wsum, other.wsum_lo, (a[1], b[1]))
-        total, total_lo, rest_t = _add(self.total, self.total_lo, other.total, other.total_lo, (a[2], b[2]))
+        if self.rest or other.rest:
+            a, b = self.rest or _NO_REST, other.rest or _NO_REST
+            w_rests, ws_rests, t_rests = (a[0], b[0]), (a[1], b[1]), (a[2], b[2])
+        else:
+            w_rests = ws_rests = t_rests = _NO_RESTS
+        weight, weight_lo, rest_w = _add(self.weight, self.weight_lo, other.weight, other.weight_lo, w_rests)
+        wsum, wsum_lo, rest_ws = _add(self.wsum, self.wsum_lo, other.wsum, other.wsum_lo, ws_rests)
+        total, total_lo, rest_t = _add(self.total, self.total_lo, other.total, other.total_lo, t_rests)
         return _new(
             Summary,
             (
@@ -227,6 +231,7 @@ class Summary(NamedTuple):
 N_FIELDS = 12
 EMPTY = Summary()
 _NO_REST: Rest = ((), (), ())
+_NO_RESTS: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
 _HI_LO = (attrgetter("weight", "weight_lo"), attrgetter("wsum", "wsum_lo"), attrgetter("total", "total_lo"))
 _new = tuple.__new__  # builds a Summary from a ready tuple without NamedTuple's argument parsing
 
@@ -241,7 +246,7 @@ def _add(
 ) -> tuple[float, float, tuple[float, ...]]:
     """The components of the sum of two exact sums ``(a, a_lo, *rests[0])`` and ``(b, b_lo, *rests[1])``.
 
-    TwoSum in the common case of one component each.
+    TwoSum in the common case of one component each; fsum (exact.components inlined) for two double-doubles.
     """
     if a_lo == 0.0 and b_lo == 0.0:  # one component each (lo == 0 leaves nothing in rest)
         hi = a + b
@@ -250,6 +255,17 @@ def _add(
             return hi, (a - (hi - bb)) + (b - bb), ()
         if a - a != 0.0 or b - b != 0.0:  # non-finite data: IEEE
             return hi, 0.0, ()
+    elif rests is _NO_RESTS:
+        parts = [a, a_lo, b, b_lo]
+        try:
+            hi = _fsum(parts)
+            parts.append(-hi)
+            lo = _fsum(parts)
+            parts.append(-lo)
+            if _fsum(parts) == 0.0:  # nothing left: (hi, lo) is canonical
+                return hi, lo, ()
+        except (ValueError, OverflowError):  # beyond the range, or non-finite data
+            pass
     return _split(exact.add((a, a_lo, *rests[0]), (b, b_lo, *rests[1])))
 
 

@@ -9,6 +9,7 @@ One concept per module: :mod:`~metricbus.journal.format` (the bytes), :mod:`~met
 
 from __future__ import annotations
 
+from metricbus.errors import JournalWarning
 from metricbus.journal.cursors import CursorStore, adapter_key
 from metricbus.journal.format import (
     FORMAT_VERSION,
@@ -23,7 +24,7 @@ from metricbus.journal.format import (
     spec_from_json,
     spec_to_json,
 )
-from metricbus.journal.reader import Journal, JournalWarning, RankFile, read_journal, read_rank_file
+from metricbus.journal.reader import Journal, RankFile, read_journal, read_rank_file
 from metricbus.journal.writer import JournalWriter, open_journal
 
 __all__ = [

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from metricbus.adapter import RunInfo
-from metricbus.errors import JournalError
+from metricbus.errors import JournalError, JournalWarning
 from metricbus.journal.format import (
     FORMAT_VERSION,
     FRAME,
@@ -35,10 +35,6 @@ from metricbus.spec import Spec
 from metricbus.summary import Summary
 
 Entry = tuple[str, Spec, Summary]
-
-
-class JournalWarning(UserWarning):
-    """A journal file has a torn or damaged record; it was skipped."""
 
 
 @dataclass
