@@ -1,7 +1,7 @@
 """Replay a journal through the live reduction path, optionally re-aggregated with other rules; sync adapters.
 
-Each commit's per-rank partials go through :func:`metricbus.reduce.reduce_ranks` and a
-:class:`metricbus.reduce.Window` with the journal's ``log_every``, exactly as in ``MetricBus.commit``; the last,
+Each commit's per-rank partials go through one :class:`metricbus.reduce.StepReducer` with the journal's
+``log_every``, exactly as in ``MetricBus.commit``; the last,
 partial window is emitted at the last step, as ``MetricBus.close`` does. With no rule changes the emitted values
 are the live ones, bit for bit. A rule override changes the spec of matching metrics; every kind is a function of
 the journaled micro-level Summary, so history is re-aggregated exactly.

@@ -114,17 +114,29 @@ def _wandb_payloads(data: bytes) -> list[bytes]:
     return payloads
 
 
-def read_wandb_records(run_dir: Path) -> list[Any]:
-    """Every ``wandb_internal_pb2.Record`` of the run's ``.wandb`` file."""
+def read_wandb_records(run_dir: Path, *, timeout_s: float = 30.0) -> list[Any]:
+    """Every ``wandb_internal_pb2.Record`` of the run's ``.wandb`` file, once the run's exit record is in it.
+
+    wandb's service process writes the file asynchronously: ``run.finish()`` can return ~50 ms before the last
+    records (and the exit record) are on disk (measured: 1 run in 15 under load), so this waits for them.
+    """
     from wandb.proto import wandb_internal_pb2
 
     (path,) = Path(run_dir).glob("*.wandb")
-    records = []
-    for payload in _wandb_payloads(path.read_bytes()):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(payload)
-        records.append(record)
-    return records
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            records = []
+            for payload in _wandb_payloads(path.read_bytes()):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(payload)
+                records.append(record)
+            if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+                return records
+        except AssertionError:  # a record still being written (bad CRC or a torn tail)
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
 
 
 def read_wandb_history(run_dir: Path) -> list[dict[str, Any]]:
