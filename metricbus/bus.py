@@ -27,7 +27,7 @@ from metricbus.reduce import StepReducer
 from metricbus.rules import Rules
 from metricbus.sink import Sink
 from metricbus.spec import NanPolicy, Spec, SpecLike, check_nan, parse_spec
-from metricbus.spec_table import DECLARED, DEFAULT, Claim, SpecTable
+from metricbus.spec_table import SpecTable
 
 _NOTHING = Partial()
 CLOSE_TIMEOUT_S = 30.0  # how long close() (and the close at interpreter exit) gives the adapters to drain
@@ -163,22 +163,10 @@ class MetricBus:
         with self._lock:
             self._check_open("ingest")
             batch = list(partials)
-            offers: dict[str, list[Claim]] = {}
-            for i, part in enumerate(batch):
+            for part in batch:  # check all before taking any, so a bad call ingests nothing
                 if not isinstance(part, Partial):
                     raise MetricTypeError(f"ingest() takes Partial objects from export(), got {type(part).__name__}")
-                worker = len(self._ingested) + i
-                for name, spec, _ in part.entries:
-                    origin = DEFAULT if name in part.undeclared else DECLARED
-                    where = f"ingested worker {worker}'s {'default' if origin == DEFAULT else 'declared spec'}"
-                    offers.setdefault(name, []).append(Claim(spec, origin, where))
-            table = self._table
-            decided = {name: table.offer(name, claims) for name, claims in offers.items()}  # check all first
-            outputs: dict[str, str] = {}
-            for name, claim in decided.items():
-                table.check_outputs(name, claim.spec, outputs)
-            for name, claim in decided.items():
-                table.fix(name, claim)
+            self._table.adopt(batch, first_worker=len(self._ingested))
             self._ingested.extend(batch)
 
     # -- committing --------------------------------------------------------------------------------------------

@@ -127,25 +127,20 @@ def products(weights: Sequence[float], values: Sequence[float]) -> list[float]:
     multiple of 2**-1074) or overflows (then ``p_i`` is ±inf, as IEEE ``w*x``, and so is the sum).
     """
     ps = [w * x for w, x in zip(weights, values, strict=True)]
-    if not ps:
-        return ps
-    w_max, x_max = max(map(abs, weights)), max(map(abs, values))
-    if w_max < _BIG_FACTOR and x_max < _BIG_FACTOR and w_max * x_max < _BIG_PRODUCT:
-        errors = _dekker_errors(weights, values, ps)
-        if min(map(abs, ps)) < _TINY_PRODUCT:  # zero weights or tiny products: redo those few exactly
-            for i, p in enumerate(ps):
-                if -_TINY_PRODUCT < p < _TINY_PRODUCT:
-                    errors[i] = _product_error(weights[i], values[i], p)
-    else:
-        errors = [_product_error(w, x, p) for w, x, p in zip(weights, values, ps, strict=True)]
+    errors = _dekker_errors(weights, values, ps)
+    check = sum(errors)
+    if check - check != 0.0:  # an overflow on the way (it leaves an inf or NaN), or non-finite data
+        return [*ps, *(_product_error(w, x, p) for w, x, p in zip(weights, values, ps, strict=True))]
+    if ps and min(map(abs, ps)) < _TINY_PRODUCT:  # zero weights or tiny products: redo those few exactly
+        for i, p in enumerate(ps):
+            if -_TINY_PRODUCT < p < _TINY_PRODUCT:
+                errors[i] = _product_error(weights[i], values[i], p)
     return [*ps, *errors]
 
 
-# Dekker's two-product is exact when nothing overflows or underflows: the splits need |w|, |x| < 2**995, the
-# partial products |w·x| < 2**1020, and with |w·x| >= 2**-960 every partial product is a multiple of 2**-1065.
+# Dekker's two-product is exact when nothing overflows or underflows. An overflow anywhere leaves an inf or a NaN
+# in the result; with |w·x| >= 2**-960 every partial product is a multiple of 2**-1065, so none underflows.
 _SPLIT = 134217729.0  # 2**27 + 1
-_BIG_FACTOR = 2.0**995
-_BIG_PRODUCT = 2.0**1020
 _TINY_PRODUCT = 2.0**-960
 _COUNT_LIMIT = 2.0**26
 _QUOTIENT_LOW = 2.0**-960  # no gap, partial product or threshold of divide_by_count underflows ...
@@ -154,7 +149,7 @@ _TWO_53 = 2.0**53
 
 
 def _dekker_errors(weights: Sequence[float], values: Sequence[float], ps: Sequence[float]) -> list[float]:
-    """``w·x - p`` for each record, exact in the range :func:`products` checks (Dekker, no fma in Python 3.11)."""
+    """``w·x - p`` for each record (Dekker; no fma in Python 3.11): exact where nothing over- or underflows."""
     out = []
     for w, x, p in zip(weights, values, ps, strict=True):
         c = _SPLIT * w

@@ -16,10 +16,11 @@ emit the same output name (``x`` as ``["mean", "max"]`` and a plain ``x/mean``) 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from metricbus.errors import MetricTypeError, SpecError
+from metricbus.partial import Partial
 from metricbus.rules import Rules
 from metricbus.spec import Spec, SpecLike, parse_spec
 
@@ -111,6 +112,22 @@ class SpecTable:
         if held is not None:
             return decide(name, held, offers, fixed=name in self._sealed)
         return decide(name, self.own(name, None), offers, fixed=False)
+
+    def adopt(self, partials: Sequence[Partial], *, first_worker: int) -> None:
+        """Settle the spec of every name in ingested ``partials`` (workers ``first_worker``, ``first_worker + 1``,
+        ...), or raise SpecError and change nothing."""
+        offers: dict[str, list[Claim]] = {}
+        for i, part in enumerate(partials):
+            for name, spec, _ in part.entries:
+                origin = DEFAULT if name in part.undeclared else DECLARED
+                what = "default" if origin == DEFAULT else "declared spec"
+                offers.setdefault(name, []).append(Claim(spec, origin, f"ingested worker {first_worker + i}'s {what}"))
+        decided = {name: self.offer(name, claims) for name, claims in offers.items()}
+        outputs: dict[str, str] = {}
+        for name, claim in decided.items():
+            self.check_outputs(name, claim.spec, outputs)
+        for name, claim in decided.items():
+            self.fix(name, claim)
 
     def seal(self, names: Iterable[str] | None = None) -> None:
         """These names (None: every claimed name) were committed: a default spec among them can no longer give
