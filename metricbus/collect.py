@@ -18,6 +18,7 @@ from metricbus.errors import MetricTypeError, MetricValueError
 from metricbus.partial import Partial, Updates
 from metricbus.spec import NanPolicy, SpecLike
 from metricbus.spec_table import DEFAULT, SpecTable
+from metricbus.summary import EMPTY
 from metricbus.values import check_finite, is_tensor, to_values, to_weights
 
 
@@ -31,6 +32,7 @@ class Collector:
         self.accs: dict[str, Accumulator] = {}
         self.fast: dict[str, list[float]] = {}  # name -> its accumulator's plain buffer (nan="propagate" only)
         self._done: Updates = []  # finished updates of this commit
+        self._failed: dict[str, MetricValueError] = {}  # metrics whose records could not be reduced, since take()
         self._device: Any = None
 
     # -- logging (the caller's fast path appends to ``fast`` itself) ------------------------------------------
@@ -121,7 +123,15 @@ class Collector:
 
     def _end_update(self) -> None:
         """Close the current update (caller holds the lock)."""
-        update = {name: acc.take() for name, acc in self.accs.items() if acc.plain or acc.values or acc.state.count}
+        update = {}
+        for name, acc in self.accs.items():
+            if acc.plain or acc.values or acc.state.count:
+                try:
+                    update[name] = acc.take()
+                except Exception as exc:  # never expected (every finite double is valid): lose this metric only
+                    acc.plain.clear()
+                    acc.values, acc.weights, acc.state = [], [], EMPTY
+                    self._failed[name] = MetricValueError(f"reducing the records of {name!r} failed: {exc!r}")
         if self._device is not None:
             self._device.end_update(len(self._done))
         self._done.append(update)
@@ -137,10 +147,11 @@ class Collector:
         with self.lock:
             self._end_update()
             updates, self._done = self._done, []
-            errors: dict[str, MetricValueError] = {}
+            errors, self._failed = self._failed, {}
             if self._device is not None and self._device.names():
                 nan_of = {name: acc.nan for name, acc in self.accs.items()}
-                device, errors = self._device.take_all(nan_of=nan_of)
+                device, bad = self._device.take_all(nan_of=nan_of)
+                errors.update(bad)
                 for index, summaries in device.items():
                     update = updates[index]
                     for name, held in summaries.items():  # host records first, then device records
