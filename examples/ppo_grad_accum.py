@@ -19,8 +19,8 @@ L_k = sum_rm S_rmk / N_k the true per-token loss of update k, verl logs x_rmk = 
   mini-batches). Exact for every R, M, K, with unequal token counts.
 * ``naive_mean/pg_loss`` -- "mean" of every micro-batch value (verl before its fixes): true / M;
 * ``naive_sum/pg_loss`` -- sum over micro-batches and ranks (verl after its first fix): true * R;
-* ``naive_step_sum/pg_loss`` -- sum over all micro-batches of the step, no update boundaries (this example's
-  previous spec ``Agg(micro="sum", rank="mean")`` without ``bus.end_update()``): true * K;
+* ``naive_step_sum/pg_loss`` -- sum over all micro-batches of the step, as ``Agg(micro="sum", rank="mean")`` does
+  in a trainer that never calls ``bus.end_update()``: true * K;
 * ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/entropy`` -- local token means logged with weight=n_tokens:
   the token-weighted value over the step; ``naive/pg_clipfrac`` is the unweighted mean of micro-batch means.
 
@@ -96,12 +96,12 @@ class Layout:
     @classmethod
     def parse(cls, text: str, *, updates: int) -> Layout:
         """``RxMxK``, or ``RxM`` with K = ``updates``."""
-        parts = [int(x) for x in text.lower().split("x")]
+        parts = text.lower().split("x")
         if len(parts) == 2:
-            parts.append(updates)
-        if len(parts) != 3 or min(parts) < 1:
+            parts.append(str(updates))
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"layout {text!r}: use RxMxK (ranks x micro-batches x updates per step), e.g. 2x4x2")
-        return cls(*parts)
+        return cls(*(int(p) for p in parts))
 
     def __str__(self) -> str:
         return f"{self.ranks}x{self.micro}x{self.updates}"
@@ -165,9 +165,11 @@ class ConsoleView:
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Print every ``every``-th row; hold the others until the next one arrives (or close)."""
         row = {name: metrics[name] for name in self._metrics if name in metrics}
-        self._held = None if self._rows % self._every == 0 else (step, row)
-        if self._held is None:
+        if self._rows % self._every == 0:
             self._inner.write(step=step, metrics=row)
+            self._held = None
+        else:
+            self._held = (step, row)
         self._rows += 1
 
     def flush(self) -> None:
@@ -281,38 +283,43 @@ def all_reduce_mean(policy: Policy, ranks: int) -> None:
         offset += g.numel()
 
 
+def train_update(policy: Policy, ref: Policy, opt: torch.optim.Optimizer, bus: MetricBus, *, update: int,
+                 rank: int, job: Job) -> None:
+    """One optimizer update (verl: one mini-batch): M micro-batches, the gradient mean over ranks, the step."""
+    layout = job.layout
+    lr = lr_at(update, updates=job.steps * layout.updates, base=job.lr)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    data = mini_batch(update=update, seed=job.seed, shape=job.shape)
+    opt.zero_grad(set_to_none=False)
+    for m in range(layout.micro):
+        batch = data.shard(rank=rank, ranks=layout.ranks, micro=m, micros=layout.micro)
+        stats = micro_step(policy, ref, batch, mini_batch_tokens=data.n_tokens, dp_size=layout.ranks)
+        log_micro_batch(bus, batch, stats)
+    if layout.ranks > 1:
+        all_reduce_mean(policy, layout.ranks)
+    opt.step()
+    bus.log("actor/lr", lr, agg="mean")
+    bus.end_update()  # the records since the last boundary are this update's micro level
+
+
 def worker(rank: int, job: Job) -> None:
     """One data-parallel rank: train ``job.steps`` steps of K updates, log everything, rank 0 saves the rows."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
-    layout = job.layout
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=rank, world_size=layout.ranks)
+    updates = job.layout.updates
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=rank,
+                             world_size=job.layout.ranks)
     try:
         policy, ref = Policy(job.shape, seed=job.seed), Policy(job.shape, seed=job.seed).requires_grad_(False)
         opt = torch.optim.Adam(policy.parameters(), lr=job.lr)
         bus = make_bus(job, rank=rank)
         emitted: Rows = []
-        total = job.steps * layout.updates
         try:
             for step in range(job.steps):
                 start = time.perf_counter()
-                for k in range(layout.updates):  # verl: one optimizer step per mini-batch
-                    update = step * layout.updates + k
-                    lr = lr_at(update, updates=total, base=job.lr)
-                    for group in opt.param_groups:
-                        group["lr"] = lr
-                    data = mini_batch(update=update, seed=job.seed, shape=job.shape)
-                    opt.zero_grad(set_to_none=False)
-                    for m in range(layout.micro):
-                        batch = data.shard(rank=rank, ranks=layout.ranks, micro=m, micros=layout.micro)
-                        stats = micro_step(policy, ref, batch, mini_batch_tokens=data.n_tokens,
-                                           dp_size=layout.ranks)
-                        log_micro_batch(bus, batch, stats)
-                    if layout.ranks > 1:
-                        all_reduce_mean(policy, layout.ranks)
-                    opt.step()
-                    bus.log("actor/lr", lr, agg="mean")
-                    bus.end_update()  # the records since the last boundary are this update's micro level
+                for k in range(updates):
+                    train_update(policy, ref, opt, bus, update=step * updates + k, rank=rank, job=job)
                 bus.log("timing/step_s", time.perf_counter() - start, agg="mean")
                 out = bus.commit(step=step)
                 if rank == 0 and out:
@@ -323,7 +330,7 @@ def worker(rank: int, job: Job) -> None:
         bus.close()  # a collective, on every rank, before destroy_process_group()
         if rank == 0:
             Path(job.out).mkdir(parents=True, exist_ok=True)
-            (Path(job.out) / "values.json").write_text(json.dumps({"layout": str(layout), "rows": emitted}))
+            (Path(job.out) / "values.json").write_text(json.dumps({"layout": str(job.layout), "rows": emitted}))
     finally:
         tdist.destroy_process_group()
 

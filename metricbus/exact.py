@@ -90,16 +90,20 @@ def divide_by_count(hi: float, lo: float, count: float) -> float | None:
     """The correctly rounded ``(hi + lo) / count``, or None where this quick path cannot decide (then use divide).
 
     ``hi + lo`` is exact (no further components) and ``count`` an integer-valued double in [1, 2**26): the mean of
-    unit-weight records. Each candidate ``q`` is checked with the exact residual ``rho = hi - q·count``: ``q`` has
-    a 26-bit high half, so both partial products are exact, ``hi - q_hi·count`` is exact by Sterbenz, and ``rho``, a
-    multiple of ulp(q) below 2**27 ulps, is representable. ``q`` is the correct rounding iff ``rho + lo`` lies
-    strictly inside ``count`` times the half gaps around ``q`` (those thresholds are exact: a power of two times
-    ``count``), and a rounded ``fl(rho + lo)`` strictly inside them implies the exact value is (rounding is
-    monotone). On a threshold, an exact ``rho + lo`` (TwoSum error 0) is a tie: the even neighbour wins.
+    unit-weight records. A power-of-two count only shifts the exponent, so ``hi / count`` is exact there (away from
+    the ends of the range, where ``hi`` is the rounded sum). Otherwise each candidate ``q`` is checked with the exact
+    residual ``rho = hi - q·count``: ``q`` has a 26-bit high half, so both partial products are exact,
+    ``hi - q_hi·count`` is exact by Sterbenz, and ``rho``, a multiple of ulp(q) below 2**27 ulps, is representable.
+    ``q`` is the correct rounding iff ``rho + lo`` lies strictly inside ``count`` times the half gaps around ``q``
+    (those thresholds are exact: a power of two times ``count``), and a rounded ``fl(rho + lo)`` strictly inside
+    them implies the exact value is (rounding is monotone). On a threshold, an exact ``rho + lo`` (TwoSum error 0)
+    is a tie: the even neighbour wins.
     """
     if not (1.0 <= count < _COUNT_LIMIT and count.is_integer()):
         return None
     q = hi / count
+    if math.frexp(count)[0] == 0.5 and _QUOTIENT_LOW < abs(q) < _QUOTIENT_HIGH:  # 2**k: a shift of the rounded hi
+        return q
     for _ in range(2):
         if not _QUOTIENT_LOW < abs(q) < _QUOTIENT_HIGH:
             return None
@@ -123,8 +127,8 @@ def divide_by_count(hi: float, lo: float, count: float) -> float | None:
 def products(weights: Sequence[float], values: Sequence[float]) -> list[float]:
     """Doubles whose exact sum is ``Σ (p_i + e_i)``, with ``p_i = fl(w_i·x_i)`` and ``e_i = fl(w_i·x_i - p_i)``.
 
-    That is the exact ``Σ w·x`` whenever no product underflows (``|w·x| < 2**-960``: there ``e_i`` is rounded to a
-    multiple of 2**-1074) or overflows (then ``p_i`` is ±inf, as IEEE ``w*x``, and so is the sum).
+    That is exactly ``Σ w·x`` unless a product underflows (below 2**-960 ``e_i`` may be rounded to a multiple of
+    2**-1074) or overflows (``p_i`` is then ±inf, as IEEE ``w*x`` gives, and so is the sum).
     """
     ps = [w * x for w, x in zip(weights, values, strict=True)]
     errors = _dekker_errors(weights, values, ps)

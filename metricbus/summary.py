@@ -255,7 +255,7 @@ def _add(
             return hi, (a - (hi - bb)) + (b - bb), ()
         if a - a != 0.0 or b - b != 0.0:  # non-finite data: IEEE
             return hi, 0.0, ()
-    elif rests is _NO_RESTS:
+    elif not rests[0] and not rests[1]:
         parts = [a, a_lo, b, b_lo]
         try:
             hi = _fsum(parts)

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from metricbus import exact
@@ -375,3 +375,23 @@ def test_exact_add_and_divide_are_exact(xs: list[float], ys: list[float]) -> Non
     den = sum(map(Fraction, ys))
     want = math.nan if den == 0 else rounded(sum(map(Fraction, xs)) / den)
     assert same(exact.divide(a, b), want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.floats(1e-250, 1e250),
+    st.sampled_from([1.0, -1.0]),
+    st.integers(1, 2**26 - 1),
+    st.sampled_from([Fraction(0), Fraction(1, 2), Fraction(-1, 2), Fraction(1, 4), Fraction(2**19 - 1, 2**20)]),
+)
+def test_divide_by_count_is_correctly_rounded_at_and_near_ties(q: float, sign: float, count: int, at: Fraction) -> None:
+    """The quick mean path: (hi + lo) / count for X = (q + at·ulp(q))·count, ties included, is correctly rounded."""
+    q *= sign
+    x = (Fraction(q) + at * Fraction(math.ulp(q))) * count
+    p = float(x)
+    parts = exact.components([p, float(x - Fraction(p))])  # x is exact in at most two doubles here
+    assume(len(parts) <= 2 and sum(map(Fraction, parts)) == x)
+    hi, lo = parts[0], (parts[1] if len(parts) > 1 else 0.0)
+    got = exact.divide_by_count(hi, lo, float(count))
+    assert got is not None
+    assert got == rounded(x / count)
