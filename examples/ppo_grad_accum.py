@@ -47,8 +47,7 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +60,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 import torch.multiprocessing as tmp  # noqa: E402
+from _ppo_console import with_console_view  # noqa: E402
 from _ppo_data import DTYPE, Batch, Policy, Shape, mini_batch  # noqa: E402
+from _ppo_report import AGREE_REL, NAIVE, Layout, Rows, compare_table, plot, series  # noqa: E402
 
-from metricbus import Adapter, Agg, MetricBus, RunInfo  # noqa: E402
-from metricbus.adapter import Status  # noqa: E402
+from metricbus import Agg, MetricBus  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "demo.yaml"
@@ -72,39 +72,7 @@ LAYOUTS = "1x1x1,2x2x2,2x4x2,4x2x2"
 CLIP = 0.2
 KL_COEF = 0.3  # verl's use_kl_loss / kl_loss_coef with kl_loss_type=low_var_kl: keeps the policy from collapsing
 PRE_SCALED = Agg(micro="sum", update="mean", rank="mean")  # sum an update's micro-batches, mean updates and ranks
-NAIVE = {  # name -> (spec, the factor it is off by as a function of (R, M, K), that factor's name)
-    "naive_mean/pg_loss": ("mean", lambda r, m, k: 1 / m, "1/M"),
-    "naive_sum/pg_loss": (Agg(micro="sum", update="mean", rank="sum", step="mean"), lambda r, m, k: r, "R"),
-    "naive_step_sum/pg_loss": (Agg(micro="sum", update="sum", rank="mean"), lambda r, m, k: k, "K"),
-}
-COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
-            "response_length/mean", "response_length/max", "response_length/min", "batch/tokens")
-CONSOLE_METRICS = ("actor/entropy", "actor/pg_clipfrac", "actor/pg_loss")
-AGREE_REL = 1e-9
 MARKER = ".ppo_grad_accum"
-Rows = list[tuple[int, dict[str, float]]]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """R ranks x M micro-batches per rank x K optimizer updates per step."""
-
-    ranks: int
-    micro: int
-    updates: int
-
-    @classmethod
-    def parse(cls, text: str, *, updates: int) -> Layout:
-        """``RxMxK``, or ``RxM`` with K = ``updates``."""
-        parts = text.lower().split("x")
-        if len(parts) == 2:
-            parts.append(str(updates))
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"layout {text!r}: use RxMxK (ranks x micro-batches x updates per step), e.g. 2x4x2")
-        return cls(*(int(p) for p in parts))
-
-    def __str__(self) -> str:
-        return f"{self.ranks}x{self.micro}x{self.updates}"
 
 
 @dataclass(frozen=True)
@@ -141,58 +109,6 @@ def load_config(path: Path, out: Path) -> dict[str, Any]:
     from metricbus.config import read_file
 
     return dict(_substitute(read_file(path), str(out)))
-
-
-class ConsoleView:
-    """An adapter around the console adapter: a few metrics, every ``every``-th emitted row and the last one.
-
-    The demo emits a row per step with ~20 metrics; the other backends get all of it, the terminal a glance.
-    """
-
-    name = "console"
-
-    def __init__(self, inner: Adapter, *, every: int, metrics: Sequence[str]) -> None:
-        self._inner = inner
-        self._every = every
-        self._metrics = tuple(metrics)
-        self._rows = 0
-        self._held: tuple[int, dict[str, float]] | None = None  # the last row, when it was not printed
-
-    def open(self, *, run: RunInfo) -> None:
-        """Open the console."""
-        self._inner.open(run=run)
-
-    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
-        """Print every ``every``-th row; hold the others until the next one arrives (or close)."""
-        row = {name: metrics[name] for name in self._metrics if name in metrics}
-        if self._rows % self._every == 0:
-            self._inner.write(step=step, metrics=row)
-            self._held = None
-        else:
-            self._held = (step, row)
-        self._rows += 1
-
-    def flush(self) -> None:
-        """Flush the console."""
-        self._inner.flush()
-
-    def close(self, *, status: Status) -> None:
-        """Print the last row if it was held, then close the console."""
-        if self._held is not None:
-            self._inner.write(step=self._held[0], metrics=self._held[1])
-        self._inner.close(status=status)
-
-
-def with_console_view(config: Mapping[str, Any], *, every: int) -> dict[str, Any]:
-    """``config`` with its console adapter wrapped in a :class:`ConsoleView` ($METRICBUS_ADAPTERS still wins)."""
-    from metricbus.registry import make_adapter
-
-    adapters = []
-    for entry in config.get("adapters") or []:
-        kind = entry.get("type") if isinstance(entry, Mapping) else str(entry).partition(":")[0]
-        view = kind == "console" and every > 1
-        adapters.append(ConsoleView(make_adapter(entry), every=every, metrics=CONSOLE_METRICS) if view else entry)
-    return {**config, "adapters": adapters}
 
 
 def make_bus(job: Job, *, rank: int) -> MetricBus:
@@ -352,88 +268,6 @@ def run_layout(job: Job) -> Rows:
     return [(int(step), metrics) for step, metrics in data["rows"]]
 
 
-def _series(rows: Rows, name: str) -> list[float]:
-    return [metrics[name] for _, metrics in rows]
-
-
-def _max_rel(a: list[float], b: list[float]) -> float:
-    scale = max([abs(x) for x in b] + [1e-300])
-    return max(abs(x - y) for x, y in zip(a, b, strict=True)) / scale
-
-
-def _ratio(a: list[float], b: list[float]) -> float:
-    """The median of a / b over rows (the naive rules are off by an exact factor)."""
-    ratios = sorted(x / y for x, y in zip(a, b, strict=True) if abs(y) > 1e-12)
-    return ratios[len(ratios) // 2] if ratios else float("nan")
-
-
-def compare_table(results: dict[Layout, Rows]) -> tuple[str, bool]:
-    """The comparison table against the first layout, and whether metricbus agreed everywhere."""
-    ref = next(iter(results.values()))
-    naive = "".join(f" | {name.split('/')[0]:>14} {label:>4}" for name, (_, _, label) in NAIVE.items())
-    head = f"{'layout':>6} | {'pg_loss (last)':>14} {'max rel dev':>11} | {'9 metrics':>9}{naive} | naive clipfrac"
-    lines = [head, "-" * len(head)]
-    ok = True
-    for layout, rows in results.items():
-        if len(rows) != len(ref):
-            raise AssertionError(f"layout {layout} emitted {len(rows)} rows, the first layout {len(ref)}")
-        devs = {name: _max_rel(_series(rows, name), _series(ref, name)) for name in COMPARED}
-        ok = ok and max(devs.values()) <= AGREE_REL
-        loss = _series(rows, "actor/pg_loss")
-        cells = "".join(f" | {_ratio(_series(rows, name), loss):>14.4f} {factor(*astuple(layout)):>4.3g}"
-                        for name, (_, factor, _) in NAIVE.items())
-        clip_dev = _max_rel(_series(rows, "naive/pg_clipfrac"), _series(ref, "actor/pg_clipfrac"))
-        lines.append(f"{layout!s:>6} | {loss[-1]:>14.9f} {devs['actor/pg_loss']:>11.1e} | "
-                     f"{max(devs.values()):>9.1e}{cells} | {clip_dev:>14.1e}")
-    return "\n".join(lines), ok
-
-
-def plot(results: dict[Layout, Rows], path: Path, *, updates_per_row: int) -> None:
-    """Small multiples (PNG), one column per layout: pg_loss, naive / metricbus, clip fraction."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = len(results)
-    fig, axes = plt.subplots(3, n, figsize=(3.6 * n + 1, 9), sharex=True, sharey="row", squeeze=False)
-    styles = {"naive_mean/pg_loss": ("tab:blue", "-", 3.6), "naive_sum/pg_loss": ("tab:orange", "--", 2.2),
-              "naive_step_sum/pg_loss": ("tab:green", ":", 1.2)}  # equal factors: each line on a wider one
-    for col, (layout, rows) in enumerate(results.items()):
-        x = [(i + 1) * updates_per_row for i in range(len(rows))]
-        loss = _series(rows, "actor/pg_loss")
-        top, mid, bottom = axes[:, col]
-        top.plot(x, loss, color="black", lw=2, label="metricbus actor/pg_loss")
-        for name, (color, style, width) in styles.items():
-            factor = NAIVE[name][1](*astuple(layout))
-            label = f"{name if col == 0 else name.split('/')[0]} (x{factor:.3g})"
-            series = _series(rows, name)
-            top.plot(x, series, color=color, ls=style, lw=width / 2, label=label)
-            mid.plot(x, [a / b for a, b in zip(series, loss, strict=True)], color=color, ls=style, lw=width,
-                     label=label)
-        bottom.plot(x, _series(rows, "actor/pg_clipfrac"), color="black", lw=2,
-                    label="metricbus actor/pg_clipfrac (token-weighted)")
-        bottom.plot(x, _series(rows, "naive/pg_clipfrac"), color="tab:red", ls="--", lw=1,
-                    label="naive/pg_clipfrac (mean of micro-batch means)")
-        top.set_title(f"{layout}: R={layout.ranks} ranks, M={layout.micro} micro, K={layout.updates} updates",
-                      fontsize=9)
-        bottom.set_xlabel("optimizer updates")
-        for ax in (top, mid, bottom):
-            ax.grid(alpha=0.3)
-        top.legend(fontsize=7, loc="upper left")
-    axes[1, 0].set_yscale("log", base=2)
-    axes[0, 0].set_ylabel("pg_loss (per token, mean over updates)")
-    axes[1, 0].set_ylabel("naive / metricbus pg_loss")
-    axes[2, 0].set_ylabel("clip fraction")
-    axes[2, 0].legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"The same {updates_per_row * len(next(iter(results.values())))} optimizer updates under every "
-                 f"layout RxMxK, one point per {updates_per_row} updates. Black: metricbus, identical in every "
-                 "column; colours: naive rules", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
 def how_to_look(out: Path, config: dict[str, Any]) -> list[str]:
     """The commands that open what the run wrote."""
     lines = [f"Run folder: {out}"]
@@ -541,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nLast step {rows[-1][0]}:")
         for key, value in rows[-1][1].items():
             print(f"  {key:<24} {value:.10g}")
-    entropy = _series(rows, "actor/entropy")
+    entropy = series(rows, "actor/entropy")
     print(f"Policy entropy {entropy[0]:.3f} -> {entropy[-1]:.3f} nats/token (uniform {math.log(Shape.vocab):.3f}), "
           f"KL loss to the reference {rows[-1][1]['actor/kl_loss']:.3f}. Total {time.perf_counter() - started:.1f} s.")
     print("\n".join(how_to_look(out, config)))
