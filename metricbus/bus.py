@@ -19,7 +19,15 @@ from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.collect import Collector
-from metricbus.errors import ClosedError, DistributedError, MetricBusWarning, MetricTypeError, MetricValueError
+from metricbus.errors import (
+    ClosedError,
+    DistributedError,
+    JournalError,
+    MetricBusWarning,
+    MetricTypeError,
+    MetricValueError,
+    StepError,
+)
 from metricbus.options import BusOptions
 from metricbus.partial import Partial, Updates
 from metricbus.ranks import LocalRanks, RankTransport
@@ -214,13 +222,18 @@ class MetricBus:
                 self._collector.restore(updates)
                 self._ingested = ingested + self._ingested
             raise
-        self._sink.record(step=step, entries=exchange.journal)
+        journal_error = None
+        try:
+            self._sink.record(step=step, entries=exchange.journal)
+        except JournalError as exc:  # the step is still reduced and delivered; the journal has a gap
+            journal_error = exc
         self._table.seal()
         self._last_step = step
         out = self._reducer.commit(exchange.workers, exchange.specs)
-        if out is None:
-            return {}
-        return self._emit(step, out)
+        emitted = {} if out is None else self._emit(step, out)
+        if journal_error is not None:
+            raise journal_error
+        return emitted
 
     def _emit(self, step: int, out: dict[str, float]) -> dict[str, float]:
         if out and self._ranks.is_writer:
@@ -228,12 +241,12 @@ class MetricBus:
         return out
 
     def _next_step(self, step: int | None) -> int:
-        from metricbus.errors import StepError
-
         if step is None:
             return 0 if self._last_step is None else self._last_step + 1
         if isinstance(step, bool) or not isinstance(step, int):
             raise StepError(f"commit step must be an int, got {step!r}")
+        if not -(2**63) <= step < 2**63:
+            raise StepError(f"commit step {step} is out of range; steps are int64 (-2**63 <= step < 2**63)")
         if self._last_step is not None and step <= self._last_step:
             raise StepError(f"commit step {step} is not greater than the last step {self._last_step}")
         return step

@@ -276,3 +276,16 @@ def test_every_error_is_importable_from_the_package() -> None:
         obj = getattr(errors, name)
         if isinstance(obj, type) and issubclass(obj, (Exception, Warning)) and obj.__module__ == errors.__name__:
             assert getattr(metricbus, name) is obj, name
+
+
+def test_a_step_beyond_int64_is_a_step_error_and_keeps_the_records(tmp_path: Path) -> None:
+    """commit(step=2**63) with a journal: StepError (not struct.error), the records stay for the next commit."""
+    from metricbus import StepError
+
+    b = bus(journal=str(tmp_path / "j"))
+    b.log("x", 1.0)
+    with pytest.raises(StepError, match="int64"):
+        b.commit(step=2**63)
+    assert b.commit(step=2**63 - 1) == {"x": 1.0}
+    b.close()
+    assert [step for step, _ in emitted(read_journal(tmp_path / "j"))] == [2**63 - 1]
