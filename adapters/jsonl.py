@@ -4,6 +4,16 @@ Each line is ``{"step": 7, "time_unix_ns": 1700000000000000000, "metrics": {"los
 Python's ``repr`` (shortest round-trip form), so they read back bit for bit. Non-finite values are written as the
 JSON *strings* ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` — the file stays strict JSON that any parser
 accepts — and :func:`read_jsonl` turns them back into floats. The spec form is ``"jsonl:out.jsonl"``.
+
+Durability. Each ``write()`` hands its whole line to the operating system before it returns (a killed process
+loses nothing it wrote); ``flush()`` also ``fsync``s the file, so a step is durable once ``flush()`` returned —
+that is when the bus and ``metricbus sync`` acknowledge it to the delivery cursor.
+
+Resuming (the optional ``resume`` verb of the adapter protocol). ``resume(after_step=N)`` says that the cursor
+acknowledged steps up to ``N`` (``None``: none). Lines after the last line of a step ``<= N`` were written but never
+acknowledged, and the caller is about to send those steps again, so ``resume`` truncates the file to end right
+after that line (``None``: to empty). Without ``resume`` the file is appended to. Either way a torn last line (no
+newline: the process died mid-write) is cut off at ``open()`` so the next line does not glue onto it.
 """
 
 from __future__ import annotations
@@ -12,13 +22,14 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from metricbus.adapter import RunInfo, Status
 
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_BLOCK = 1 << 16
 
 
 def _encode(value: float) -> float | str:
@@ -37,15 +48,65 @@ def _decode(value: Any) -> float:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[tuple[int, dict[str, float]]]:
-    """Read a file written by :class:`JsonlAdapter` back as ``[(step, {name: value}), ...]``."""
+    """Read a file written by :class:`JsonlAdapter` back as ``[(step, {name: value}), ...]``.
+
+    A torn last line (no newline, not valid JSON: its writer died mid-line) is skipped.
+    """
     points: list[tuple[int, dict[str, float]]] = []
     with Path(path).open(encoding="utf-8") as handle:
         for line in handle:
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if line.endswith("\n"):
+                    raise
+                break  # the torn last line
             points.append((int(record["step"]), {k: _decode(v) for k, v in record["metrics"].items()}))
     return points
+
+
+def _lines_backwards(handle: IO[bytes]) -> Iterator[tuple[int, bytes, bool]]:
+    """``(offset, line, complete)`` from the last line to the first; only the last may be incomplete (torn)."""
+    end = handle.seek(0, os.SEEK_END)
+    pos, buf, first = end, b"", True
+    while True:
+        read = min(_BLOCK, pos)
+        pos -= read
+        handle.seek(pos)
+        buf = handle.read(read) + buf
+        parts = buf.split(b"\n")
+        tail_end = pos + len(buf)
+        for part in reversed(parts[1:] if pos else parts):
+            start = tail_end - len(part)
+            yield start, part, not first
+            first = False
+            tail_end = start - 1
+        if not pos:
+            return
+        buf = parts[0]
+
+
+def _step_of(line: bytes) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def acknowledged_length(path: Path, after_step: int | None, *, keep_all: bool = False) -> int:
+    """Bytes of ``path`` through the last complete line of a step ``<= after_step`` (``keep_all``: of any step)."""
+    if not keep_all and after_step is None:
+        return 0
+    with path.open("rb") as handle:
+        for offset, line, complete in _lines_backwards(handle):
+            if not complete or not line.strip():
+                continue
+            step = _step_of(line)
+            if keep_all or (step is not None and after_step is not None and step <= after_step):
+                return offset + len(line) + 1
+    return 0
 
 
 class JsonlAdapter:
@@ -55,20 +116,25 @@ class JsonlAdapter:
 
     def __init__(self, *, path: str | os.PathLike[str]) -> None:
         self._path = Path(path)
-        self._handle: IO[str] | None = None
+        self._handle: IO[bytes] | None = None
 
     @property
     def path(self) -> Path:
         """The file written."""
         return self._path
 
+    def resume(self, *, after_step: int | None) -> None:
+        """Cut the lines after the last acknowledged step ``after_step`` (None: every line); see the module doc."""
+        self._cut(after_step, keep_all=False)
+
     def open(self, *, run: RunInfo) -> None:
-        """Create (or append to) the file."""
+        """Create (or append to) the file, dropping a torn last line."""
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle = self._path.open("a", encoding="utf-8")
+        self._cut(None, keep_all=True)
+        self._handle = self._path.open("ab")
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
-        """Write one line for ``step``."""
+        """Write one line for ``step``, handed to the operating system before returning."""
         if self._handle is None:
             raise RuntimeError("JsonlAdapter.write() before open()")
         record = {
@@ -76,15 +142,28 @@ class JsonlAdapter:
             "time_unix_ns": time.time_ns(),
             "metrics": {key: _encode(value) for key, value in metrics.items()},
         }
-        self._handle.write(json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n")
+        self._handle.write((json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8"))
+        self._handle.flush()
 
     def flush(self) -> None:
-        """Flush the file to the operating system."""
+        """Make every written line durable (flush, then ``fsync``)."""
         if self._handle is not None:
             self._handle.flush()
+            os.fsync(self._handle.fileno())
 
     def close(self, *, status: Status) -> None:
         """Close the file."""
         if self._handle is not None:
             self._handle.close()
             self._handle = None
+
+    def _cut(self, after_step: int | None, *, keep_all: bool) -> None:
+        if self._handle is not None:
+            self._handle.flush()
+        try:
+            size = self._path.stat().st_size
+        except FileNotFoundError:
+            return
+        keep = acknowledged_length(self._path, after_step, keep_all=keep_all)
+        if keep < size:
+            os.truncate(self._path, keep)

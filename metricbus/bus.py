@@ -19,6 +19,7 @@ from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.collect import Collector
+from metricbus.delivery import WRITE_TIMEOUT_S
 from metricbus.errors import (
     ClosedError,
     DistributedError,
@@ -33,6 +34,7 @@ from metricbus.partial import Partial, Updates
 from metricbus.ranks import LocalRanks, RankTransport
 from metricbus.reduce import StepReducer
 from metricbus.rules import Rules
+from metricbus.shutdown import EXIT_TIMEOUT_S
 from metricbus.sink import Sink
 from metricbus.spec import NanPolicy, Spec, SpecLike, check_nan, parse_spec
 from metricbus.spec_table import SpecTable
@@ -61,11 +63,14 @@ class MetricBus:
         queue_size: int = 1024,
         queue_policy: str = "block",
         queue_timeout_s: float = 10.0,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
+        exit_timeout_s: float = EXIT_TIMEOUT_S,
     ) -> None:
         opts = BusOptions.build(
             adapters=adapters, rules=rules, log_every=log_every, nan=nan, strict=strict, run=run, dist=dist,
             group=group, writer_rank=writer_rank, journal=journal, fsync=fsync, queue_size=queue_size,
-            queue_policy=queue_policy, queue_timeout_s=queue_timeout_s,
+            queue_policy=queue_policy, queue_timeout_s=queue_timeout_s, write_timeout_s=write_timeout_s,
+            exit_timeout_s=exit_timeout_s,
         )  # fmt: skip
         self.run = opts.run or RunInfo()
         self._rules = Rules(opts.rules)
@@ -83,6 +88,7 @@ class MetricBus:
             journal=opts.journal, fsync=opts.fsync, rank=self._ranks.rank, run=self.run, rules=self._rules.items(),
             log_every=opts.log_every, strict=opts.strict, queue_size=opts.queue_size,
             queue_policy=opts.queue_policy, queue_timeout_s=opts.queue_timeout_s,
+            write_timeout_s=opts.write_timeout_s, exit_timeout_s=opts.exit_timeout_s,
         )  # fmt: skip
         if self._sink.durable or self._ranks.collective:
             shutdown.track(id(self), self._close_at_exit)
@@ -170,11 +176,19 @@ class MetricBus:
         """
         with self._lock:
             self._check_open("ingest")
+            if self._ranks.collective:
+                # Ingested partials are workers of their own at the rank level; folding them into one rank's
+                # contribution would change rank-level kinds (e.g. rank="mean"), so the combination is refused.
+                raise DistributedError(
+                    "ingest() cannot be combined with torch.distributed; use export()/ingest() with dist=None, "
+                    "or log on every rank and let commit() gather"
+                )
             batch = list(partials)
             for part in batch:  # check all before taking any, so a bad call ingests nothing
                 if not isinstance(part, Partial):
                     raise MetricTypeError(f"ingest() takes Partial objects from export(), got {type(part).__name__}")
             self._table.adopt(batch, first_worker=len(self._ingested))
+            self._collector.respec()
             self._ingested.extend(batch)
 
     # -- committing --------------------------------------------------------------------------------------------
@@ -193,7 +207,6 @@ class MetricBus:
         """
         with self._lock:
             self._check_open("commit")
-            self._sink.check()
             step = self._next_step(step)
             ranks = self._ranks
             if ranks.collective and not ranks.usable():
@@ -203,19 +216,24 @@ class MetricBus:
                     "torch.distributed.destroy_process_group()"
                 )
             updates, errors = self._collector.take()
-            out = self._commit(step, updates)
-            if errors:
-                raise _rejected(errors, what=f"step {step}", kept="committed without them")
+            out, rejected = self._commit(step, updates, errors)
+            if rejected:
+                raise _rejected(rejected, what=f"step {step}", kept="committed without them")
+            # A strict bus's adapter failure is raised only now, after the step: raising before the collective
+            # would leave the writer rank one commit behind the others.
+            self._sink.check()
             return out
 
-    def _commit(self, step: int, updates: Updates) -> dict[str, float]:
+    def _commit(
+        self, step: int, updates: Updates, errors: dict[str, MetricValueError]
+    ) -> tuple[dict[str, float], dict[str, MetricValueError]]:
         needed = self._sink.journaled or self._ranks.collective  # else the reducer reads ``updates`` alone
         own = self._collector.partial(updates, undeclared=False) if needed else _NOTHING
         ingested, self._ingested = self._ingested, []
         try:
             exchange = self._ranks.exchange(
                 own=own, own_updates=updates, ingested=ingested, table=self._table, reducer=self._reducer,
-                journaled=self._sink.journaled,
+                journaled=self._sink.journaled, rejected=sorted(errors),
             )
         except BaseException:
             if not self._ranks.collective:  # nothing left this process: put the records back
@@ -228,12 +246,16 @@ class MetricBus:
         except JournalError as exc:  # the step is still reduced and delivered; the journal has a gap
             journal_error = exc
         self._table.seal()
+        self._collector.respec()  # specs adopted from workers or ranks (their nan policy) apply from now on
         self._last_step = step
         out = self._reducer.commit(exchange.workers, exchange.specs)
         emitted = {} if out is None else self._emit(step, out)
         if journal_error is not None:
             raise journal_error
-        return emitted
+        rejected = dict(errors)
+        for name, where in exchange.rejected.items():  # another rank's device records of these were bad
+            rejected.setdefault(name, MetricValueError(f"{where} rejected the records of {name!r}"))
+        return emitted, rejected
 
     def _emit(self, step: int, out: dict[str, float]) -> dict[str, float]:
         if out and self._ranks.is_writer:
@@ -250,6 +272,19 @@ class MetricBus:
         if self._last_step is not None and step <= self._last_step:
             raise StepError(f"commit step {step} is not greater than the last step {self._last_step}")
         return step
+
+    # -- flushing and closing ----------------------------------------------------------------------------------
+
+    def flush(self, *, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Wait until every adapter wrote, flushed and acknowledged every step committed so far.
+
+        Returns True, or False when ``timeout_s`` ran out first. Adapters stopped because a call hung past
+        ``write_timeout_s`` or their thread died are not waited for (the journal keeps their steps for
+        ``metricbus sync``). The bus stays open.
+        """
+        if self._closed:
+            return True
+        return self._sink.flush(timeout_s=timeout_s)
 
     # -- closing -----------------------------------------------------------------------------------------------
 
@@ -294,12 +329,18 @@ class MetricBus:
             if self._closed:
                 return
             try:
+                failure: Exception | None = None
                 if alone is not None:
                     self._warn_uncommitted(alone)
                 elif self._ranks.any_pending(pending=self._pending()):
-                    self.commit()
+                    try:
+                        self.commit()
+                    except Exception as exc:  # the window's committed steps are still emitted, then this raises
+                        failure = exc
                 if self._reducer.pending and self._last_step is not None:
                     self._emit(self._last_step, self._reducer.finish())  # rank-level results: same on every rank
+                if failure is not None:
+                    raise failure
             finally:
                 self._closed = True
                 shutdown.untrack(id(self))

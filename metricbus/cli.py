@@ -2,23 +2,40 @@
 
 Errors (a missing or foreign journal, a newer format, a bad rule or adapter) print one line on stderr and exit 2;
 a backend that fails while receiving steps prints one line and exits 1. Warnings (a torn record) are one line each.
+Progress (replay: a bar; sync: steps sent, rate, ETA) goes to stderr only when it is a terminal. Ctrl-C stops
+cleanly: sync flushes and acknowledges what it wrote, prints one ``interrupted: ...`` line and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from fnmatch import fnmatchcase
 from typing import Any, TextIO
 
 from metricbus.errors import MetricBusError
 from metricbus.journal import Journal, JournalWarning, read_journal
-from metricbus.replay import Progress, emitted, parse_rule, parse_steps, record_counts, replay, sync
+from metricbus.replay import (
+    Progress,
+    SyncInterrupted,
+    SyncProgress,
+    emitted,
+    parse_rule,
+    parse_steps,
+    record_counts,
+    replay,
+    sync,
+)
 
 EXIT_ERROR = 2  # a usage or input mistake
 EXIT_FAILED = 1  # a backend failed while receiving steps
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as a shell reports it
 
 
 class _UsageError(Exception):
@@ -82,6 +99,53 @@ def _progress(stream: TextIO) -> Progress | None:
             stream.flush()
 
     return show
+
+
+def _sync_progress(stream: TextIO, *, every_s: float = 0.2) -> SyncProgress | None:
+    """``sync: N steps sent  R steps/s  C/T commits  ETA S s`` on one redrawn line; None off a terminal."""
+    if not stream.isatty():
+        return None
+    start = time.monotonic()
+    shown = [-every_s]
+
+    def show(done: int, total: int, sent: int) -> None:
+        now = time.monotonic() - start
+        if done < total and now - shown[0] < every_s:
+            return
+        shown[0] = now
+        rate = sent / now if now > 0 else 0.0
+        eta = f"{(total - done) * now / done:.0f} s" if done > 0 else "?"
+        stream.write(f"\rsync: {sent:,} steps sent  {rate:,.0f} steps/s  {done:,}/{total:,} commits  ETA {eta}\x1b[K")
+        if done >= total:
+            stream.write("\n")
+        stream.flush()
+
+    return show
+
+
+@contextlib.contextmanager
+def _first_sigint_sets(stop: threading.Event) -> Iterator[None]:
+    """While inside: a first Ctrl-C sets ``stop`` (sync ends after the current step), a second one interrupts."""
+
+    def handler(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: KeyboardInterrupt cannot arrive here anyway
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(sent: dict[str, int]) -> str:
+    parts = [f"{count} steps to {label}" for label, count in sent.items()]
+    return f"interrupted: sent {', '.join(parts) or 'nothing'}; run sync again to resume"
 
 
 def _fmt(value: float) -> str:
@@ -153,8 +217,17 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     elif args.command == "sync":
         journal = read_journal(args.journal)
         adapters = _adapters(args.config, ())
+        progress = _sync_progress(err)
+        stop = threading.Event()
         try:
-            sent = sync(journal, adapters, progress=_progress(err))
+            with _first_sigint_sets(stop):
+                sent = sync(journal, adapters, progress=progress, stop=stop)
+        except SyncInterrupted as stop:
+            err.write(("\n" if progress is not None else "") + _interrupted(stop.sent) + "\n")
+            return EXIT_INTERRUPTED
+        except KeyboardInterrupt:  # a second Ctrl-C while closing the adapters
+            err.write("interrupted; run sync again to resume\n")
+            return EXIT_INTERRUPTED
         except Exception as exc:
             raise _BackendError(f"{type(exc).__name__}: {exc} (cursors keep the acknowledged steps)") from exc
         for label, count in sent.items():
@@ -187,5 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _BackendError as exc:
         err.write(f"metricbus: error: a backend failed: {exc}\n")
         return EXIT_FAILED
+    except KeyboardInterrupt:  # outside sync's loop (reading the journal, a second Ctrl-C): nothing half-done
+        err.write("metricbus: interrupted\n")
+        return EXIT_INTERRUPTED
     except SystemExit as exc:  # --help
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_ERROR

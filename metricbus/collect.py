@@ -55,6 +55,10 @@ class Collector:
             except Exception:
                 self._forget(introduced)  # a rejected call must not fix the spec of a name it introduced
                 raise
+            for new in introduced:  # only now may the lock-free fast path see the new buffers
+                fresh = self.accs[new]
+                if fresh.nan == "propagate":
+                    self.fast[new] = fresh.plain
             for acc, values, weights in staged:
                 if is_tensor(values):
                     self._device_states().add(acc.name, values, weights, nan=acc.nan)
@@ -66,20 +70,47 @@ class Collector:
         acc = self.accs.get(name)
         if acc is not None and agg is None:
             return acc
-        if table.claim(name) is None:
+        held = table.claim(name)
+        if held is None:
             claim = table.own(name, agg)
             table.check_outputs(name, claim.spec)
             table.fix(name, claim)
             introduced.append(name)
+            spec = claim.spec
+        elif agg is not None and not held.declared and not table.sealed(name):
+            claim = table.own(name, agg)  # the default gives way to a declaration until the first commit
+            if claim.spec != held.spec:
+                table.check_outputs(name, claim.spec)
+                table.fix(name, claim)
+                if acc is not None:
+                    self._respec(acc)
             spec = claim.spec
         else:
             spec = table.resolve(name, agg)[0]  # raises for a different explicit spec
         if acc is None:
             acc = Accumulator(name=name, spec=spec, nan=spec.nan or self._nan)
             self.accs[name] = acc
-            if acc.nan == "propagate":
+            if name not in introduced and acc.nan == "propagate":
                 self.fast[name] = acc.plain
         return acc
+
+    def _respec(self, acc: Accumulator) -> None:
+        """``acc``'s name got another spec (adopted, or a declaration replaced the default): use its nan policy."""
+        acc.spec = self.table.specs[acc.name]
+        nan = acc.spec.nan or self._nan
+        acc.nan = nan  # buffered records are folded under it too (a fold of >= FOLD_AT records already happened)
+        if nan == "propagate":
+            self.fast[acc.name] = acc.plain
+        else:
+            self.fast.pop(acc.name, None)
+
+    def respec(self) -> None:
+        """Bring every accumulator to its name's spec in the table (after ingest() or a rank agreement)."""
+        specs = self.table.specs
+        with self.lock:
+            for name, acc in self.accs.items():
+                if specs.get(name, acc.spec) is not acc.spec:
+                    self._respec(acc)
 
     def _records(self, acc: Accumulator, raw: Any, weight: Any) -> tuple[Any, Any]:
         metric = acc.name
@@ -101,10 +132,7 @@ class Collector:
 
     def _forget(self, names: list[str]) -> None:
         for name in names:
-            acc = self.accs.pop(name, None)
-            self.fast.pop(name, None)
-            if acc is not None and acc.pending:  # cannot happen: a new name has no records yet
-                raise AssertionError(name)
+            self.accs.pop(name, None)  # a new name: no records, and the fast path never saw it
         self.table.forget(names)
 
     def _device_states(self) -> Any:

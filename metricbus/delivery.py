@@ -3,14 +3,34 @@
 ``submit()`` only enqueues, so a slow backend never slows the training loop. Each adapter's thread opens it,
 writes its steps in increasing order (once each), then flushes and closes it when ``close()`` sends the sentinel.
 
-A write that raises is retried, the *same* step, with exponential backoff (``retry_base_s`` doubling, capped at
-``retry_cap_s``). After ``retry_tries`` consecutive failures the adapter is *degraded*: reported through
-``logging`` (logger ``metricbus.delivery``: adapter name, step, exception; each kind of report at most once per
-adapter per minute) while the other adapters go on. A degraded adapter keeps retrying, so a backend that is down
-for a while and comes back receives every step, in order. While degraded, a full queue drops the newest step at once
-instead of blocking the loop. On a strict bus the failure is kept and re-raised as
-:class:`~metricbus.errors.AdapterError` at the next ``commit()`` or ``close()``; a strict bus stops writing to that
-adapter instead of retrying forever.
+**Acknowledgement means durable.** ``on_delivered(index, adapter, step)`` (the journal advances that adapter's
+cursor with it) is called only after the adapter's ``flush()`` returned *after* ``step`` was written: it says
+"every step up to ``step`` this adapter was given is durable in the backend". Flushes are batched: after
+``FLUSH_EVERY_STEPS`` written steps, ``FLUSH_EVERY_S`` after the first unflushed write (also when the queue runs
+empty meanwhile), at :meth:`Delivery.flush` and at close. A crash loses at most unacknowledged steps, which
+``metricbus sync`` sends again from the journal.
+
+**Errors are classified** (:mod:`metricbus.errors_classify`). A *transient* error (connection, timeout, HTTP 5xx,
+429) is retried, the *same* step, with exponential backoff (``retry_base_s`` doubling, capped at ``retry_cap_s``).
+After ``retry_tries`` consecutive failures the adapter is *degraded*: reported through ``logging`` (logger
+``metricbus.delivery``: adapter name, step, exception; each kind of report at most once per adapter per minute)
+while the other adapters go on. It keeps retrying, so a backend that is down for a while and comes back receives
+every step, in order; meanwhile a full queue drops the newest step at once instead of blocking the loop. A
+*permanent* error (the backend rejects this step's data: HTTP 4xx, MLflow ``INVALID_PARAMETER_VALUE``, protobuf's
+``Value out of range``, a ValueError/TypeError of the adapter's own conversion, or a type in the adapter's
+``permanent_errors``) skips the step for that adapter: it is reported (adapter, step, metric if known, reason),
+kept in :attr:`Delivery.gaps` and passed to ``on_gap(index, adapter, step, reason)``. **An adapter that skipped a
+step is closed with status "failed"** (MLflow ``FAILED``, wandb exit code 1), never left running as if complete.
+
+**A hung or dead adapter never stalls training.** An adapter whose ``open``, ``write`` or ``flush`` call has run
+longer than ``write_timeout_s`` (default :data:`WRITE_TIMEOUT_S`), or whose thread died of any ``BaseException``
+(``SystemExit`` included), is *stopped*: reported once, its queued steps released from memory (the journal keeps
+them, and its cursor says where ``metricbus sync`` resumes), and ``submit()`` skips it from then on. The deadline
+is checked at each ``submit()`` (and while ``flush()``/``close()`` wait), so it costs no extra thread. Should the
+stuck call return later, the thread closes the adapter with status "failed".
+
+On a strict bus every failure is kept and re-raised as :class:`~metricbus.errors.AdapterError` at the next
+``commit()`` or ``close()``; a strict bus stops writing to an adapter after ``retry_tries`` transient failures.
 """
 
 from __future__ import annotations
@@ -25,12 +45,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from metricbus.adapter import Adapter, RunInfo, Status
+from metricbus.delivery_worker import WAIT_SLICE_S, Worker, _Step, _Stop, _Sync
 from metricbus.errors import AdapterError
 
 logger = logging.getLogger("metricbus.delivery")
 REPORT_EVERY_S = 60.0
 QUEUE_POLICIES = ("block", "drop")
+WRITE_TIMEOUT_S = 30.0  # an adapter call running longer than this stops the adapter (see the module docstring)
 OnDelivered = Callable[[int, Adapter, int], None]
+OnGap = Callable[[int, Adapter, int, str], None]
 
 
 def check_queue_options(*, queue_size: object, queue_policy: object, queue_timeout_s: object) -> None:
@@ -43,15 +66,21 @@ def check_queue_options(*, queue_size: object, queue_policy: object, queue_timeo
         raise ValueError(f"queue_timeout_s must be a number >= 0, got {queue_timeout_s!r}")
 
 
+def check_seconds(option: str, value: object) -> float:
+    """``value`` as a float number of seconds > 0; else a ValueError naming ``option``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{option} must be a number > 0, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True, slots=True)
-class _Step:
+class Gap:
+    """A step one adapter skipped because its backend rejected it (a permanent error)."""
+
+    adapter: str
     step: int
-    metrics: Mapping[str, float]
-
-
-@dataclass(frozen=True, slots=True)
-class _Stop:
-    status: Status
+    metric: str | None
+    reason: str
 
 
 class _Reporter:
@@ -70,119 +99,6 @@ class _Reporter:
         logger.log(level, msg, *args)
 
 
-class _Worker:
-    """One adapter, its queue and its thread. Counters are written only by this worker's thread (or before it)."""
-
-    def __init__(self, delivery: Delivery, index: int, adapter: Adapter, label: str, queue_size: int) -> None:
-        self.delivery = delivery
-        self.index = index
-        self.adapter = adapter
-        self.label = label
-        self.queue: queue.Queue[_Step | _Stop] = queue.Queue(maxsize=queue_size)
-        self.thread = threading.Thread(target=self._run, name=f"metricbus-{label}", daemon=True)
-        self.opened = threading.Event()
-        self.abandon = threading.Event()  # close() ran out of time: stop retrying, discard the rest
-        self.open_error: BaseException | None = None
-        self.failed = False  # open failed, or a strict bus gave up on it: no more writes
-        self.degraded = False
-        self.failures = 0  # failed calls, retries included
-        self.delivered = 0
-        self.dropped = 0
-        self.submitted = 0  # written by the caller's thread only
-        self.lost = 0  # steps taken off the queue but never written (failed or abandoned adapter)
-        self.last_step: int | None = None
-
-    # -- the adapter's thread ----------------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            self.adapter.open(run=self.delivery.run)
-        except Exception as exc:
-            self.open_error = exc
-            self.failed = True
-            self._fail("open", None, exc, kind="open")
-        finally:
-            self.opened.set()
-        status: Status = "failed"
-        while True:
-            try:
-                item = self.queue.get_nowait() if self.abandon.is_set() else self.queue.get()
-            except queue.Empty:
-                break
-            if isinstance(item, _Stop):
-                status = item.status
-                break
-            if self.failed or self.abandon.is_set():
-                self.lost += 1
-            else:
-                self._deliver(item)
-        if self.open_error is None:
-            self._call("flush", self.adapter.flush)
-            self._call("close", lambda: self.adapter.close(status=status))
-
-    def _deliver(self, item: _Step) -> None:
-        d = self.delivery
-        tries = 0
-        while True:
-            try:
-                self.adapter.write(step=item.step, metrics=item.metrics)
-                break
-            except Exception as exc:
-                tries += 1
-                self.failures += 1
-                if tries == 1:
-                    d.report(logging.WARNING, self.label, "retry", "adapter %r failed to write step %d: %r; retrying",
-                             self.label, item.step, exc)
-                if tries == d.retry_tries and not self.degraded:
-                    self.degraded = True
-                    d.report(logging.ERROR, self.label, "degraded",
-                             "adapter %r degraded: %d failed tries at step %d, last %r; the other adapters go on"
-                             "%s", self.label, tries, item.step, exc,
-                             "" if d.strict else f"; retrying every {d.retry_cap_s:g} s at most")
-                if tries >= d.retry_tries and d.strict:
-                    self._fail("write", item.step, exc, kind="strict")
-                    self.failed = True
-                    self.lost += 1
-                    return
-            delay = min(d.retry_cap_s, d.retry_base_s * 2 ** (tries - 1))
-            if self.abandon.wait(delay):
-                self.lost += 1
-                return
-        if self.degraded:
-            self.degraded = False
-            d.report(logging.WARNING, self.label, "recovered", "adapter %r recovered at step %d after %d failed tries",
-                     self.label, item.step, tries)
-        self.delivered += 1
-        self.last_step = item.step
-        if d.on_delivered is not None:
-            self._call("on_delivered", lambda: d.on_delivered(self.index, self.adapter, item.step))  # type: ignore[misc]
-
-    def _call(self, verb: str, fn: Callable[[], object]) -> None:
-        try:
-            fn()
-        except Exception as exc:
-            self.failures += 1
-            self._fail(verb, self.last_step, exc, kind=verb)
-
-    def _fail(self, verb: str, step: int | None, exc: BaseException, *, kind: str) -> None:
-        self.delivery.report(logging.ERROR, self.label, kind, "adapter %r failed in %s at step %s: %r",
-                             self.label, verb, step, exc)
-        self.delivery.keep(AdapterError(f"adapter {self.label!r} failed in {verb} at step {step}: {exc!r}"), exc)
-
-    # -- the caller's thread -----------------------------------------------------------------------------------
-
-    def put(self, item: _Step, *, deadline: float | None) -> bool:
-        """Enqueue without blocking (``deadline`` None, or degraded) or until ``deadline``; False when full."""
-        try:
-            if deadline is None or self.degraded:
-                self.queue.put_nowait(item)
-            else:
-                self.queue.put(item, timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Full:
-            return False
-        return True
-
-
 class Delivery:
     """Hands every emitted step to each adapter's background thread; failures stay with their adapter."""
 
@@ -194,7 +110,9 @@ class Delivery:
         queue_size: int = 1024,
         queue_policy: str = "block",
         queue_timeout_s: float = 10.0,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
         on_delivered: OnDelivered | None = None,
+        on_gap: OnGap | None = None,
         retry_tries: int = 3,
         retry_base_s: float = 0.05,
         retry_cap_s: float = 2.0,
@@ -203,7 +121,9 @@ class Delivery:
         if isinstance(retry_tries, bool) or not isinstance(retry_tries, int) or retry_tries < 1:
             raise ValueError(f"retry_tries must be an int >= 1, got {retry_tries!r}")
         self.strict = strict
+        self.write_timeout_s = check_seconds("write_timeout_s", write_timeout_s)
         self.on_delivered = on_delivered
+        self.on_gap = on_gap
         self.retry_tries = retry_tries
         self.retry_base_s = retry_base_s
         self.retry_cap_s = retry_cap_s
@@ -211,13 +131,15 @@ class Delivery:
         self._timeout_s = float(queue_timeout_s)
         self.run = RunInfo()
         self.report = _Reporter()
+        self.gaps: list[Gap] = []
+        """Every step an adapter skipped because its backend rejected it, in the order they happened."""
         self._errors: list[AdapterError] = []
         self._lock = threading.Lock()
         self._started = False
         self._closed = False
         names = [getattr(a, "name", type(a).__name__) for a in adapters]
         labels = [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
-        self._workers = [_Worker(self, i, a, labels[i], queue_size) for i, a in enumerate(adapters)]
+        self._workers = [Worker(self, i, a, labels[i], queue_size) for i, a in enumerate(adapters)]
 
     # -- what callers and tests read ---------------------------------------------------------------------------
 
@@ -242,21 +164,63 @@ class Delivery:
         return {w.label: w.delivered for w in self._workers}
 
     @property
+    def acknowledged(self) -> dict[str, int | None]:
+        """Per adapter, the last step acknowledged (written, then flushed); None before the first."""
+        return {w.label: w.acked for w in self._workers}
+
+    @property
+    def released(self) -> dict[str, int]:
+        """Per stopped adapter, the steps it was never given live (``metricbus sync`` delivers them)."""
+        return {w.label: w.released for w in self._workers if w.stopped is not None}
+
+    @property
     def degraded(self) -> list[str]:
-        """Adapters whose last tries failed (they are still being retried unless failed)."""
-        return [w.label for w in self._workers if w.degraded]
+        """Adapters whose last tries failed (still retried), or that were stopped because a call hung or died."""
+        return [w.label for w in self._workers if w.degraded or w.dead]
 
     @property
     def failed(self) -> list[str]:
-        """Adapters that no longer receive steps (open failed, or a strict bus gave up on them)."""
-        return [w.label for w in self._workers if w.failed]
+        """Adapters that no longer receive steps (open failed, strict bus gave up, a call hung, thread died)."""
+        return [w.label for w in self._workers if w.stopped is not None]
 
-    def keep(self, err: AdapterError, cause: BaseException) -> None:
+    def keep(self, err: AdapterError, cause: BaseException | None) -> None:
         """Remember ``err`` (caused by ``cause``) for the next check() on a strict bus."""
         if self.strict:
             err.__cause__ = cause
             with self._lock:
                 self._errors.append(err)
+
+    def gap(self, worker: Worker, step: int, metric: str | None, exc: Exception) -> None:
+        """``worker``'s backend rejected ``step`` for good: report, record, tell ``on_gap``; the worker goes on."""
+        reason = f"{type(exc).__name__}: {exc}"
+        self.gaps.append(Gap(worker.label, step, metric, reason))
+        self.report(logging.ERROR, worker.label, "gap", "adapter %r rejected step %d%s: %s; step skipped for this "
+                    "adapter (gap recorded; its run will be closed as failed)", worker.label, step,
+                    "" if metric is None else f" (metric {metric!r})", reason)
+        self.keep(AdapterError(f"adapter {worker.label!r} rejected step {step}: {reason}"), exc)
+        if self.on_gap is not None:
+            try:
+                self.on_gap(worker.index, worker.adapter, step, reason)
+            except Exception:
+                logger.exception("on_gap failed for adapter %r at step %d", worker.label, step)
+
+    def stop(self, worker: Worker, why: str, cause: BaseException | None) -> None:
+        """Give up on ``worker`` (a call hung, its thread died): release its backlog, never wait for it again."""
+        with self._lock:
+            if worker.stopped is not None:
+                return
+            worker.stopped, worker.dead = why, True
+        worker.released += worker.release()
+        self.report(logging.ERROR, worker.label, "stopped", "adapter %r degraded: %s; %d queued steps released "
+                    "(the journal keeps them for `metricbus sync`); commits no longer wait for it", worker.label,
+                    why, worker.released)
+        self.keep(AdapterError(f"adapter {worker.label!r} stopped: {why}"), cause)
+
+    def _watch(self, worker: Worker, now: float) -> None:
+        """Stop ``worker`` if its running call is past the write deadline."""
+        if worker.overdue(now):
+            self.stop(worker, f"{worker.busy_verb}() ran longer than write_timeout_s={self.write_timeout_s:g} s",
+                      TimeoutError(f"{worker.busy_verb}() did not return"))
 
     # -- the bus's verbs ---------------------------------------------------------------------------------------
 
@@ -270,8 +234,11 @@ class Delivery:
             worker.thread.start()
         if not self.strict:
             return  # writes queue behind the open; a failed open is reported from the adapter's thread
+        deadline = time.monotonic() + self.write_timeout_s + WAIT_SLICE_S
         for worker in self._workers:
-            worker.opened.wait()
+            while not worker.opened.wait(WAIT_SLICE_S) and time.monotonic() < deadline:
+                pass
+            self._watch(worker, time.monotonic())
         if any(w.open_error is not None for w in self._workers):
             with self._lock:
                 first = self._errors.pop(0) if self._errors else None
@@ -282,17 +249,54 @@ class Delivery:
     def submit(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Enqueue one emitted step for every adapter (a read-only copy of ``metrics``, shared)."""
         item = _Step(step, MappingProxyType(dict(metrics)))
-        deadline = time.monotonic() + self._timeout_s if self._policy == "block" else None
+        now = time.monotonic()
+        deadline = now + self._timeout_s if self._policy == "block" else None
         for worker in self._workers:
-            if worker.failed:
+            self._watch(worker, now)
+            if worker.stopped is not None:
+                if worker.dead:
+                    worker.released += 1
                 continue
             worker.submitted += 1
-            if not worker.put(item, deadline=deadline):
-                worker.dropped += 1
-                why = "degraded" if worker.degraded else self._policy
-                self.report(logging.WARNING, worker.label, "drop",
-                            "adapter %r: queue full, dropped step %d (%s); drops are counted and reported at close",
-                            worker.label, step, why)
+            if worker.put(item, deadline=deadline):
+                continue
+            self._watch(worker, time.monotonic())
+            if worker.stopped is not None:
+                worker.released += 1
+                continue
+            worker.dropped += 1
+            why = "degraded" if worker.degraded else self._policy
+            self.report(logging.WARNING, worker.label, "drop",
+                        "adapter %r: queue full, dropped step %d (%s); drops are counted and reported at close",
+                        worker.label, step, why)
+
+    def flush(self, *, timeout_s: float) -> bool:
+        """Wait until every adapter still running wrote, flushed and acknowledged every step submitted so far.
+
+        True when all did within ``timeout_s``; False on timeout. Stopped adapters (hung, dead, failed to open)
+        are not waited for: the journal keeps their steps for ``metricbus sync``.
+        """
+        if not self._started or self._closed:
+            return True
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        waits = []
+        for worker in self._workers:
+            done = threading.Event()
+            if worker.stopped is None and worker.put(_Sync(done), deadline=deadline):
+                waits.append((worker, done))
+            elif worker.stopped is None:
+                self._watch(worker, time.monotonic())
+                if worker.stopped is None:
+                    return False
+        for worker, done in waits:
+            while not done.wait(WAIT_SLICE_S):
+                now = time.monotonic()
+                self._watch(worker, now)
+                if worker.stopped is not None:
+                    break
+                if now >= deadline:
+                    return False
+        return True
 
     def check(self) -> None:
         """Raise the first pending adapter failure (strict buses only)."""
@@ -311,22 +315,34 @@ class Delivery:
         deadline = time.monotonic() + max(0.0, timeout_s)
         started = self._workers if self._started else []
         for worker in started:
-            with contextlib.suppress(queue.Full):  # joined below; still busy at the deadline: abandoned
-                worker.queue.put(_Stop(status), timeout=max(0.0, deadline - time.monotonic()))
+            self._watch(worker, time.monotonic())  # joined below; still busy at the deadline: abandoned
+            worker.put(_Stop(status), deadline=None if worker.dead else deadline, even_degraded=True)
         for worker in started:
-            worker.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            while not worker.dead and worker.thread.is_alive() and time.monotonic() < deadline:
+                worker.thread.join(timeout=min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic())))
+                self._watch(worker, time.monotonic())
         for worker in started:
-            if worker.thread.is_alive():
-                left = worker.submitted - worker.dropped - worker.delivered
-                worker.abandon.set()
-                with contextlib.suppress(queue.Full):  # wakes a thread that emptied its queue meanwhile
-                    worker.queue.put_nowait(_Stop(status))
-                logger.error("adapter %r did not drain within %g s: %d steps not delivered (last delivered step %s)",
-                             worker.label, timeout_s, left, worker.last_step)
-            if worker.dropped:
-                logger.warning("adapter %r: %d steps dropped at a full queue (queue_policy %r)", worker.label,
-                               worker.dropped, self._policy)
-            if worker.lost:
-                logger.warning("adapter %r: %d steps were not delivered (adapter failed)", worker.label, worker.lost)
+            self._report_close(worker, status=status, timeout_s=timeout_s)
         if check:
             self.check()
+
+    def _report_close(self, worker: Worker, *, status: Status, timeout_s: float) -> None:
+        if worker.dead:
+            logger.error("adapter %r was stopped (%s): %d steps not delivered live (last acknowledged step %s); "
+                         "`metricbus sync` delivers them from the journal", worker.label, worker.stopped,
+                         worker.released + worker.lost, worker.acked)
+        elif worker.thread.is_alive():
+            left = worker.submitted - worker.dropped - worker.delivered - worker.gaps
+            worker.abandon.set()
+            with contextlib.suppress(queue.Full):  # wakes a thread that emptied its queue meanwhile
+                worker.queue.put_nowait(_Stop(status))
+            logger.error("adapter %r did not drain within %g s: %d steps not delivered (last delivered step %s)",
+                         worker.label, timeout_s, left, worker.last_step)
+        if worker.dropped:
+            logger.warning("adapter %r: %d steps dropped at a full queue (queue_policy %r)", worker.label,
+                           worker.dropped, self._policy)
+        if worker.lost and not worker.dead:
+            logger.warning("adapter %r: %d steps were not delivered (adapter failed)", worker.label, worker.lost)
+        if worker.gaps:
+            logger.error("adapter %r skipped %d rejected steps (see Delivery.gaps); its run was closed as failed",
+                         worker.label, worker.gaps)

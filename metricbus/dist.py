@@ -104,6 +104,7 @@ class TorchRanks:
         table: SpecTable,
         reducer: StepReducer,
         journaled: bool,
+        rejected: Sequence[str],
     ) -> Exchange:
         """Every rank's update-level states of this commit, in rank order; a collective every rank calls."""
         if ingested:
@@ -120,24 +121,30 @@ class TorchRanks:
             if claim is not None and (held is None or held.spec != claim.spec):
                 claims[name] = claim
         mine = {} if claims else reducer.worker(own_updates, self._specs)
-        if claims or any(s.rest for states in mine.values() for s in states):
-            # New names (or sums too wide for the packed block): the partial itself travels in the byte gather.
-            payload = pickle.dumps((claims, own), protocol=pickle.HIGHEST_PROTOCOL)
+        if claims or rejected or any(s.rest for states in mine.values() for s in states):
+            # New names, dropped metrics, or sums too wide for the packed block: the partial itself travels in the
+            # byte gather.
+            payload = pickle.dumps((claims, own, list(rejected)), protocol=pickle.HIGHEST_PROTOCOL)
         else:
             payload = b""
         blocks = self._exchange(mine, length=len(payload))
         lengths = [int(block[_LENGTH]) for block in blocks]
+        dropped: dict[str, str] = {}
         if any(lengths):
             # The key set changed: one byte gather carries the new claims and partials of the ranks that have
             # them, so the commit costs the data gather plus exactly one more collective.
-            partials = self._agree(blocks, lengths, payload, table)
+            partials, dropped = self._agree(blocks, lengths, payload, table)
             workers = [
                 reducer.worker(p.updates(), self._specs) if isinstance(p, Partial) else p for p in partials
             ]
+            for states in workers:  # a metric one rank had to drop is dropped on every rank, never half-reduced
+                for name in dropped:
+                    states.pop(name, None)
         else:
             workers = [self._states(block) for block in blocks]
-        journal = [(self.rank, with_specs(own, self._specs))] if journaled else []
-        return Exchange(workers, self._specs, journal)
+        journal = [(self.rank, with_specs(own, self._specs, dropped))] if journaled else []
+        others = {name: where for name, where in dropped.items() if name not in rejected}
+        return Exchange(workers, self._specs, journal, others)
 
     def any_pending(self, *, pending: bool) -> bool:
         """True if any rank has uncommitted records (one small all_reduce)."""
@@ -229,17 +236,18 @@ class TorchRanks:
 
     def _agree(
         self, blocks: list[list[float]], lengths: list[int], payload: bytes, table: SpecTable
-    ) -> list[Partial | WorkerStates]:
+    ) -> tuple[list[Partial | WorkerStates], dict[str, str]]:
         """Gather the new claims and partials of the ranks that have them; extend the agreed table identically on
         every rank (or raise on every rank: all ranks see the same claims) and return every rank's partial (or,
         for a rank that sent none, its states)."""
         payloads = self._gather_bytes(payload, lengths)
-        gathered: list[tuple[dict[str, Claim], Partial | WorkerStates]] = [
-            pickle.loads(data) if length else ({}, self._states(block))  # pickled by the group's own ranks
+        gathered: list[tuple[dict[str, Claim], Partial | WorkerStates, list[str]]] = [
+            pickle.loads(data) if length else ({}, self._states(block), [])  # pickled by the group's own ranks
             for data, length, block in zip(payloads, lengths, blocks, strict=True)
         ]
+        dropped = {name: f"rank {rank}" for rank, (_, _, names) in enumerate(gathered) for name in names}
         offers: dict[str, list[Claim]] = {}
-        for rank, (claims, _) in enumerate(gathered):
+        for rank, (claims, _, _) in enumerate(gathered):
             for name, claim in sorted(claims.items()):
                 offers.setdefault(name, []).append(Claim(claim.spec, claim.origin, f"rank {rank} ({claim.where})"))
         decided: dict[str, Claim] = {}
@@ -260,12 +268,15 @@ class TorchRanks:
             raise DistributedError(f"rank {self.rank}: the ranks disagree: {exc}") from None
         for name, claim in decided.items():
             self._agreed[name] = claim
-            table.fix(name, claim)
+            if claim.declared or table.claim(name) is not None:
+                # A rank with its own rule for a name agreed as the default keeps that rule: when it logs the name,
+                # its declaration reaches the agreement and is refused there, as ingest() refuses it.
+                table.fix(name, claim)
         table.seal(decided)
         self._specs = {name: claim.spec for name, claim in self._agreed.items()}
         self._names = sorted(self._agreed)
         self._keys = {name: tuple(state_keys(self._specs[name])) for name in self._names}
-        return [part for _, part in gathered]
+        return [part for _, part, _ in gathered], dropped
 
     def _states(self, block: list[float]) -> WorkerStates:
         out: WorkerStates = {}

@@ -5,8 +5,8 @@
 pairs), or raises a ``ValueError`` subclass whose message starts with the option's location and says what is
 valid: ``log_every: must be an int >= 1, got 0``, ``run.tags: must be a list of strings, got 'a'``. Options that
 another module owns are checked by that module's own function (nan and rules: :mod:`metricbus.spec` and
-:mod:`metricbus.rules`, raising :class:`~metricbus.errors.SpecError`; queue options: :mod:`metricbus.delivery`;
-fsync: :mod:`metricbus.journal`); the rest raise :class:`~metricbus.errors.ConfigError`.
+:mod:`metricbus.rules`, raising :class:`~metricbus.errors.SpecError`; queue options and timeouts:
+:mod:`metricbus.delivery`; fsync: :mod:`metricbus.journal`); the rest raise :class:`~metricbus.errors.ConfigError`.
 :mod:`metricbus.config` puts where a value came from in front (``c.yaml: log_every: ...``).
 """
 
@@ -20,9 +20,10 @@ from types import MappingProxyType
 from typing import Any, TypeAlias
 
 from metricbus.adapter import Adapter, RunInfo
-from metricbus.delivery import check_queue_options
+from metricbus.delivery import WRITE_TIMEOUT_S, check_queue_options, check_seconds
 from metricbus.errors import ConfigError, SpecError
 from metricbus.rules import Rules
+from metricbus.shutdown import EXIT_TIMEOUT_S
 from metricbus.spec import NanPolicy, Spec, check_nan
 
 AdapterLike: TypeAlias = Adapter | str | Mapping[str, Any]
@@ -56,6 +57,8 @@ class BusOptions:
     queue_size: int = 1024
     queue_policy: str = "block"
     queue_timeout_s: float = 10.0
+    write_timeout_s: float = WRITE_TIMEOUT_S
+    exit_timeout_s: float = EXIT_TIMEOUT_S
 
     @classmethod
     def build(cls, **options: Any) -> BusOptions:
@@ -183,6 +186,12 @@ def _queue(option: str) -> Callable[[Any], Any]:
     return check
 
 
+def _seconds(option: str) -> Callable[[Any], float]:
+    """A timeout in seconds, > 0 (``write_timeout_s``: see :mod:`metricbus.delivery`; ``exit_timeout_s``:
+    :mod:`metricbus.shutdown`)."""
+    return lambda value: _located(option, ConfigError, lambda: check_seconds(option, value))
+
+
 def _nan(value: Any) -> NanPolicy:
     return _located("nan", SpecError, lambda: check_nan(value, metric="MetricBus(nan=)"))  # type: ignore[no-any-return]
 
@@ -229,6 +238,8 @@ VALIDATORS: Mapping[str, Callable[[Any], Any]] = MappingProxyType(
         "queue_size": _queue("queue_size"),
         "queue_policy": _queue("queue_policy"),
         "queue_timeout_s": _queue("queue_timeout_s"),
+        "write_timeout_s": _seconds("write_timeout_s"),
+        "exit_timeout_s": _seconds("exit_timeout_s"),
     }
 )
 """Option name -> its check, in MetricBus's signature order."""

@@ -7,8 +7,8 @@ same local code everywhere (see :mod:`metricbus.reduce`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from metricbus.partial import Partial, Updates
@@ -24,6 +24,7 @@ class Exchange:
     workers: list[WorkerStates]
     specs: dict[str, Spec]  # read only
     journal: list[tuple[int, Partial]]  # (worker rank, its partial with the agreed specs); [] if not journaled
+    rejected: dict[str, str] = field(default_factory=dict)  # metric -> which other rank dropped its records
 
 
 class RankTransport(Protocol):
@@ -42,8 +43,10 @@ class RankTransport(Protocol):
         table: SpecTable,
         reducer: StepReducer,
         journaled: bool,
+        rejected: Sequence[str],
     ) -> Exchange:
-        """Every worker's states of this commit, in rank order."""
+        """Every worker's states of this commit, in rank order. ``rejected``: metrics whose records this process
+        dropped (bad device records); a collective transport drops them on every rank."""
 
     def any_pending(self, *, pending: bool) -> bool:
         """True if any participant has uncommitted records (used by close)."""
@@ -55,11 +58,12 @@ class RankTransport(Protocol):
         """Wait until nothing of this transport is still held by a backend thread; False if that timed out."""
 
 
-def with_specs(partial: Partial, specs: dict[str, Spec]) -> Partial:
-    """``partial`` with each entry's spec replaced by the agreed one (what the journal keeps)."""
-    if all(specs[name] is spec for name, spec, _ in partial.entries):
+def with_specs(partial: Partial, specs: dict[str, Spec], drop: Collection[str] = ()) -> Partial:
+    """``partial`` with each entry's spec replaced by the agreed one, without ``drop`` (what the journal keeps)."""
+    if not drop and all(specs[name] is spec for name, spec, _ in partial.entries):
         return partial
-    return Partial(tuple((name, specs[name], s) for name, _, s in partial.entries), partial.undeclared)
+    entries = tuple((name, specs[name], s) for name, _, s in partial.entries if name not in drop)
+    return Partial(entries, partial.undeclared)
 
 
 class LocalRanks:
@@ -81,8 +85,9 @@ class LocalRanks:
         table: SpecTable,
         reducer: StepReducer,
         journaled: bool,
+        rejected: Sequence[str],
     ) -> Exchange:
-        """``[*ingested, own]``, each reduced to its update-level states."""
+        """``[*ingested, own]``, each reduced to its update-level states (``rejected`` are already left out)."""
         specs = table.specs  # ingest() claimed every ingested name; log() every own name
         workers = [reducer.worker(p.updates(), specs) for p in ingested]
         workers.append(reducer.worker(own_updates, specs))

@@ -10,14 +10,17 @@ the journaled micro-level Summary, so history is re-aggregated exactly.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
-from metricbus.adapter import Adapter, RunInfo
+from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.errors import JournalError
 from metricbus.journal import CursorStore, Journal, read_journal
+from metricbus.journal.cursors import resume_adapter
 from metricbus.reduce import StepReducer
 from metricbus.spec import Spec, parse_spec_text
 
@@ -147,49 +150,162 @@ def replay(
     return sent
 
 
-def sync(
-    source: str | os.PathLike[str] | Journal, adapters: Sequence[Adapter], *, progress: Progress | None = None
-) -> dict[str, int]:
-    """Send each adapter the replayed steps after its delivery cursor, advancing the cursor after each write.
+FLUSH_EVERY = 1000  # sync flushes (and then acknowledges) at least every this many steps per adapter ...
+FLUSH_INTERVAL_S = 2.0  # ... and at least this often, so a killed sync redoes little
+SyncProgress = Callable[[int, int, int], None]  # (commits reduced, commits in the journal, steps sent)
 
-    Returns ``{adapter name: steps sent}``. A write that raises stops that adapter (its cursor stays at the last
-    acknowledged step, so the next sync resumes there) and the error is re-raised after the others are done.
+
+class SyncInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped ``sync``: what was written was flushed and acknowledged; ``sent`` is ``{label: steps}``."""
+
+    def __init__(self, sent: dict[str, int]) -> None:
+        super().__init__(sent)
+        self.sent = sent
+
+
+@dataclass(slots=True)
+class _Target:
+    """One adapter in a sync: its cursor, the last step written but not yet acknowledged, and its first error."""
+
+    adapter: Adapter
+    label: str
+    cursor: int | None
+    written: int | None = None
+    unflushed: int = 0
+    sent: int = 0
+    error: BaseException | None = None
+
+    def wants(self, step: int) -> bool:
+        return self.error is None and (self.cursor is None or step > self.cursor)
+
+
+def sync(
+    source: str | os.PathLike[str] | Journal,
+    adapters: Sequence[Adapter],
+    *,
+    progress: SyncProgress | None = None,
+    flush_every: int = FLUSH_EVERY,
+    flush_interval_s: float = FLUSH_INTERVAL_S,
+    stop: threading.Event | None = None,
+) -> dict[str, int]:
+    """Send each adapter the replayed steps after its delivery cursor; returns ``{adapter label: steps sent}``.
+
+    Each adapter is first told its cursor (``resume(after_step=...)``, if it has that optional verb, so it drops
+    steps written but never acknowledged) and opened. A step is acknowledged (the cursor advanced) only after the
+    adapter's ``flush()`` returned: every ``flush_every`` steps, every ``flush_interval_s`` and at the end. So after
+    any crash, of the trainer or of a sync, the next sync sends every journaled step once.
+
+    A write that raises stops that adapter (what it wrote before is flushed and acknowledged) and the error is
+    re-raised after the others are done. ``KeyboardInterrupt``, or ``stop`` set (checked between steps; the CLI
+    sets it on Ctrl-C), flushes and acknowledges what was written, closes the adapters and raises
+    :class:`SyncInterrupted`.
     """
     journal = source if isinstance(source, Journal) else read_journal(source)
     store = CursorStore(journal.directory if journal.directory.is_dir() else journal.directory.parent)
-    cursors = [store.get(a) for a in adapters]
-    pending = [a for a, c in zip(adapters, cursors, strict=True) if c is None or c < _last_step(journal)]
     names = [str(getattr(a, "name", type(a).__name__)) for a in adapters]
     labels = [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
-    sent = dict.fromkeys(labels, 0)
-    if not pending:
-        return sent
-    for adapter in pending:
-        adapter.open(run=journal.run)
-    failed: dict[int, BaseException] = {}
+    targets = [_Target(a, label, store.get(a)) for a, label in zip(adapters, labels, strict=True)]
+    last = _last_step(journal)
+    pending = [t for t in targets if t.cursor is None or t.cursor < last]
+    opened: list[_Target] = []
     try:
-        for step, metrics in emitted(journal, progress=progress):
-            for i, adapter in enumerate(adapters):
-                cursor = cursors[i]
-                if adapter not in pending or i in failed or (cursor is not None and step <= cursor):
-                    continue
-                try:
-                    adapter.write(step=step, metrics=metrics)
-                except Exception as exc:
-                    failed[i] = exc
-                    continue
-                store.advance(adapter, step)
-                sent[labels[i]] += 1
-    finally:
-        for i, adapter in enumerate(adapters):
-            if adapter not in pending:
+        for target in pending:
+            if _start(target, journal.run):
+                opened.append(target)
+        _send(journal, opened, store=store, progress=progress, flush_every=flush_every,
+              flush_interval_s=flush_interval_s, stop=stop)
+    except KeyboardInterrupt:
+        _finish(opened, store, status="failed")
+        raise SyncInterrupted({t.label: t.sent for t in targets}) from None
+    except BaseException:
+        _finish(opened, store, status="failed")
+        raise
+    _finish(opened, store, status="finished")
+    failed = next((t.error for t in targets if t.error is not None), None)
+    if failed is not None:
+        raise failed
+    return {t.label: t.sent for t in targets}
+
+
+def _start(target: _Target, run: RunInfo) -> bool:
+    """Tell the adapter its cursor and open it; False (the error kept) when either raised."""
+    try:
+        resume_adapter(target.adapter, target.cursor)
+        target.adapter.open(run=run)
+    except Exception as exc:
+        target.error = exc
+        return False
+    return True
+
+
+def _send(
+    journal: Journal,
+    targets: list[_Target],
+    *,
+    store: CursorStore,
+    progress: SyncProgress | None,
+    flush_every: int,
+    flush_interval_s: float,
+    stop: threading.Event | None,
+) -> None:
+    reduced = [0, len(journal.commits)]
+    sent = 0
+
+    def tick(done: int, total: int) -> None:
+        reduced[:] = [done, total]
+
+    last_ack = time.monotonic()
+    for step, metrics in emitted(journal, progress=None if progress is None else tick):
+        if stop is not None and stop.is_set():
+            raise KeyboardInterrupt
+        wrote = False
+        for target in targets:
+            if not target.wants(step):
                 continue
-            adapter.flush()
-            adapter.close(status="failed" if i in failed else "finished")
-    if failed:
-        first = next(iter(failed.values()))
-        raise first
-    return sent
+            try:
+                target.adapter.write(step=step, metrics=metrics)
+            except Exception as exc:
+                target.error = exc
+                continue
+            target.written = step
+            target.unflushed += 1
+            target.sent += 1
+            wrote = True
+        sent += wrote
+        if any(t.unflushed >= flush_every for t in targets) or time.monotonic() - last_ack >= flush_interval_s:
+            for target in targets:
+                _acknowledge(target, store)
+            last_ack = time.monotonic()
+        if progress is not None:
+            progress(reduced[0], reduced[1], sent)
+    if progress is not None:
+        progress(reduced[1], reduced[1], sent)
+
+
+def _acknowledge(target: _Target, store: CursorStore) -> None:
+    """Flush the adapter, then advance its cursor to the last step written (never before the flush returned)."""
+    if target.written is None or not target.unflushed:
+        return
+    try:
+        target.adapter.flush()
+    except Exception as exc:
+        target.error = target.error or exc
+        target.unflushed = 0  # not acknowledged; the next sync sends these steps again
+        target.written = None
+        return
+    store.advance(target.adapter, target.written)
+    target.cursor = target.written
+    target.unflushed = 0
+
+
+def _finish(targets: list[_Target], store: CursorStore, *, status: Status) -> None:
+    """Acknowledge what each opened adapter wrote, then close it (a failed one as ``failed``)."""
+    for target in targets:
+        _acknowledge(target, store)
+        try:
+            target.adapter.close(status="failed" if target.error is not None else status)
+        except Exception as exc:
+            target.error = target.error or exc
 
 
 def _last_step(journal: Journal) -> int:

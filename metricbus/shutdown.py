@@ -1,11 +1,23 @@
-"""Interpreter exit: every bus still open is closed before Python finalizes, on this process alone.
+"""Interpreter exit and SIGTERM: every bus still open is closed, on this process alone, within a bounded time.
 
-A bus registers here when it is built (importing metricbus registers nothing) and leaves at ``close()``. The
-``atexit`` hook runs while the interpreter is still whole: delivery threads (daemons) are still running, so each
-adapter is drained, flushed and closed, the journal is closed, and a torch.distributed transport waits until its
-backend let go of its tensors (see :mod:`metricbus.dist`). It runs no collective: at exit the other ranks may be
-anywhere (finished, crashed, still training), and a collective would hang. The run is closed as ``"failed"`` when
-the interpreter is exiting on an uncaught exception, else ``"finished"``.
+A bus registers here when it is built (importing metricbus registers nothing, installs no handler) and leaves at
+``close()``. The ``atexit`` hook runs while the interpreter is still whole: delivery threads (daemons) are still
+running, so the journal is closed first, then each adapter is drained, flushed and closed, and a torch.distributed
+transport waits until its backend let go of its tensors (see :mod:`metricbus.dist`). It runs no collective: at exit
+the other ranks may be anywhere (finished, crashed, still training), and a collective would hang. The run is
+closed as ``"failed"`` when the interpreter is exiting on an uncaught exception, else ``"finished"``.
+
+**Bounded.** From the moment the exit (or SIGTERM) handling begins, the adapters of every open bus share at most
+that bus's ``exit_timeout_s`` (default :data:`EXIT_TIMEOUT_S`) to drain; what they could not deliver stays in the
+journal for ``metricbus sync``.
+
+**SIGTERM** (SLURM and Kubernetes preemption). The first bus built with adapters or a journal installs a SIGTERM
+handler, once, and only from the main thread (a signal handler cannot be installed elsewhere), unless SIGTERM is
+ignored or handled outside Python. On SIGTERM it closes every open bus as ``"failed"`` within the grace period,
+then restores the default action and sends SIGTERM to itself again, so the process ends the usual way (killed by
+SIGTERM: exit status -15 / 143). When a Python-level handler was installed before (a trainer that saves a
+checkpoint and stops on its own), the buses are *flushed* instead, within the same grace period, and that handler
+is called: the program goes on, and its buses are closed when it ends.
 """
 
 from __future__ import annotations
@@ -13,26 +25,36 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from metricbus.adapter import Status
 
 logger = logging.getLogger("metricbus")
+EXIT_TIMEOUT_S = 20.0  # under the 30 s Kubernetes (terminationGracePeriodSeconds) and SLURM (KillWait) leave
+FLUSH_AT_SIGTERM_S = 3600.0  # asked of each bus when chaining; its sink bounds it by exit_timeout_s
 _open: dict[int, tuple[int, Callable[[Status], None]]] = {}  # id(bus) -> (pid that built it, closer), build order
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: the SIGTERM handler may run while the main thread holds it
 _hooked = False
+_sigterm_done = False
+_previous: Any = None  # the SIGTERM handler installed before ours
+_exit_started: float | None = None  # when exit or SIGTERM handling began (None: not exiting)
 
 
 def track(key: int, closer: Callable[[Status], None]) -> None:
-    """Close ``key``'s bus with ``closer(status)`` at interpreter exit unless it is untracked first."""
+    """Close ``key``'s bus with ``closer(status)`` at interpreter exit (or SIGTERM) unless it is untracked first."""
     global _hooked
     with _lock:
         if not _hooked:
             atexit.register(close_open_buses)
             _hooked = True
         _open[key] = (os.getpid(), closer)
+    install_sigterm()
 
 
 def untrack(key: int) -> None:
@@ -41,25 +63,88 @@ def untrack(key: int) -> None:
         _open.pop(key, None)
 
 
+def bounded(timeout_s: float, exit_timeout_s: float) -> float:
+    """``timeout_s``, cut to what is left of ``exit_timeout_s`` while exiting (or handling SIGTERM)."""
+    started = _exit_started
+    if started is None:
+        return timeout_s
+    return max(0.0, min(timeout_s, started + exit_timeout_s - time.monotonic()))
+
+
 def exit_status() -> Status:
     """``"failed"`` if the interpreter is exiting on an uncaught exception, else ``"finished"``."""
     failed = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
     return "failed" if failed else "finished"
 
 
-def close_open_buses() -> None:
+def _closers() -> list[Callable[[Status], None]]:
+    """This process's closers, newest first (a child of ``os.fork()`` must not close its parent's buses)."""
+    pid = os.getpid()
+    with _lock:
+        return [closer for owner, closer in list(_open.values())[::-1] if owner == pid]
+
+
+def close_open_buses(status: Status | None = None) -> None:
     """Close every bus still open, newest first; one bus failing to close does not stop the others.
 
     Only buses this process built: a child made by ``os.fork()`` inherits the table but must not close (and so
     deliver again) its parent's buses.
     """
-    pid = os.getpid()
+    global _exit_started
+    if _exit_started is None:
+        _exit_started = time.monotonic()
+    closers = _closers()
     with _lock:
-        closers = [closer for owner, closer in list(_open.values())[::-1] if owner == pid]
         _open.clear()
-    status = exit_status()
+    final = exit_status() if status is None else status
     for closer in closers:
         try:
-            closer(status)
+            closer(final)
         except Exception:
             logger.exception("metricbus: closing a bus at interpreter exit failed")
+
+
+def flush_open_buses() -> None:
+    """Flush every open bus of this process (within its exit_timeout_s); they stay open."""
+    for closer in _closers():
+        flush = getattr(getattr(closer, "__self__", None), "flush", None)
+        try:
+            if callable(flush) and not flush(timeout_s=FLUSH_AT_SIGTERM_S):
+                logger.warning("metricbus: a bus did not finish delivering within its exit_timeout_s at SIGTERM")
+        except Exception:
+            logger.exception("metricbus: flushing a bus at SIGTERM failed")
+
+
+def install_sigterm() -> None:
+    """Install the SIGTERM handler once, from the main thread, unless SIGTERM is ignored or handled outside Python."""
+    global _sigterm_done, _previous
+    with _lock:
+        if _sigterm_done or threading.current_thread() is not threading.main_thread():
+            return
+        _sigterm_done = True
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is None or previous == signal.SIG_IGN:
+            return  # a handler set outside Python, or SIGTERM ignored on purpose: leave it alone
+        _previous = previous
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """Drain the buses within the grace period, then let the previous handler or the default action act."""
+    global _exit_started
+    previous = _previous
+    chained = callable(previous)
+    _exit_started = time.monotonic()
+    try:
+        if chained:
+            flush_open_buses()
+        else:
+            close_open_buses(status="failed")
+    finally:
+        if chained:
+            _exit_started = None  # the program goes on: later closes are not cut short
+    if chained:
+        previous(signum, frame)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -1,7 +1,11 @@
 """The sink: where a committed step goes. The journal first (before ``commit()`` returns), then the adapters.
 
 The journal is written on every rank (each its own file); adapters run only on the writer rank, each from its own
-delivery thread (:mod:`metricbus.delivery`), and the journal keeps their delivery cursors.
+delivery thread (:mod:`metricbus.delivery`), and the journal keeps their delivery cursors (advanced only once a
+step is durable in the backend: written, then flushed).
+
+At interpreter exit and on SIGTERM (:mod:`metricbus.shutdown`) the journal is closed first, then the adapters get
+what is left of ``exit_timeout_s`` (counted from when the exit began, shared by every open bus) to drain.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from metricbus import shutdown
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.delivery import Delivery
 from metricbus.partial import Partial
@@ -32,7 +37,10 @@ class Sink:
         queue_size: int,
         queue_policy: str,
         queue_timeout_s: float,
+        write_timeout_s: float,
+        exit_timeout_s: float,
     ) -> None:
+        self._exit_timeout_s = exit_timeout_s
         self._journal: Any = None
         if journal is not None:
             from metricbus.journal import open_journal
@@ -46,6 +54,7 @@ class Sink:
             queue_size=queue_size,
             queue_policy=queue_policy,
             queue_timeout_s=queue_timeout_s,
+            write_timeout_s=write_timeout_s,
             on_delivered=None if self._journal is None else self._journal.delivered,
         )
         self.delivery.open(run=run)
@@ -74,8 +83,13 @@ class Sink:
         """Re-raise a strict bus's adapter failure."""
         self.delivery.check()
 
+    def flush(self, *, timeout_s: float) -> bool:
+        """Wait until every running adapter acknowledged every submitted step; False on timeout."""
+        return self.delivery.flush(timeout_s=shutdown.bounded(timeout_s, self._exit_timeout_s))
+
     def close(self, *, status: Status, timeout_s: float) -> None:
-        """Close the journal, then drain, flush and close the adapters."""
+        """Close the journal, then drain, flush and close the adapters (at exit: within ``exit_timeout_s``)."""
+        timeout_s = shutdown.bounded(timeout_s, self._exit_timeout_s)
         try:
             if self._journal is not None:
                 self._journal.close()

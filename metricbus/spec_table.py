@@ -129,6 +129,10 @@ class SpecTable:
         for name, claim in decided.items():
             self.fix(name, claim)
 
+    def sealed(self, name: str) -> bool:
+        """True once ``name`` was committed (its spec can no longer change)."""
+        return name in self._sealed
+
     def seal(self, names: Iterable[str] | None = None) -> None:
         """These names (None: every claimed name) were committed: a default spec among them can no longer give
         way to a declaration."""

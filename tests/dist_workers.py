@@ -150,3 +150,79 @@ def updates_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
         out.put((rank, rows))
     finally:
         tdist.destroy_process_group()
+
+
+def review_worker(rank: int, size: int, port: int, scenario: str, out: Any) -> None:
+    """Review scenarios on 2 ranks; puts (rank, what happened)."""
+    import math
+    import time
+
+    import torch
+
+    from metricbus import AdapterError, MetricValueError
+
+    _init(rank, size, port)
+    got: list[Any] = []
+    try:
+        if scenario == "strict":  # a strict adapter fails on rank 0 only: ranks stay in step, nothing hangs
+
+            class Bad:
+                name = "bad"
+
+                def open(self, *, run: Any) -> None:
+                    pass
+
+                def write(self, *, step: int, metrics: Any) -> None:
+                    raise RuntimeError("down")
+
+                def flush(self) -> None:
+                    pass
+
+                def close(self, *, status: Any) -> None:
+                    pass
+
+            bus = MetricBus(dist="torch", adapters=[Bad()], strict=True)
+            for step in range(4):
+                bus.log("x", float(rank + 10 * step))
+                try:
+                    got.append(bus.commit(step=step))
+                except AdapterError:
+                    got.append("AdapterError")
+                time.sleep(0.3)
+            try:
+                bus.close()
+            except AdapterError:
+                got.append("AdapterError at close")
+        elif scenario == "nan":  # rank 1 declares nan="ignore": the adopted policy applies on rank 0 next commit
+            bus = MetricBus(dist="torch")
+            bus.log("x", 1.0, agg=Agg(nan="ignore") if rank == 1 else None)
+            got.append(bus.commit())
+            bus.log("x", math.nan if rank == 0 else 3.0)
+            got.append(bus.commit())
+            bus.close()
+        elif scenario == "late":  # rank 0 commits x with the default; rank 1's rule says sum: refused everywhere
+            bus = MetricBus(dist="torch", rules={"x": "sum"} if rank == 1 else None)
+            if rank == 0:
+                bus.log("x", 1.0)
+            got.append(bus.commit())
+            bus.log("x", 2.0)
+            try:
+                got.append(bus.commit())
+            except DistributedError as exc:
+                got.append(f"DistributedError: {exc}")
+            bus.close()
+        elif scenario == "badweight":  # rank 1's tensor weight is negative: 't' is dropped on every rank
+            bus = MetricBus(dist="torch")
+            bus.log("ok", 1.0)
+            weight = torch.tensor([-1.0 if rank == 1 else 1.0])
+            bus.log("t", torch.tensor([1.0 + rank]), weight=weight)
+            try:
+                got.append(bus.commit())
+            except MetricValueError as exc:
+                got.append(f"MetricValueError: {exc}")
+            bus.log("t", 5.0)
+            got.append(bus.commit())
+            bus.close()
+        out.put((rank, got))
+    finally:
+        tdist.destroy_process_group()

@@ -2,6 +2,13 @@
 
 ``python tests/journal_workers.py crash JOURNAL FSYNC``: logs and commits forever, printing each step (flushed)
 after its ``commit()`` returned, until it is killed.
+
+``python tests/journal_workers.py hold JOURNAL``: commits steps 0-2 with :func:`fault_values`, prints ``ready``
+and keeps the journal open (its writer's lock held) until stdin closes or it is killed.
+
+``python tests/journal_workers.py efbig JOURNAL``: commits steps 0-14 with :func:`fault_values` under an
+``RLIMIT_FSIZE`` that makes step 5's journal write fail part-way (EFBIG; SIGXFSZ ignored), lifted after it; prints
+one JSON line: the error of each commit that raised, the file size before step 5, and what the adapter got.
 """
 
 from __future__ import annotations
@@ -49,6 +56,62 @@ def crash_child(journal: str, fsync: str) -> None:
         step += 1
 
 
+def fault_values(step: int) -> list[tuple[str, float]]:
+    """The records the fault tests log at ``step``: "loss" twice, and "acc" from step 5 on (a new metric there)."""
+    out = [("loss", step * 0.5), ("loss", step * 0.5 + 1.25)]
+    if step >= 5:
+        out.append(("acc", step / 8))
+    return out
+
+
+def hold_child(journal: str) -> None:
+    """Commit steps 0-2, say ``ready``, and hold the journal open until stdin is closed."""
+    from metricbus import MetricBus
+
+    bus = MetricBus(dist=None, journal=journal)
+    for step in range(3):
+        for name, value in fault_values(step):
+            bus.log(name, value)
+        bus.commit(step)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    sys.stdin.read()
+    bus.close()
+
+
+def efbig_child(journal: str) -> None:
+    """Commit steps 0-14; step 5's journal write hits RLIMIT_FSIZE 20 bytes in. Print errors, size and rows."""
+    import json
+    import resource
+    import signal
+
+    from metricbus import MetricBus
+    from metricbus.errors import JournalError
+    from metricbus.journal import rank_file
+    from metricbus.testing import MemoryAdapter
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    memory = MemoryAdapter()
+    bus = MetricBus(dist=None, journal=journal, adapters=[memory], strict=True)
+    errors: dict[int, str] = {}
+    size = 0
+    for step in range(15):
+        if step == 5:
+            size = rank_file(journal, 0).stat().st_size
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size + 20, hard))
+        for name, value in fault_values(step):
+            bus.log(name, value)
+        try:
+            bus.commit(step)
+        except JournalError as exc:
+            errors[step] = str(exc)
+        if step == 5:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    bus.close()
+    print(json.dumps({"errors": errors, "size": size, "rows": memory.rows}))
+
+
 def gloo_rank(rank: int, world: int, init_file: str, journal: str, live_path: str, steps: int) -> None:  # noqa: PLR0917 (mp.spawn passes positionals)
     """One torch.distributed rank: log, commit ``steps`` times, journaling; rank 0 writes live values to jsonl."""
     import torch.distributed as dist
@@ -72,3 +135,7 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if sys.argv[1] == "crash":
         crash_child(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "hold":
+        hold_child(sys.argv[2])
+    elif sys.argv[1] == "efbig":
+        efbig_child(sys.argv[2])

@@ -76,3 +76,72 @@ def test_write_before_open_raises(jsonl_path: Path) -> None:
     """Writing to an adapter that was never opened is an error, not a silent drop."""
     with pytest.raises(RuntimeError, match="before open"):
         JsonlAdapter(path=jsonl_path).write(step=0, metrics={"a": 1.0})
+
+
+def _lines(steps: range) -> list[tuple[int, dict[str, float]]]:
+    return [(step, {"loss": step / 8}) for step in steps]
+
+
+def test_write_reaches_the_file_before_flush(jsonl_path: Path) -> None:
+    """A written line is in the file (visible to another reader) as soon as write() returned."""
+    adapter = JsonlAdapter(path=jsonl_path)
+    adapter.open(run=RunInfo())
+    adapter.write(step=0, metrics={"loss": 0.5})
+    assert read_jsonl(jsonl_path) == [(0, {"loss": 0.5})]
+    adapter.close(status="finished")
+
+
+def test_flush_fsyncs_the_file(jsonl_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flush() makes the data durable: it fsyncs the file's descriptor."""
+    synced: list[int] = []
+    adapter = JsonlAdapter(path=jsonl_path)
+    adapter.open(run=RunInfo())
+    adapter.write(step=0, metrics={"loss": 0.5})
+    monkeypatch.setattr("os.fsync", synced.append)
+    adapter.flush()
+    assert len(synced) == 1
+    adapter.close(status="finished")
+
+
+@pytest.mark.parametrize(("after_step", "kept"), [(None, 0), (-1, 0), (0, 1), (4, 5), (9, 10), (50, 10)])
+def test_resume_cuts_the_lines_after_the_acknowledged_step(
+    jsonl_path: Path, after_step: int | None, kept: int
+) -> None:
+    """resume(after_step=N) keeps exactly the lines of steps <= N (None: none); the next writes append after them."""
+    _write(JsonlAdapter(path=jsonl_path), _lines(range(10)))
+    adapter = JsonlAdapter(path=jsonl_path)
+    adapter.resume(after_step=after_step)
+    _write(adapter, _lines(range(kept, 12)))
+    assert read_jsonl(jsonl_path) == _lines(range(12))
+
+
+def test_resume_scans_back_across_blocks(jsonl_path: Path) -> None:
+    """Cutting thousands of unacknowledged lines (more than one read block) keeps exactly the acknowledged ones."""
+    _write(JsonlAdapter(path=jsonl_path), _lines(range(5000)))
+    JsonlAdapter(path=jsonl_path).resume(after_step=1234)
+    assert read_jsonl(jsonl_path) == _lines(range(1235))
+
+
+def test_a_torn_last_line_is_cut_at_open(jsonl_path: Path) -> None:
+    """A line without its newline (the writer died mid-line) is skipped by read_jsonl and cut before appending."""
+    _write(JsonlAdapter(path=jsonl_path), _lines(range(3)))
+    with jsonl_path.open("ab") as handle:
+        handle.write(b'{"step":3,"time_unix_ns":1,"metr')
+    assert read_jsonl(jsonl_path) == _lines(range(3))
+    _write(JsonlAdapter(path=jsonl_path), _lines(range(3, 5)))
+    assert read_jsonl(jsonl_path) == _lines(range(5))
+
+
+def test_a_torn_line_after_the_acknowledged_step_is_cut_by_resume(jsonl_path: Path) -> None:
+    """resume cuts unacknowledged lines and a torn last line together."""
+    _write(JsonlAdapter(path=jsonl_path), _lines(range(6)))
+    with jsonl_path.open("ab") as handle:
+        handle.write(b'{"step":6')
+    JsonlAdapter(path=jsonl_path).resume(after_step=2)
+    assert read_jsonl(jsonl_path) == _lines(range(3))
+
+
+def test_resume_of_a_missing_file_creates_nothing(jsonl_path: Path) -> None:
+    """Resuming a file that does not exist yet is a no-op."""
+    JsonlAdapter(path=jsonl_path).resume(after_step=3)
+    assert not jsonl_path.exists()

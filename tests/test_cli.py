@@ -162,3 +162,69 @@ def test_progress_bar_only_on_a_terminal() -> None:
     assert show is not None
     show(10, 10)
     assert "10/10 commits" in tty.getvalue()
+
+
+def _sync_config(tmp_path: Path) -> tuple[Path, Path]:
+    out = tmp_path / "synced.jsonl"
+    config = tmp_path / "sync.json"
+    config.write_text(json.dumps({"adapters": [f"jsonl:{out}"]}))
+    return config, out
+
+
+def test_sync_is_quiet_off_a_terminal_but_for_its_summary(
+    journal: tuple[Path, MemoryAdapter], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sync to a pipe prints no progress: only the per-adapter summary on stdout."""
+    config, out = _sync_config(tmp_path)
+    assert main(["sync", str(journal[0]), "--config", str(config)]) == 0
+    assert capsys.readouterr() == ("jsonl: sent 4 steps\n", "")
+    assert bits(read_jsonl(out)) == bits(journal[1].rows)
+
+
+def test_sync_progress_shows_steps_rate_and_eta_on_a_terminal() -> None:
+    """The sync progress line names the steps sent, the rate and the ETA; none for a pipe."""
+    import io
+
+    from metricbus.cli import _sync_progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert _sync_progress(io.StringIO()) is None
+    tty = Tty()
+    show = _sync_progress(tty)
+    assert show is not None
+    show(5, 10, 3)
+    show(10, 10, 7)
+    last = tty.getvalue().split("\r")[-1]
+    assert "7 steps sent" in last
+    assert "steps/s" in last
+    assert "10/10 commits" in last
+    assert "ETA 0 s" in last
+    assert tty.getvalue().endswith("\n")
+
+
+def test_ctrl_c_during_sync_prints_one_line_and_exits_130(
+    journal: tuple[Path, MemoryAdapter], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KeyboardInterrupt at the third step: the two written are kept, one summary line, exit 130; resync ends it."""
+    from metricbus.adapters.jsonl import JsonlAdapter
+
+    config, out = _sync_config(tmp_path)
+    write = JsonlAdapter.write
+
+    def interrupted_write(self: JsonlAdapter, *, step: int, metrics: dict[str, float]) -> None:
+        if step == journal[1].rows[2][0]:
+            raise KeyboardInterrupt
+        write(self, step=step, metrics=metrics)
+
+    monkeypatch.setattr(JsonlAdapter, "write", interrupted_write)
+    assert main(["sync", str(journal[0]), "--config", str(config)]) == 130
+    assert capsys.readouterr() == ("", "interrupted: sent 2 steps to jsonl; run sync again to resume\n")
+    assert bits(read_jsonl(out)) == bits(journal[1].rows[:2])
+    monkeypatch.setattr(JsonlAdapter, "write", write)
+    assert main(["sync", str(journal[0]), "--config", str(config)]) == 0
+    assert capsys.readouterr().out == "jsonl: sent 2 steps\n"
+    assert bits(read_jsonl(out)) == bits(journal[1].rows)

@@ -296,23 +296,29 @@ def test_strict_open_failure_raises_and_closes_the_others() -> None:
     assert mem.status == "failed"
 
 
-def test_on_delivered_runs_in_the_adapter_thread() -> None:
-    """on_delivered(index, adapter, step) is called after each successful write, from the adapter's thread."""
-    calls: list[tuple[int, str, int, str]] = []
+def test_on_delivered_acknowledges_only_flushed_steps() -> None:
+    """on_delivered(index, adapter, step) comes from the adapter's thread, after a flush() that followed the write."""
+    calls: list[tuple[int, int, int, list[int], str]] = []
     first, second = MemoryAdapter(), FlakyAdapter(outage=2)
 
-    def delivered(index: int, adapter: object, step: int) -> None:
-        calls.append((index, type(adapter).__name__, step, threading.current_thread().name))
+    def delivered(index: int, adapter: MemoryAdapter, step: int) -> None:
+        calls.append((index, step, adapter.flushes, _steps(adapter), threading.current_thread().name))
 
     delivery = Delivery([first, second], strict=True, on_delivered=delivered, **FAST_RETRY)
     delivery.open(run=RunInfo())
     for step in range(3):
         delivery.submit(step=step, metrics={"x": 1.0})
     delivery.close(status="finished", timeout_s=10)
-    assert sorted(c[:3] for c in calls) == sorted(
-        [(0, "MemoryAdapter", s) for s in range(3)] + [(1, "FlakyAdapter", s) for s in range(3)]
-    )
-    assert all(c[3].startswith("metricbus-") for c in calls)
+    for index in (0, 1):
+        mine = [c for c in calls if c[0] == index]
+        assert mine, f"adapter {index} never acknowledged"
+        assert mine[-1][1] == 2  # the last step is acknowledged by the end
+        for _, step, flushes, written, thread in mine:
+            assert flushes >= 1  # a flush() returned before the acknowledgement
+            assert step in written
+            assert thread.startswith("metricbus-")
+        assert [c[1] for c in mine] == sorted({c[1] for c in mine})  # increasing, each once
+    assert delivery.acknowledged == {"memory": 2, "flaky": 2}
 
 
 def test_no_thread_before_open() -> None:

@@ -127,3 +127,41 @@ def test_collective_count_is_flat_in_metrics() -> None:
         assert got[(10, 1)][0] == {"all_gather_single": 1}
         assert got[(1000, 0)][0] == {"all_gather_single": 2}  # new keys: +1 byte gather
         assert got[(1000, 2)][1] == 999 + 2 + 0.5
+
+
+def test_a_strict_adapter_failure_on_the_writer_keeps_the_ranks_in_step() -> None:
+    """Rank 0's strict adapter fails: rank 0 raises after each step; both ranks commit the same steps, no hang."""
+    results = _spawn(dist_workers.review_worker, 2, "strict")
+    for rank in range(2):
+        values = [r for r in results[rank] if isinstance(r, dict)]
+        assert len(results[rank]) >= 4
+        if rank == 1:
+            assert values == [{"x": 0.5}, {"x": 10.5}, {"x": 20.5}, {"x": 30.5}]
+    assert "AdapterError" in results[0]
+
+
+def test_an_adopted_nan_policy_applies_from_the_next_commit() -> None:
+    """Rank 1 declares nan='ignore'; rank 0 logged x with the default: from the next commit NaN is ignored."""
+    results = _spawn(dist_workers.review_worker, 2, "nan")
+    for rank in range(2):
+        assert results[rank][0] == {"x": 1.0}
+        assert results[rank][1] == {"x": 3.0}
+
+
+def test_a_declaration_after_the_default_was_committed_is_refused_on_every_rank() -> None:
+    """As ingest() refuses it: rank 1's rule for a name already committed with the default is an error."""
+    results = _spawn(dist_workers.review_worker, 2, "late")
+    for rank in range(2):
+        assert results[rank][0] == {"x": 1.0}
+        assert results[rank][1].startswith("DistributedError"), results[rank][1]
+        assert "'x'" in results[rank][1]
+
+
+def test_a_metric_one_rank_drops_is_dropped_on_every_rank() -> None:
+    """A negative tensor weight on rank 1: 't' is left out on both ranks (never rank 0's half), both raise."""
+    results = _spawn(dist_workers.review_worker, 2, "badweight")
+    for rank in range(2):
+        first, second = results[rank]
+        assert first.startswith("MetricValueError"), first
+        assert "'t'" in first
+        assert second == {"t": 5.0}

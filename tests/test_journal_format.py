@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from metricbus._version import __version__
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError
-from metricbus.journal import MAGIC, JournalWarning, open_journal, rank_file, read_journal
+from metricbus.journal import FORMAT_VERSION, MAGIC, JournalWarning, open_journal, rank_file, read_journal
 from metricbus.partial import Partial
 from metricbus.spec import Chain, Spec, parse_spec
 from metricbus.summary import Summary
@@ -58,11 +58,11 @@ def frame(kind: bytes, body: bytes) -> bytes:
 
 
 def test_header_holds_the_version_stable_keys(tmp_path: Path) -> None:
-    """open_journal's header holds format 2, the version, rank, run, rules and log_every."""
+    """open_journal's header holds format 3, the version, rank, run, rules and log_every."""
     write(tmp_path, [(0, [(5, Partial((("loss", MEAN, summary_of([1.0])),)))])], rank=5)
     journal = read_journal(tmp_path)
     assert {"format", "metricbus", "rank", "run", "rules", "log_every"} <= set(journal.header)
-    assert (journal.header["format"], journal.header["metricbus"], journal.header["rank"]) == (2, __version__, 5)
+    assert (journal.header["format"], journal.header["metricbus"], journal.header["rank"]) == (3, __version__, 5)
     assert journal.run == RUN
     assert journal.rules == RULES
     assert journal.log_every == 2
@@ -181,14 +181,38 @@ def test_format1_file_is_read(tmp_path: Path) -> None:
     assert bits(only.entries) == bits(((rows[0][1], MEAN, rows[0][2]),))
 
 
-def test_format1_file_appended_by_a_format2_writer(tmp_path: Path) -> None:
-    """A run restarted after an upgrade appends a format-2 segment to its format-1 file; both are read."""
+def test_format1_file_appended_by_a_current_writer(tmp_path: Path) -> None:
+    """A run restarted after an upgrade appends a current-format segment to its format-1 file; both are read."""
     write_format1(rank_file(tmp_path, 0), [(0, [(0, "loss", summary_of([1.0]))])])
     write(tmp_path, [(1, [(0, Partial((("loss", MEAN, summary_of(WIDE[0])),)))])])
     journal = read_journal(tmp_path)
-    assert [h["format"] for h in journal.files[0].headers] == [1, 2]
+    assert [h["format"] for h in journal.files[0].headers] == [1, FORMAT_VERSION]
     assert [step for step, _ in journal.commits] == [0, 1]
     assert journal.commits[1][1][0].entries[0][2].rest_flat() == summary_of(WIDE[0]).rest_flat()
+
+
+# -- format 2 --------------------------------------------------------------------------------------------------
+
+
+def test_format2_file_is_read(tmp_path: Path) -> None:
+    """A format-2 file (one header, each name table row once, no gap frames) reads bit for bit, rests included."""
+    header = {"format": 2, "metricbus": "0.2.0", "rank": 0, "run": {"project": "two", "name": None, "tags": [],
+              "config": {}, "start_time_unix_ns": 9}, "rules": [], "log_every": 1}
+    table = [[0, "loss", {"chains": [["mean"] * 4 + [""]], "nan": None}],
+             [1, "tokens", {"chains": [["sum"] * 4 + [""]], "nan": None}]]
+    wide, plain = summary_of(WIDE[0]), summary_of(PLAIN[0])
+    rest = wide.rest_flat()
+    body = struct.pack("<qI", 0, 2) + struct.pack("<II12d", 0, 0, *plain.as_tuple())
+    body += struct.pack("<II12d", 1, 1, *wide.as_tuple()) + struct.pack(f"<III{len(rest)}d", 1, 1, len(rest), *rest)
+    one = struct.pack("<qI", 1, 1) + struct.pack("<II12d", 0, 1, *plain.as_tuple())
+    data = MAGIC + frame(b"H", json.dumps(header).encode()) + frame(b"N", json.dumps(table).encode())
+    rank_file(tmp_path, 0).write_bytes(data + frame(b"R", body) + frame(b"S", one))
+    journal = read_journal(tmp_path)
+    assert (journal.header["format"], len(journal.files[0].headers), journal.gaps) == (2, 1, [])
+    (_, (p0, p1)), (_, (only,)) = journal.commits
+    assert bits(p0.entries) == bits((("loss", MEAN, plain),))
+    assert bits(p1.entries) == bits((("tokens", SUM, wide),))
+    assert bits(only.entries) == bits((("tokens", SUM, plain),))
 
 
 # -- damaged and future frames -------------------------------------------------------------------------------------

@@ -289,3 +289,77 @@ def test_a_step_beyond_int64_is_a_step_error_and_keeps_the_records(tmp_path: Pat
     assert b.commit(step=2**63 - 1) == {"x": 1.0}
     b.close()
     assert [step for step, _ in emitted(read_journal(tmp_path / "j"))] == [2**63 - 1]
+
+
+def test_close_emits_the_window_even_when_the_last_commit_rejects_a_metric() -> None:
+    """close() with log_every=5: a bad tensor metric in the final commit does not lose the window's rows."""
+    torch = pytest.importorskip("torch")
+    mem = MemoryAdapter()
+    b = MetricBus(dist=None, adapters=[mem], log_every=5)
+    b.log("a", 1.0)
+    b.commit()
+    b.log("a", 3.0)
+    b.commit()
+    b.log("a", 5.0)
+    b.log("t", torch.tensor([1.0]), weight=torch.tensor([-1.0]))
+    with pytest.raises(MetricValueError, match="'t'"):
+        b.close()
+    assert mem.rows == [(2, {"a": 3.0})]
+
+
+def test_this_buses_default_gives_way_to_its_own_declaration_before_the_first_commit() -> None:
+    """log('x', 1.0) then log('x', 2.0, agg='sum') before any commit: x is a sum; after a commit it is fixed."""
+    b = bus()
+    b.log("x", 1.0)
+    b.log("x", 2.0, agg="sum")
+    assert b.commit() == {"x": 3.0}
+    c = bus()
+    c.log("y", 1.0)
+    c.commit()
+    with pytest.raises(SpecError, match="'y'"):
+        c.log("y", 2.0, agg="sum")
+
+
+def test_an_adopted_nan_policy_applies_to_this_buses_records() -> None:
+    """A worker declares nan='ignore' for x: the driver's own NaN records of x are ignored too."""
+    d = bus()
+    d.log("x", float("nan"))
+    d.ingest([exported({"x": [1.0]}, agg=Agg(nan="ignore"))])
+    assert d.commit() == {"x": 1.0}
+    d.log("x", float("nan"))
+    d.log("x", 3.0)
+    assert d.commit() == {"x": 3.0}
+
+
+def test_a_rejected_call_introducing_a_name_never_exposes_its_buffer_to_other_threads() -> None:
+    """A thread spamming log(name, float) on names a rejected dict call introduces: no lost record, no crash."""
+    b = bus(rules={"x*": "count"})
+    current = ["x0"]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    counts: dict[str, int] = {}
+
+    def spam() -> None:
+        while not stop.is_set():
+            name = current[0]
+            try:
+                b.log(name, 1.0)
+                counts[name] = counts.get(name, 0) + 1
+            except SpecError:
+                pass  # the name was not introduced yet (its dict call is being validated)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    thread = threading.Thread(target=spam)
+    thread.start()
+    bad = [0.0] * 20_000 + [None]
+    for i in range(100):
+        current[0] = f"x{i + 1}"
+        with pytest.raises(metricbus.MetricTypeError):
+            b.log({current[0]: 1.0, "bad": bad})
+    stop.set()
+    thread.join()
+    assert errors == []
+    out = b.commit()
+    assert {name: int(v) for name, v in out.items()} == counts

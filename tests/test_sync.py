@@ -11,10 +11,10 @@ import pytest
 from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 
 from metricbus import MetricBus
-from metricbus.adapter import Status
+from metricbus.adapter import RunInfo, Status
 from metricbus.cli import main
 from metricbus.journal import CursorStore, adapter_key
-from metricbus.replay import sync
+from metricbus.replay import SyncInterrupted, sync
 from tests.journal_workers import RULES, log_step
 
 STEPS = 30
@@ -106,3 +106,109 @@ def test_a_failure_during_sync_keeps_the_cursor_for_the_next_sync(outage_run: Pa
     assert CursorStore(outage_run / "journal").get(JsonlAdapter(path=down)) == OUTAGE_FROM - 1
     assert sync(outage_run / "journal", [JsonlAdapter(path=down)]) == {"jsonl": STEPS - OUTAGE_FROM}
     assert [s for s, _ in steps_and_values(down)] == list(range(STEPS))
+
+
+class LedgerAdapter(JsonlAdapter):
+    """A jsonl backend that checks, at every call, that its cursor is never ahead of what it flushed.
+
+    Its constructor takes only ``path``, so it shares the plain jsonl adapter's cursor.
+    """
+
+    def __init__(self, *, path: str | Path) -> None:
+        super().__init__(path=path)
+        self.journal = Path(path).parent / "journal"  # the outage_run layout
+        self.interrupt_at: int | None = None
+        self.calls: list[str] = []
+        self.flushed: int | None = None
+        self.written: int | None = None
+
+    def _check(self) -> None:
+        cursor = CursorStore(self.journal).get(self)
+        assert cursor is None or (self.flushed is not None and cursor <= self.flushed)
+
+    def resume(self, *, after_step: int | None) -> None:
+        """Record the call; what the cursor says is durable already."""
+        self.calls.append(f"resume {after_step}")
+        super().resume(after_step=after_step)
+        self.flushed = self.written = after_step  # durable from an earlier run
+
+    def open(self, *, run: RunInfo) -> None:
+        """Record the call."""
+        self.calls.append("open")
+        super().open(run=run)
+
+    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
+        """Write, unless this is the step to interrupt at."""
+        self._check()
+        if step == self.interrupt_at:
+            raise KeyboardInterrupt
+        super().write(step=step, metrics=metrics)
+        self.written = step
+
+    def flush(self) -> None:
+        """Flush and remember the last durable step."""
+        self._check()
+        super().flush()
+        self.flushed = self.written
+
+
+def test_sync_acknowledges_a_step_only_after_flush(outage_run: Path) -> None:
+    """sync resumes then opens the adapter, and its cursor never passes the last flushed step (flush every 4)."""
+    down = outage_run / "down.jsonl"
+    ledger = LedgerAdapter(path=down)
+    assert sync(outage_run / "journal", [ledger], flush_every=4) == {"jsonl": STEPS - OUTAGE_FROM}
+    assert ledger.calls == [f"resume {OUTAGE_FROM - 1}", "open"]
+    assert ledger.flushed == STEPS - 1
+    assert CursorStore(outage_run / "journal").get(ledger) == STEPS - 1
+    assert [s for s, _ in steps_and_values(down)] == list(range(STEPS))
+
+
+def test_sync_cuts_unacknowledged_lines_before_sending(outage_run: Path) -> None:
+    """Lines written after the cursor (a crash before they were acknowledged) are replaced, not duplicated."""
+    down = outage_run / "down.jsonl"
+    good = steps_and_values(outage_run / "good.jsonl")
+    extra = JsonlAdapter(path=down)
+    extra.open(run=RunInfo())
+    for step, metrics in good[OUTAGE_FROM : OUTAGE_FROM + 5]:
+        extra.write(step=step, metrics=metrics)
+    extra.close(status="failed")
+    assert sync(outage_run / "journal", [JsonlAdapter(path=down)]) == {"jsonl": STEPS - OUTAGE_FROM}
+    assert steps_and_values(down) == good
+
+
+def test_a_failed_flush_acknowledges_nothing(outage_run: Path) -> None:
+    """When flush() raises, the cursor stays where it was and the error reaches the caller."""
+    down = outage_run / "down.jsonl"
+
+    class NoFlush(JsonlAdapter):
+        def flush(self) -> None:
+            raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        sync(outage_run / "journal", [NoFlush(path=down)])
+    assert CursorStore(outage_run / "journal").get(JsonlAdapter(path=down)) == OUTAGE_FROM - 1
+    assert sync(outage_run / "journal", [JsonlAdapter(path=down)]) == {"jsonl": STEPS - OUTAGE_FROM}
+    assert [s for s, _ in steps_and_values(down)] == list(range(STEPS))
+
+
+def test_an_interrupted_sync_acknowledges_what_it_wrote(outage_run: Path) -> None:
+    """KeyboardInterrupt in the middle: written steps are flushed and acknowledged; SyncInterrupted says how many."""
+    down = outage_run / "down.jsonl"
+    ledger = LedgerAdapter(path=down)
+    ledger.interrupt_at = OUTAGE_FROM + 7
+    with pytest.raises(SyncInterrupted) as stopped:
+        sync(outage_run / "journal", [ledger])
+    assert stopped.value.sent == {"jsonl": 7}
+    assert isinstance(stopped.value, KeyboardInterrupt)
+    assert CursorStore(outage_run / "journal").get(ledger) == OUTAGE_FROM + 6
+    assert [s for s, _ in steps_and_values(down)] == list(range(OUTAGE_FROM + 7))
+
+
+def test_a_set_stop_event_ends_sync_after_the_current_step(outage_run: Path) -> None:
+    """sync(stop=event) with the event set sends nothing more and raises SyncInterrupted."""
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(SyncInterrupted) as stopped:
+        sync(outage_run / "journal", [JsonlAdapter(path=outage_run / "down.jsonl")], stop=stop)
+    assert stopped.value.sent == {"jsonl": 0}
+    assert len(steps_and_values(outage_run / "down.jsonl")) == OUTAGE_FROM

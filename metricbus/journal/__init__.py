@@ -1,7 +1,8 @@
 """The journal: every commit's micro-level summaries, appended durably per rank, readable by any later version.
 
 Layout: a directory; rank ``r`` writes ``rank-{r:05d}.mbj`` (a single-controller bus writes every worker's
-partials into its own file, each entry tagged with the worker's rank). Delivery cursors live in ``cursors/``.
+partials into its own file, each entry tagged with the worker's rank), locked by its one writer, whose PID is in
+``rank-{r:05d}.mbj.lock``. Delivery cursors live in ``cursors/``.
 
 One concept per module: :mod:`~metricbus.journal.format` (the bytes), :mod:`~metricbus.journal.writer`,
 :mod:`~metricbus.journal.reader` and :mod:`~metricbus.journal.cursors`.
@@ -18,13 +19,14 @@ from metricbus.journal.format import (
     MAGIC,
     SUFFIX,
     check_fsync,
+    lock_file,
     rank_file,
     run_from_json,
     run_to_json,
     spec_from_json,
     spec_to_json,
 )
-from metricbus.journal.reader import Journal, RankFile, read_journal, read_rank_file
+from metricbus.journal.reader import Gap, Journal, RankFile, read_journal, read_rank_file
 from metricbus.journal.writer import JournalWriter, open_journal
 
 __all__ = [
@@ -34,12 +36,14 @@ __all__ = [
     "MAGIC",
     "SUFFIX",
     "CursorStore",
+    "Gap",
     "Journal",
     "JournalWarning",
     "JournalWriter",
     "RankFile",
     "adapter_key",
     "check_fsync",
+    "lock_file",
     "open_journal",
     "rank_file",
     "read_journal",

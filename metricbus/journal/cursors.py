@@ -1,4 +1,10 @@
-"""Delivery cursors: per adapter, the last step its backend acknowledged, kept beside the journal's files."""
+"""Delivery cursors: per adapter, the last step its backend acknowledged, kept beside the journal's files.
+
+A cursor never runs ahead of the data: it is advanced only after the adapter's ``flush()`` returned. It may lag
+behind (a crash between the flush and the advance); an adapter that implements the optional
+``resume(after_step=int | None)`` verb is told the cursor before it is opened (:func:`resume_adapter`) and drops
+what it holds after that step, so the steps sent again are not duplicated.
+"""
 
 from __future__ import annotations
 
@@ -37,6 +43,13 @@ def adapter_key(adapter: Any) -> str:
     return f"{safe}-{zlib.crc32(ident.encode()):08x}"
 
 
+def resume_adapter(adapter: Any, after_step: int | None) -> None:
+    """Call ``adapter.resume(after_step=...)`` if the adapter has that optional verb (before its ``open()``)."""
+    resume = getattr(adapter, "resume", None)
+    if callable(resume):
+        resume(after_step=after_step)
+
+
 class CursorStore:
     """Per adapter, the last step its backend acknowledged, in ``<journal>/cursors/<key>.json``."""
 
@@ -54,6 +67,12 @@ class CursorStore:
             return int(data["step"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+    def resume(self, adapter: Any) -> int | None:
+        """Tell ``adapter`` its cursor (see :func:`resume_adapter`) before it is opened; returns the cursor."""
+        cursor = self.get(adapter)
+        resume_adapter(adapter, cursor)
+        return cursor
 
     def advance(self, adapter: Any, step: int) -> None:
         """Record ``step`` as acknowledged (atomically: tmp file + rename); never moves backwards."""

@@ -1,8 +1,14 @@
 """Reading: one rank file (torn and damaged frames skipped with a warning), or a whole journal merged by step.
 
 Every frame carries a CRC32: a torn or damaged frame is skipped with a :class:`JournalWarning`, and the reader
-resynchronises on the next valid frame. Files of every format up to ``FORMAT_VERSION`` are read; a newer one is
-refused with a :class:`~metricbus.errors.JournalError` that says to upgrade.
+resynchronises on the next valid frame. Of two identical adjacent headers (format 3 writes each twice) one is kept;
+"G" frames (commits a writer failed to journal) are collected in ``Journal.gaps`` and replay skips them.
+
+Files of every format up to ``FORMAT_VERSION`` are read; a newer one is refused with a
+:class:`~metricbus.errors.JournalError` that says to upgrade. In a directory, a rank file that cannot be read at all
+(empty, foreign, no readable header) is skipped with a :class:`JournalWarning` naming it and why, and listed in
+``Journal.skipped``; the other ranks are read. A directory where no file is readable, or a single file path that is
+unreadable, is a ``JournalError``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from metricbus.journal.format import (
     FORMAT_VERSION,
     FRAME,
     FRAME_TYPES,
+    GAP,
     MAGIC,
     MAX_FRAME,
     SUFFIX,
@@ -35,6 +42,20 @@ from metricbus.spec import Spec
 from metricbus.summary import Summary
 
 Entry = tuple[str, Spec, Summary]
+_MAGIC_SLACK = 2  # a magic with at most this many wrong bytes is damage, not a foreign file
+
+
+class _UnreadableError(JournalError):
+    """A rank file with nothing to read in it (a directory skips it; a single path raises it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Commits of writer rank ``rank`` with ``first_step <= step <= last_step`` that it failed to journal."""
+
+    rank: int
+    first_step: int
+    last_step: int
 
 
 @dataclass
@@ -45,6 +66,7 @@ class RankFile:
     headers: list[dict[str, Any]] = field(default_factory=list)
     steps: dict[int, dict[int, list[Entry]]] = field(default_factory=dict)
     damaged: int = 0
+    gaps: list[Gap] = field(default_factory=list)
 
 
 def _warn(path: Path, what: str) -> None:
@@ -100,25 +122,43 @@ def _check_header(path: Path, header: Any) -> dict[str, Any]:
     return dict(header)
 
 
+def _check_magic(path: Path, data: bytes) -> None:
+    if data.startswith(MAGIC):
+        return
+    if not data:
+        raise _UnreadableError(f"{path} is empty (not a metricbus journal file)")
+    wrong = sum(a != b for a, b in zip(data[: len(MAGIC)], MAGIC, strict=False)) + max(0, len(MAGIC) - len(data))
+    if wrong > _MAGIC_SLACK:
+        raise _UnreadableError(f"{path} is not a metricbus journal file (bad magic)")
+    _warn(path, f"damaged magic ({wrong} bytes); read as a journal")
+
+
 def read_rank_file(path: str | os.PathLike[str]) -> RankFile:
     """Read one journal file; raise JournalError if it is missing, foreign or from a newer format."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise JournalError(f"cannot read journal file {path}: {exc.strerror or exc}") from exc
-    if not data.startswith(MAGIC):
-        raise JournalError(f"{path} is not a metricbus journal file (bad magic)")
+        raise _UnreadableError(f"cannot read journal file {path}: {exc.strerror or exc}") from exc
+    _check_magic(path, data)
     rf = RankFile(path)
     names: dict[int, tuple[str, Spec]] = {}
     unknown = 0
     from_tuple = Summary.from_tuple
+    previous = b""
     for pos, payload in _frames(path, data, rf):
         kind, body = payload[:1], payload[1:]
+        prior, previous = previous, payload
         try:
             if kind == b"H":
+                if payload == prior:
+                    continue  # the second copy of the header just read
                 rf.headers.append(_check_header(path, json.loads(body)))
                 names = {}  # a restarted writer numbers its names afresh
+            elif kind == b"G":
+                first, last = GAP.unpack(body)
+                rank = int(rf.headers[-1].get("rank", -1)) if rf.headers else -1
+                rf.gaps.append(Gap(rank, first, last))
             elif kind == b"N":
                 for ident, name, spec, *_ in json.loads(body):  # later versions may add per-name fields
                     names[int(ident)] = (str(name), spec_from_json(spec))
@@ -144,7 +184,7 @@ def read_rank_file(path: str | os.PathLike[str]) -> RankFile:
             rf.damaged += 1
             _warn(path, f"unreadable record at byte {pos} ({exc}); skipped")
     if not rf.headers:
-        raise JournalError(f"{path} has no readable journal header")
+        raise _UnreadableError(f"{path} has no readable journal header")
     if unknown:
         _warn(path, f"{unknown} entries refer to a lost name table record; skipped")
     return rf
@@ -152,13 +192,19 @@ def read_rank_file(path: str | os.PathLike[str]) -> RankFile:
 
 @dataclass
 class Journal:
-    """A whole journal directory: header of the lowest rank, and every commit's partials in rank order."""
+    """A whole journal directory: header of the lowest rank, and every commit's partials in rank order.
+
+    ``gaps``: the commits some writer failed to journal (their step may still hold other ranks' partials);
+    ``skipped``: the rank files that could not be read at all, and why.
+    """
 
     directory: Path
     header: dict[str, Any]
     files: list[RankFile]
     commits: list[tuple[int, list[Partial]]]
     ranks: list[int]
+    gaps: list[Gap] = field(default_factory=list)
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
 
     @property
     def run(self) -> RunInfo:
@@ -196,7 +242,19 @@ def read_journal(directory: str | os.PathLike[str]) -> Journal:
             raise JournalError(f"{directory} holds no journal files (rank-*{SUFFIX})")
     else:
         raise JournalError(f"no journal at {directory}")
-    files = [read_rank_file(p) for p in paths]
+    files: list[RankFile] = []
+    skipped: list[tuple[Path, str]] = []
+    for path in paths:
+        try:
+            files.append(read_rank_file(path))
+        except _UnreadableError as exc:
+            if directory.is_file():
+                raise
+            skipped.append((path, str(exc)))
+    if not files:
+        raise JournalError(f"{directory} holds no readable journal file: " + "; ".join(why for _, why in skipped))
+    for path, why in skipped:
+        warnings.warn(f"journal {path}: skipped, the other ranks are read ({why})", JournalWarning, stacklevel=2)
     merged: dict[int, dict[int, list[Entry]]] = {}
     for rf in files:
         for step, ranks in rf.steps.items():
@@ -209,4 +267,16 @@ def read_journal(directory: str | os.PathLike[str]) -> Journal:
         for step in sorted(merged)
     ]
     first = min(files, key=lambda rf: int(rf.headers[0].get("rank", 0)))
-    return Journal(directory, first.headers[-1], files, commits, all_ranks)
+    return Journal(directory, first.headers[-1], files, commits, all_ranks, _merge_gaps(files), skipped)
+
+
+def _merge_gaps(files: list[RankFile]) -> list[Gap]:
+    """Every file's gaps, overlapping ones of a rank merged (a retried marker repeats the start of its range)."""
+    out: list[Gap] = []
+    for gap in sorted((g for rf in files for g in rf.gaps), key=lambda g: (g.rank, g.first_step, g.last_step)):
+        last = out[-1] if out else None
+        if last is not None and last.rank == gap.rank and gap.first_step <= last.last_step:
+            out[-1] = Gap(gap.rank, last.first_step, max(last.last_step, gap.last_step))
+        else:
+            out.append(gap)
+    return out

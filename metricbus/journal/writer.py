@@ -1,23 +1,40 @@
-"""Writing: one rank's commits appended to its file, one ``os.write`` per commit.
+"""Writing: one rank's commits appended to its file, one ``os.write`` per commit, by one writer at a time.
 
 A commit is one ``os.write`` of its frames (name table additions first), so when ``commit()`` returns its bytes
 are in the operating system and survive SIGKILL. ``fsync`` decides what survives a power loss: ``"commit"``
 (fsync every commit), ``"interval"`` (the default: fsync at most every ``FSYNC_INTERVAL_S`` seconds, and at close),
 ``"never"``.
+
+One writer per file: the writer holds an exclusive ``flock`` on its file for its whole life and leaves its PID in
+``rank-NNNNN.mbj.lock``; a second writer (another bus, in this process or another) gets a ``JournalError`` naming
+the file and that PID. The kernel releases the lock when its holder dies, so a crashed run never blocks a restart.
+(A child forked while the lock is held shares it until the child exits.)
+
+Disk errors: a failed write or fsync raises ``JournalError`` (the file, the OS error and the step), never a raw
+``OSError``. Names count as written only once the write that carried them succeeded, so the next commit sends them
+again; a partly written frame is skipped by the reader (its CRC fails); and the next write that succeeds starts
+with a "G" frame naming the steps that are missing, which the reader reports in ``Journal.gaps``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import socket
 import struct
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from metricbus.adapter import RunInfo
+from metricbus.errors import JournalError, JournalWarning
 from metricbus.journal.cursors import CursorStore
 from metricbus.journal.format import (
+    CHECKPOINT_BYTES,
     FSYNC_INTERVAL_S,
     MAGIC,
     SUMMARY_FIELDS,
@@ -25,12 +42,30 @@ from metricbus.journal.format import (
     commit_frame,
     entries_layout,
     frame,
+    gap_frame,
+    lock_file,
     make_header,
+    names_frame,
     rank_file,
     spec_to_json,
 )
 from metricbus.partial import Partial
 from metricbus.spec import Spec
+
+Names = dict[str, tuple[int, Spec]]
+
+
+def _os_error(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "?")
+    return f"{exc.strerror or exc} ({name})"
+
+
+def _holder(path: Path) -> str:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return f"PID {int(data['pid'])} on {data['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process whose PID is not recorded yet"
 
 
 class JournalWriter:
@@ -39,18 +74,57 @@ class JournalWriter:
     def __init__(self, *, path: str | os.PathLike[str], fsync: str, rank: int, header: dict[str, Any]) -> None:
         self._fsync = check_fsync(fsync)
         self.directory = Path(path)
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.path = rank_file(self.directory, rank)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._ids: dict[str, tuple[int, Spec]] = {}
+        self._lock_path = lock_file(self.directory, rank)
+        self._ids: Names = {}
         self._layouts: dict[int, struct.Struct] = {}  # one packing layout per entry count, built once
         self._next_id = 0
+        self._unchecked = 0  # bytes written since the whole name table was
+        self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
+        self._locked = False
         self._last_sync = time.monotonic()
         self._cursors = CursorStore(self.directory)
-        start = MAGIC if os.fstat(self._fd).st_size == 0 else b""
-        self._write(start + frame(b"H", json.dumps(header).encode()))
-        if self._fsync != "never":
-            os.fsync(self._fd)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as exc:
+            raise JournalError(f"cannot open journal file {self.path}: {_os_error(exc)}") from exc
+        self._fd: int | None = fd
+        try:
+            self._lock(fd)
+            start = MAGIC if os.fstat(fd).st_size == 0 else b""
+            head = frame(b"H", json.dumps(header).encode())
+            self._write(start + head + head)
+            if self._fsync != "never":
+                os.fsync(fd)
+        except BaseException as exc:
+            self._fd = None
+            os.close(fd)
+            if isinstance(exc, OSError):
+                raise JournalError(f"cannot write journal file {self.path}: {_os_error(exc)}") from exc
+            raise
+
+    def _lock(self, fd: int) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise JournalError(
+                f"journal file {self.path} is already written by another bus ({_holder(self._lock_path)}); "
+                "one writer per rank file: close that bus first, or give this one its own journal directory"
+            ) from None
+        except OSError as exc:  # a file system without flock (some network mounts): go on, unguarded
+            warnings.warn(
+                f"journal {self.path}: cannot lock it ({_os_error(exc)}); a second writer would not be refused",
+                JournalWarning,
+                stacklevel=4,
+            )
+            return
+        self._locked = True
+        try:
+            owner = {"pid": os.getpid(), "host": socket.gethostname(), "time_unix_ns": time.time_ns()}
+            self._lock_path.write_text(json.dumps(owner), encoding="utf-8")
+        except OSError:
+            pass  # only the message a second writer gets is poorer; the lock itself holds
 
     def _write(self, data: bytes) -> None:
         assert self._fd is not None
@@ -59,10 +133,15 @@ class JournalWriter:
             view = view[os.write(self._fd, view) :]
 
     def append(self, *, step: int, entries: list[tuple[int, Partial]]) -> None:
-        """Write one commit (every entry of every partial, in order) in one ``os.write``, before commit() returns."""
+        """Write one commit (every entry of every partial, in order) in one ``os.write``, before commit() returns.
+
+        Raise JournalError if the write or its fsync fails: the step is then missing from the journal (a "G" frame
+        says so with the next write that succeeds), and every later commit is still readable.
+        """
         if self._fd is None:
             return
         ids = self._ids
+        next_id = self._next_id
         new: list[list[Any]] = []
         flat: list[float] = [step, 0]
         rests: list[tuple[int, tuple[float, ...]]] = []
@@ -72,9 +151,10 @@ class JournalWriter:
             for name, spec, summary in partial.entries:
                 known = ids.get(name)
                 if known is None or (known[1] is not spec and known[1] != spec):
-                    known = (self._next_id, spec)
-                    self._next_id += 1
-                    ids[name] = known
+                    if not new:
+                        ids = dict(ids)  # registered only once written: a failed write sends them again
+                    known = ids[name] = (next_id, spec)
+                    next_id += 1
                     new.append([known[0], name, spec_to_json(spec)])
                 flat.append(rank)
                 flat.append(known[0])
@@ -88,8 +168,30 @@ class JournalWriter:
             layout = self._layouts[n] = entries_layout(n)
         data = commit_frame(layout, flat, rests)
         if new:
-            data = frame(b"N", json.dumps(new).encode()) + data
-        self._write(data)
+            table = names_frame(new)
+            data = table + table + data  # two copies: losing one frame never loses a name
+        checkpoint = self._unchecked >= CHECKPOINT_BYTES
+        if checkpoint:
+            data = names_frame([[i, name, spec_to_json(s)] for name, (i, s) in ids.items()]) + data
+        if self._gap is not None:
+            data = gap_frame(*self._gap) + data
+        try:
+            self._write(data)
+        except OSError as exc:
+            self._gap = (step, step) if self._gap is None else (self._gap[0], step)
+            raise self._error("write", exc, step) from exc
+        self._gap = None
+        self._unchecked = 0 if checkpoint else self._unchecked + len(data)
+        try:
+            self._sync()
+        except OSError as exc:  # the bytes may never reach the disk: say so, and send the names again
+            self._gap = (step, step)
+            raise self._error("fsync", exc, step) from exc
+        self._ids = ids
+        self._next_id = next_id
+
+    def _sync(self) -> None:
+        assert self._fd is not None
         if self._fsync == "commit":
             os.fsync(self._fd)
         elif self._fsync == "interval":
@@ -98,19 +200,41 @@ class JournalWriter:
                 os.fsync(self._fd)
                 self._last_sync = now
 
+    def _error(self, what: str, exc: OSError, step: int) -> JournalError:
+        return JournalError(
+            f"cannot {what} journal file {self.path}: {_os_error(exc)}; step {step} is not journaled "
+            "(the journal records the gap with its next successful write)"
+        )
+
     def delivered(self, index: int, adapter: Any, step: int) -> None:
         """Advance ``adapter``'s cursor to ``step`` (called from its delivery thread after a successful write)."""
         self._cursors.advance(adapter, step)
 
     def close(self) -> None:
-        """fsync (unless ``fsync="never"``) and close the file."""
+        """Write a pending gap marker (best effort), fsync (unless ``fsync="never"``), close and unlock the file.
+
+        Raise JournalError if the final fsync fails; the file is closed and unlocked either way.
+        """
         if self._fd is None:
             return
-        fd, self._fd = self._fd, None
+        fd = self._fd
         try:
+            if self._gap is not None:
+                try:
+                    self._write(gap_frame(*self._gap))
+                    self._gap = None
+                except OSError:
+                    pass  # already reported by the commit that failed; the file stays readable
             if self._fsync != "never":
-                os.fsync(fd)
+                try:
+                    os.fsync(fd)
+                except OSError as exc:
+                    raise JournalError(f"cannot fsync journal file {self.path}: {_os_error(exc)}") from exc
         finally:
+            self._fd = None
+            if self._locked:
+                with contextlib.suppress(OSError):  # while locked: a next writer's PID is never removed
+                    self._lock_path.unlink(missing_ok=True)
             os.close(fd)
 
 

@@ -1,0 +1,266 @@
+"""One adapter's delivery worker: its queue, its thread, its counters (see :mod:`metricbus.delivery`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from metricbus.adapter import Adapter, Status
+from metricbus.errors import AdapterError
+from metricbus.errors_classify import classify, metric_named, permanent_errors_of
+
+if TYPE_CHECKING:
+    from metricbus.delivery import Delivery
+
+FLUSH_EVERY_STEPS = 256  # acknowledge at least every this many written steps ...
+FLUSH_EVERY_S = 1.0  # ... and at most this long after the first unacknowledged write
+WAIT_SLICE_S = 0.25  # how often a blocked submit/flush/close looks at the write deadline again
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    step: int
+    metrics: Mapping[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    status: Status
+
+
+@dataclass(frozen=True, slots=True)
+class _Sync:
+    done: threading.Event  # set once everything queued before it is written, flushed and acknowledged
+
+
+_Item = _Step | _Stop | _Sync
+
+
+class Worker:
+    """One adapter, its queue and its thread. Counters are written only by this worker's thread (or before it)."""
+
+    def __init__(self, delivery: Delivery, index: int, adapter: Adapter, label: str, queue_size: int) -> None:
+        self.delivery = delivery
+        self.index = index
+        self.adapter = adapter
+        self.label = label
+        self.permanent = permanent_errors_of(adapter)
+        self.queue: queue.Queue[_Item] = queue.Queue(maxsize=queue_size)
+        self.thread = threading.Thread(target=self._run, name=f"metricbus-{label}", daemon=True)
+        self.opened = threading.Event()
+        self.abandon = threading.Event()  # close() ran out of time: stop retrying, discard the rest
+        self.open_error: BaseException | None = None
+        self.stopped: str | None = None  # why this adapter gets no more steps (open failed, strict, hung, died)
+        self.dead = False  # stopped because a call hung or the thread died
+        self.degraded = False  # its last tries failed with transient errors; still retried
+        self.busy_since: float | None = None  # when the adapter call now running began (None: none running)
+        self.busy_verb = ""
+        self.failures = 0  # failed calls, retries included
+        self.delivered = 0  # steps written
+        self.gaps = 0  # steps the backend rejected (skipped)
+        self.unacked: int | None = None  # the last step written but not yet flushed
+        self.unacked_count = 0
+        self.flush_due = 0.0
+        self.acked: int | None = None
+        self.dropped = 0
+        self.submitted = 0  # written by the caller's thread only
+        self.released = 0  # steps never handed to a stopped adapter, or taken out of its queue
+        self.lost = 0  # steps taken off the queue but never written (stopped or abandoned adapter)
+        self.last_step: int | None = None
+
+    # -- the adapter's thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt, ...: this thread dies; the others go on
+            self.delivery.stop(self, f"its thread died of {exc!r}", exc)
+            if self.open_error is None:
+                with contextlib.suppress(BaseException):  # best effort: do not leave the backend's run open
+                    self.adapter.close(status="failed")
+        finally:
+            self.busy_since = None
+            self.opened.set()
+
+    def _serve(self) -> None:
+        try:
+            self._busy("open")
+            self.adapter.open(run=self.delivery.run)
+        except Exception as exc:
+            self.open_error = exc
+            self.stopped = "open failed"
+            self._fail("open", None, exc, kind="open")
+        finally:
+            self.busy_since = None
+            self.opened.set()
+        status: Status = "failed"
+        while (item := self._next()) is not None:
+            if isinstance(item, _Stop):
+                status = item.status
+                break
+            if isinstance(item, _Sync):
+                self._flush()
+                item.done.set()
+            elif self.stopped is not None or self.abandon.is_set():
+                self.lost += 1
+            else:
+                self._deliver(item)
+                if self.unacked_count >= FLUSH_EVERY_STEPS or time.monotonic() >= self.flush_due:
+                    self._flush()
+        if self.open_error is None:
+            self._flush()
+            final: Status = "failed" if self.gaps or self.stopped is not None else status
+            self._call("close", lambda: self.adapter.close(status=final))
+
+    def _next(self) -> _Item | None:
+        """The next item; flushes when a flush falls due while waiting. None: abandoned and empty."""
+        while True:
+            if self.abandon.is_set():
+                try:
+                    return self.queue.get_nowait()
+                except queue.Empty:
+                    return None
+            timeout = None if self.unacked_count == 0 else max(0.0, self.flush_due - time.monotonic())
+            try:
+                return self.queue.get(timeout=timeout)
+            except queue.Empty:
+                self._flush()
+
+    def _busy(self, verb: str) -> None:
+        self.busy_verb = verb
+        self.busy_since = time.monotonic()
+
+    def _deliver(self, item: _Step) -> None:
+        d = self.delivery
+        tries = 0
+        while True:
+            try:
+                self._busy("write")
+                self.adapter.write(step=item.step, metrics=item.metrics)
+                break
+            except Exception as exc:
+                if classify(exc, permanent=self.permanent) == "permanent":
+                    self.gaps += 1
+                    d.gap(self, item.step, metric_named(exc, lambda: list(item.metrics)), exc)
+                    return
+                tries += 1
+                self.failures += 1
+                if tries == 1:
+                    d.report(logging.WARNING, self.label, "retry", "adapter %r failed to write step %d: %r; retrying",
+                             self.label, item.step, exc)
+                if tries == d.retry_tries and not self.degraded:
+                    self.degraded = True
+                    d.report(logging.ERROR, self.label, "degraded",
+                             "adapter %r degraded: %d failed tries at step %d, last %r; the other adapters go on"
+                             "%s", self.label, tries, item.step, exc,
+                             "" if d.strict else f"; retrying every {d.retry_cap_s:g} s at most")
+                if tries >= d.retry_tries and d.strict:
+                    self._fail("write", item.step, exc, kind="strict")
+                    self.stopped = "strict bus: gave up after retries"
+                    self.lost += 1
+                    return
+            finally:
+                self.busy_since = None
+            delay = min(d.retry_cap_s, d.retry_base_s * 2 ** (tries - 1))
+            if self.abandon.wait(delay) or self.stopped is not None:
+                self.lost += 1
+                return
+        if self.degraded:
+            self.degraded = False
+            d.report(logging.WARNING, self.label, "recovered", "adapter %r recovered at step %d after %d failed tries",
+                     self.label, item.step, tries)
+        self.delivered += 1
+        self.last_step = item.step
+        if self.unacked_count == 0:
+            self.flush_due = time.monotonic() + FLUSH_EVERY_S
+        self.unacked = item.step
+        self.unacked_count += 1
+
+    def _flush(self) -> None:
+        """Flush the adapter; once flush() returned, acknowledge the last step written before it."""
+        if self.open_error is not None:
+            return
+        try:
+            self._busy("flush")
+            self.adapter.flush()
+        except Exception as exc:
+            self.failures += 1
+            self.flush_due = time.monotonic() + FLUSH_EVERY_S  # the steps stay unacknowledged; tried again then
+            self._fail("flush", self.last_step, exc, kind="flush")
+            return
+        finally:
+            self.busy_since = None
+        step, self.unacked, self.unacked_count = self.unacked, None, 0
+        on_delivered = self.delivery.on_delivered
+        if step is not None:
+            self.acked = step
+            if on_delivered is not None:
+                self._call("on_delivered", lambda: on_delivered(self.index, self.adapter, step))
+
+    def _call(self, verb: str, fn: Callable[[], object]) -> None:
+        try:
+            self._busy(verb)
+            fn()
+        except Exception as exc:
+            self.failures += 1
+            self._fail(verb, self.last_step, exc, kind=verb)
+        finally:
+            self.busy_since = None
+
+    def _fail(self, verb: str, step: int | None, exc: BaseException, *, kind: str) -> None:
+        self.delivery.report(logging.ERROR, self.label, kind, "adapter %r failed in %s at step %s: %r",
+                             self.label, verb, step, exc)
+        self.delivery.keep(AdapterError(f"adapter {self.label!r} failed in {verb} at step {step}: {exc!r}"), exc)
+
+    # -- the caller's thread -----------------------------------------------------------------------------------
+
+    def overdue(self, now: float) -> bool:
+        """True when the adapter call now running has exceeded the write deadline."""
+        since = self.busy_since
+        return self.stopped is None and since is not None and now - since > self.delivery.write_timeout_s
+
+    def put(self, item: _Item, *, deadline: float | None, even_degraded: bool = False) -> bool:
+        """Enqueue without blocking (``deadline`` None, or degraded) or until ``deadline``; False when full.
+
+        While blocked, gives up as soon as the adapter's running call is past the write deadline.
+        ``even_degraded``: wait for room even while degraded (close's sentinel).
+        """
+        if deadline is None or (self.degraded and not even_degraded):
+            try:
+                self.queue.put_nowait(item)
+            except queue.Full:
+                return False
+            return True
+        while True:
+            try:
+                self.queue.put(item, timeout=max(0.0, min(deadline - time.monotonic(), WAIT_SLICE_S)))
+                return True
+            except queue.Full:
+                now = time.monotonic()
+                if now >= deadline or self.overdue(now):
+                    return False
+
+    def release(self) -> int:
+        """Empty the queue (the adapter is stopped): steps counted, flush waiters woken, close's sentinel kept."""
+        steps, stop = 0, None
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Step):
+                steps += 1
+            elif isinstance(item, _Sync):
+                item.done.set()
+            else:
+                stop = item
+        if stop is not None:
+            with contextlib.suppress(queue.Full):
+                self.queue.put_nowait(stop)
+        return steps
