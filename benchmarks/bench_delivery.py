@@ -7,13 +7,18 @@
    printed too, and differ when other processes share the cores). Target < 1.05.
 2. A backend that raises on every write: the other adapter still receives every step; the loop is not slowed.
 3. A backend that fails 10 write calls, then recovers (default retry settings): steps received, in order, once each.
+4. A backend whose write() never returns, behind a 5 ms loop with a small blocking queue (``queue_size=16``,
+   ``queue_timeout_s=3600``): once the first ``write_timeout_s`` (0.5 s here) has passed the adapter is stopped,
+   and the loop's time with it / without it is printed (same method as 1). Target < 1.05.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import statistics
+import threading
 import time
 from collections.abc import Mapping
 
@@ -43,6 +48,20 @@ class BrokenAdapter(MemoryAdapter):
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Always fail."""
         raise ConnectionError("backend down")
+
+
+class HungAdapter(MemoryAdapter):
+    """write() never returns (until ``release`` is set at the end of the benchmark)."""
+
+    name = "hung"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
+        """Hang."""
+        self.release.wait()
 
 
 class Counter(logging.Handler):
@@ -144,6 +163,32 @@ def bench_flaky(steps: int, counter: Counter) -> None:
         print(f"    {record.levelname}: {record.getMessage()}")
 
 
+def bench_hung(steps: int, repeats: int, write_timeout_s: float = 0.5) -> None:
+    """Ratio of loop time with a hung backend (after its first write_timeout_s) to without it."""
+    base, hung_times, hung_adapters = [], [], []
+    warmup = math.ceil((write_timeout_s + 0.5) / STEP_S)  # past the deadline: the adapter is stopped by then
+    options = {"dist": None, "queue_size": 16, "queue_timeout_s": 3600.0, "write_timeout_s": write_timeout_s}
+    for _ in range(repeats):
+        bus = MetricBus(adapters=[MemoryAdapter()], **options)  # type: ignore[arg-type]
+        _loop_free(bus, warmup)
+        base.append(_loop_free(bus, steps))
+        bus.close()
+        hung = HungAdapter()
+        hung_adapters.append(hung)
+        bus = MetricBus(adapters=[MemoryAdapter(), hung], **options)  # type: ignore[arg-type]
+        warm_s = _loop_free(bus, warmup)
+        hung_times.append(_loop_free(bus, steps))
+        bus.close(timeout_s=0.5)
+    for hung in hung_adapters:
+        hung.release.set()
+    b, h = min(base), min(hung_times)
+    print(f"[hung write()] first {warmup} steps (the {write_timeout_s:g} s deadline) took {warm_s:.3f} s in the last "
+          f"run; then {steps} steps x 5 ms: without {b:.4f} s, with {h:.4f} s (best of {repeats}; medians "
+          f"{statistics.median(base):.4f} / {statistics.median(hung_times):.4f} s)")
+    verdict = "PASS" if h / b < 1.05 else "FAIL"
+    print(f"[hung write()] ratio with/without = {h / b:.4f}  (target < 1.05) -> {verdict}")
+
+
 def main() -> None:
     """Run the three benchmarks."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -157,6 +202,7 @@ def main() -> None:
     bench_slow(args.steps, args.repeats)
     bench_broken(args.steps, counter)
     bench_flaky(args.steps * 2, counter)
+    bench_hung(args.steps, args.repeats)
 
 
 if __name__ == "__main__":

@@ -336,7 +336,7 @@ class Delivery:
             worker.abandon.set()
             with contextlib.suppress(queue.Full):  # wakes a thread that emptied its queue meanwhile
                 worker.queue.put_nowait(_Stop(status))
-            logger.error("adapter %r did not drain within %g s: %d steps not delivered (last delivered step %s)",
+            logger.error("adapter %r did not drain within %.3g s: %d steps not delivered (last delivered step %s)",
                          worker.label, timeout_s, left, worker.last_step)
         if worker.dropped:
             logger.warning("adapter %r: %d steps dropped at a full queue (queue_policy %r)", worker.label,

@@ -165,7 +165,10 @@ class SyncInterrupted(KeyboardInterrupt):
 
 @dataclass(slots=True)
 class _Target:
-    """One adapter in a sync: its cursor, the last step written but not yet acknowledged, and its first error."""
+    """One adapter in a sync: its cursor, the last step written (and how many) not yet acknowledged, its error.
+
+    ``sent`` counts acknowledged steps only.
+    """
 
     adapter: Adapter
     label: str
@@ -258,6 +261,8 @@ def _send(
     for step, metrics in emitted(journal, progress=None if progress is None else tick):
         if stop is not None and stop.is_set():
             raise KeyboardInterrupt
+        if all(t.error is not None for t in targets):
+            break
         wrote = False
         for target in targets:
             if not target.wants(step):
@@ -269,7 +274,6 @@ def _send(
                 continue
             target.written = step
             target.unflushed += 1
-            target.sent += 1
             wrote = True
         sent += wrote
         if any(t.unflushed >= flush_every for t in targets) or time.monotonic() - last_ack >= flush_interval_s:
@@ -295,6 +299,7 @@ def _acknowledge(target: _Target, store: CursorStore) -> None:
         return
     store.advance(target.adapter, target.written)
     target.cursor = target.written
+    target.sent += target.unflushed
     target.unflushed = 0
 
 

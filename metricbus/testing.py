@@ -11,7 +11,11 @@ from metricbus.adapter import RunInfo, Status
 
 
 class MemoryAdapter:
-    """Keeps every emitted step: ``rows`` is a list of ``(step, {name: float})`` in emission order."""
+    """Keeps every emitted step: ``rows`` is a list of ``(step, {name: float})`` in emission order.
+
+    Rows arrive from the bus's delivery thread; after ``bus.flush()`` returned True (or ``bus.close()``) they hold
+    every committed step.
+    """
 
     name = "memory"
 

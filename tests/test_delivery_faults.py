@@ -135,7 +135,8 @@ def test_hung_adapter_is_listed_degraded_and_released() -> None:
         assert hung.entered.wait(30)
         _in_thread(lambda: [delivery.submit(step=s, metrics={"x": float(s)}) for s in range(1, 200)])
         assert delivery.flush(timeout_s=60)
-        assert delivery.degraded == ["hung"] and delivery.failed == ["hung"]
+        assert delivery.degraded == ["hung"]
+        assert delivery.failed == ["hung"]
         assert delivery.released["hung"] == 199  # step 0 is the one stuck in write(); none of the rest is held
         assert _steps(mem) == list(range(200))
         delivery.close(status="finished", timeout_s=30)
@@ -187,9 +188,8 @@ def test_adapter_thread_dying_of_system_exit(caplog: pytest.LogCaptureFixture) -
 
 def test_permanent_mlflow_rejection_skips_the_step(isolated_env: Path, caplog: pytest.LogCaptureFixture) -> None:
     """MLflow rejects metric '...' at step 3: the other 9 steps reach MLflow, the gap is recorded, the run FAILED."""
-    from mlflow.tracking import MlflowClient
-
     from metricbus.adapters.mlflow import MlflowAdapter
+    from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{isolated_env / 'db' / 'mlflow.db'}"
     adapter, mem = MlflowAdapter(tracking_uri=uri), MemoryAdapter()
@@ -220,9 +220,8 @@ def test_permanent_mlflow_rejection_skips_the_step(isolated_env: Path, caplog: p
 
 def test_tensorboard_out_of_range_step_is_skipped(isolated_env: Path) -> None:
     """TensorBoard rejects step 2**63 ('Value out of range'): that step is skipped, the steps after it written."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from metricbus.adapters.tensorboard import TensorBoardAdapter
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log_dir = isolated_env / "tb"
     delivery = Delivery([TensorBoardAdapter(log_dir=log_dir)], strict=False)
@@ -267,7 +266,7 @@ class _Declared(MemoryAdapter):
     permanent_errors = (KeyError,)
 
 
-class _Http(Exception):
+class _HttpError(Exception):
     def __init__(self, status_code: int) -> None:
         super().__init__(f"HTTP {status_code}")
         self.status_code = status_code
@@ -279,12 +278,12 @@ class _Http(Exception):
         (ConnectionError("refused"), "transient"),
         (TimeoutError("slow"), "transient"),
         (OSError("disk"), "transient"),
-        (_Http(500), "transient"),
-        (_Http(503), "transient"),
-        (_Http(429), "transient"),
-        (_Http(408), "transient"),
-        (_Http(400), "permanent"),
-        (_Http(404), "permanent"),
+        (_HttpError(500), "transient"),
+        (_HttpError(503), "transient"),
+        (_HttpError(429), "transient"),
+        (_HttpError(408), "transient"),
+        (_HttpError(400), "permanent"),
+        (_HttpError(404), "permanent"),
         (urllib.error.HTTPError("http://x", 422, "bad", {}, None), "permanent"),  # type: ignore[arg-type]
         (ValueError("Value out of range: 9223372036854775808"), "permanent"),
         (TypeError("not a float"), "permanent"),
@@ -435,7 +434,8 @@ def test_import_installs_no_sigterm_handler() -> None:
     """Importing metricbus leaves SIGTERM alone; building a bus with an adapter installs the handler."""
     code = (
         "import signal\nimport metricbus\nassert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL\n"
-        "from metricbus.testing import MemoryAdapter\nbus = metricbus.MetricBus(dist=None, adapters=[MemoryAdapter()])\n"
+        "from metricbus.testing import MemoryAdapter\n"
+        "bus = metricbus.MetricBus(dist=None, adapters=[MemoryAdapter()])\n"
         "assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL\nbus.close()\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,

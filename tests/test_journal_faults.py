@@ -326,3 +326,46 @@ def test_a_directory_with_no_readable_file_is_an_error(tmp_path: Path) -> None:
         read_journal(tmp_path)
     with pytest.raises(JournalError, match="is empty"):
         read_journal(rank_file(tmp_path, 0))
+
+
+def test_losing_both_copies_of_a_name_row_costs_only_until_the_next_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both copies of step 0's name rows damaged: "loss" is lost until the next whole-table checkpoint, then back."""
+    monkeypatch.setattr("metricbus.journal.writer.CHECKPOINT_BYTES", 1500)
+    journal = tmp_path / "j"
+    with MetricBus(dist=None, journal=str(journal)) as bus:
+        live = commit_steps(bus, range(30))
+    path = rank_file(journal, 0)
+    data = path.read_bytes()
+    table = [(pos, kind, size) for pos, kind, size in frames(data)]
+    names = [i for i, (_, kind, _) in enumerate(table) if kind == b"N"]
+    assert len(names) > 5  # loss twice, acc twice, then checkpoints
+    first, second = (table[i][0] for i in names[:2])
+    assert second == first + table[names[0]][2]  # adjacent: one damaged stretch
+    damaged = flipped(flipped(data, first + 12), second + 12)
+    path.write_bytes(damaged)
+    checkpoint_at = table[names[4] + 1][0]
+    (checkpoint_step,) = struct.unpack_from("<q", data, checkpoint_at + FRAME.size + 1)
+    got, caught = quietly_read(journal)
+    lost = checkpoint_step  # one "loss" summary per commit before it
+    assert caught == [
+        f"journal {path}: damaged record at byte {first}; skipped {second + table[names[1]][2] - first} bytes",
+        f"journal {path}: {lost} entries refer to a lost name table record; skipped",
+    ]
+    assert 5 < checkpoint_step < 29
+    want = {s: {"acc": v["acc"]} for s, v in live.items() if 5 <= s < checkpoint_step}
+    want |= {s: v for s, v in live.items() if s >= checkpoint_step}
+    assert recovered(got) == want
+
+
+def test_a_torn_magic_is_rewritten_by_the_next_writer(tmp_path: Path) -> None:
+    """A rank file holding 3 bytes of magic (its writer died writing it) is started afresh by the next writer."""
+    journal = tmp_path / "j"
+    journal.mkdir()
+    rank_file(journal, 0).write_bytes(MAGIC[:3])
+    with MetricBus(dist=None, journal=str(journal)) as bus:
+        live = commit_steps(bus, range(3))
+    got, caught = quietly_read(journal)
+    assert caught == []
+    assert recovered(got) == live

@@ -86,3 +86,35 @@ def _frame_kinds(path: Path) -> list[bytes]:
         kinds.append(data[pos + 8 : pos + 9])
         pos += 8 + length
     return kinds
+
+
+HUNG_AT_EXIT = """
+import threading
+from metricbus import MetricBus
+from metricbus.testing import MemoryAdapter
+
+class Hung(MemoryAdapter):
+    name = "hung"
+    def write(self, *, step, metrics):
+        threading.Event().wait()  # never returns
+
+bus = MetricBus(dist=None, adapters=[Hung()], journal="{journal}", write_timeout_s=3600, exit_timeout_s=0.5)
+for step in range(20):
+    bus.log("loss", float(step))
+    bus.commit(step=step)
+print("loop done", flush=True)
+"""
+
+
+def test_exit_with_a_hung_adapter_is_bounded_and_journal_first(tmp_path: Path) -> None:
+    """An adapter stuck in write() at exit: the process still exits 0 (exit_timeout_s), every step journaled."""
+    from metricbus.journal import read_journal
+    from metricbus.replay import emitted
+
+    code = HUNG_AT_EXIT.format(journal=tmp_path / "journal")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert "loop done" in done.stdout
+    assert "'hung' did not drain within 0.5 s" in done.stderr
+    assert [step for step, _ in emitted(read_journal(tmp_path / "journal"))] == list(range(20))

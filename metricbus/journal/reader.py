@@ -155,10 +155,6 @@ def read_rank_file(path: str | os.PathLike[str]) -> RankFile:
                     continue  # the second copy of the header just read
                 rf.headers.append(_check_header(path, json.loads(body)))
                 names = {}  # a restarted writer numbers its names afresh
-            elif kind == b"G":
-                first, last = GAP.unpack(body)
-                rank = int(rf.headers[-1].get("rank", -1)) if rf.headers else -1
-                rf.gaps.append(Gap(rank, first, last))
             elif kind == b"N":
                 for ident, name, spec, *_ in json.loads(body):  # later versions may add per-name fields
                     names[int(ident)] = (str(name), spec_from_json(spec))
@@ -177,6 +173,10 @@ def read_rank_file(path: str | os.PathLike[str]) -> RankFile:
                     ranks[rank].append((known[0], known[1], from_tuple(fields, rest)))
                 if not rows:
                     ranks.setdefault(-1, [])  # a commit with nothing logged still counts in the window
+            elif kind == b"G":
+                first, last = GAP.unpack(body)
+                rank = int(rf.headers[-1].get("rank", -1)) if rf.headers else -1
+                rf.gaps.append(Gap(rank, first, last))
             # other frame types: written by a newer minor version; skipped
         except JournalError:
             raise

@@ -92,13 +92,19 @@ class JournalWriter:
         self._fd: int | None = fd
         try:
             self._lock(fd)
-            start = MAGIC if os.fstat(fd).st_size == 0 else b""
+            start = b""
+            if os.fstat(fd).st_size < len(MAGIC):  # new, or a torn magic (only its writer could have cut it)
+                os.ftruncate(fd, 0)
+                start = MAGIC
             head = frame(b"H", json.dumps(header).encode())
             self._write(start + head + head)
             if self._fsync != "never":
                 os.fsync(fd)
         except BaseException as exc:
             self._fd = None
+            if self._locked:
+                with contextlib.suppress(OSError):
+                    self._lock_path.unlink(missing_ok=True)
             os.close(fd)
             if isinstance(exc, OSError):
                 raise JournalError(f"cannot write journal file {self.path}: {_os_error(exc)}") from exc
