@@ -194,6 +194,11 @@ def _inspect(journal: Journal, out: TextIO) -> None:
     damaged = sum(f.damaged for f in journal.files)
     if damaged:
         lines.append(f"damaged     {damaged} records skipped")
+    for gap in journal.gaps:
+        steps_text = str(gap.first_step) if gap.first_step == gap.last_step else f"{gap.first_step}..{gap.last_step}"
+        lines.append(f"gap         rank {gap.rank}: step {steps_text} not journaled (a write failed)")
+    for path, why in journal.skipped:
+        lines.append(f"skipped     {path.name}: {why}")
     if journal.rules:
         lines.append("rules")
         lines += [f"  {pattern} = {spec}" for pattern, spec in journal.rules]
