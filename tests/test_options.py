@@ -46,7 +46,8 @@ def test_defaults_are_metricbus_defaults() -> None:
     assert dataclasses.asdict(BusOptions()) == {
         "adapters": (), "rules": (), "log_every": 1, "nan": "propagate", "strict": False, "run": None,
         "dist": "auto", "group": None, "writer_rank": 0, "journal": None, "fsync": "interval",
-        "queue_size": 1024, "queue_policy": "block", "queue_timeout_s": 10.0, "write_timeout_s": 30.0, "exit_timeout_s": 20.0,
+        "queue_size": 1024, "queue_policy": "block", "queue_timeout_s": 10.0, "write_timeout_s": 30.0,
+        "exit_timeout_s": 20.0,
     }  # fmt: skip
 
 
