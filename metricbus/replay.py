@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -177,9 +177,11 @@ class _Target:
     unflushed: int = 0
     sent: int = 0
     error: BaseException | None = None
+    gaps: set[int] = field(default_factory=set)  # steps the backend rejected live: retried here
+    resent: set[int] = field(default_factory=set)  # gaps written, not yet acknowledged
 
     def wants(self, step: int) -> bool:
-        return self.error is None and (self.cursor is None or step > self.cursor)
+        return self.error is None and (self.cursor is None or step > self.cursor or step in self.gaps)
 
 
 def sync(
@@ -207,9 +209,11 @@ def sync(
     store = CursorStore(journal.directory if journal.directory.is_dir() else journal.directory.parent)
     names = [str(getattr(a, "name", type(a).__name__)) for a in adapters]
     labels = [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
-    targets = [_Target(a, label, store.get(a)) for a, label in zip(adapters, labels, strict=True)]
+    targets = [
+        _Target(a, label, store.get(a), gaps=store.gaps(a)) for a, label in zip(adapters, labels, strict=True)
+    ]
     last = _last_step(journal)
-    pending = [t for t in targets if t.cursor is None or t.cursor < last]
+    pending = [t for t in targets if t.cursor is None or t.cursor < last or t.gaps]
     opened: list[_Target] = []
     try:
         for target in pending:
@@ -274,6 +278,8 @@ def _send(
                 continue
             target.written = step
             target.unflushed += 1
+            if step in target.gaps:
+                target.resent.add(step)
             wrote = True
         sent += wrote
         if any(t.unflushed >= flush_every for t in targets) or time.monotonic() - last_ack >= flush_interval_s:
@@ -298,9 +304,13 @@ def _acknowledge(target: _Target, store: CursorStore) -> None:
         target.written = None
         return
     store.advance(target.adapter, target.written)
-    target.cursor = target.written
+    target.cursor = target.written if target.cursor is None else max(target.cursor, target.written)
     target.sent += target.unflushed
     target.unflushed = 0
+    if target.resent:  # rejected live, delivered now
+        store.clear_gaps(target.adapter, target.resent)
+        target.gaps -= target.resent
+        target.resent = set()
 
 
 def _finish(targets: list[_Target], store: CursorStore, *, status: Status) -> None:

@@ -56,7 +56,16 @@ class Sink:
             queue_timeout_s=queue_timeout_s,
             write_timeout_s=write_timeout_s,
             on_delivered=None if self._journal is None else self._journal.delivered,
+            on_gap=None if self._journal is None else self._journal.skipped,
         )
+        if journal is not None:  # an adapter that keeps unacknowledged data (jsonl) drops it before appending
+            from metricbus.journal.cursors import CursorStore, resume_adapter
+
+            store = CursorStore(journal)
+            for adapter in adapters:
+                cursor = store.get(adapter)
+                if cursor is not None:  # only a file this journal delivered to before: never a stranger's file
+                    resume_adapter(adapter, cursor)
         self.delivery.open(run=run)
         self._has_adapters = bool(adapters)
 

@@ -89,3 +89,39 @@ class CursorStore:
         tmp.write_text(json.dumps({"adapter": name, "key": key, "step": int(step)}), encoding="utf-8")
         os.replace(tmp, target)
         self._last[key] = int(step)
+
+    def _gaps_path(self, adapter: Any) -> Path:
+        return self.directory / f"{adapter_key(adapter)}.gaps.jsonl"
+
+    def add_gap(self, adapter: Any, step: int, reason: str) -> None:
+        """Record that ``adapter``'s backend rejected ``step`` for good (so a later sync retries it after a fix)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"step": int(step), "reason": reason[:500]}) + "\n"
+        with open(self._gaps_path(adapter), "a", encoding="utf-8") as file:
+            file.write(line)
+
+    def gaps(self, adapter: Any) -> set[int]:
+        """The steps ``adapter``'s backend rejected and no sync has delivered since."""
+        try:
+            text = self._gaps_path(adapter).read_text(encoding="utf-8")
+        except OSError:
+            return set()
+        steps = set()
+        for line in text.splitlines():
+            try:
+                steps.add(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line
+        return steps
+
+    def clear_gaps(self, adapter: Any, steps: set[int]) -> None:
+        """Forget the gaps at ``steps`` (a sync delivered them); atomically, like the cursor."""
+        left = self.gaps(adapter) - steps
+        path = self._gaps_path(adapter)
+        if not left:
+            path.unlink(missing_ok=True)
+            return
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        lines = "".join(json.dumps({"step": s, "reason": "retry"}) + "\n" for s in sorted(left))
+        tmp.write_text(lines, encoding="utf-8")
+        os.replace(tmp, path)

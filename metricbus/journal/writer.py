@@ -213,8 +213,12 @@ class JournalWriter:
         )
 
     def delivered(self, index: int, adapter: Any, step: int) -> None:
-        """Advance ``adapter``'s cursor to ``step`` (called from its delivery thread after a successful write)."""
+        """Advance ``adapter``'s cursor to ``step`` (called from its delivery thread once the step is durable)."""
         self._cursors.advance(adapter, step)
+
+    def skipped(self, index: int, adapter: Any, step: int, reason: str) -> None:
+        """``adapter``'s backend rejected ``step`` for good: keep the gap so a later ``metricbus sync`` retries it."""
+        self._cursors.add_gap(adapter, step, reason)
 
     def close(self) -> None:
         """Write a pending gap marker (best effort), fsync (unless ``fsync="never"``), close and unlock the file.

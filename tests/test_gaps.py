@@ -1,0 +1,75 @@
+"""A step an adapter's backend rejected for good is recorded next to the journal and retried by the next sync."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from metricbus import MetricBus
+from metricbus.replay import sync
+
+
+class Picky:
+    """An adapter whose backend rejects some steps permanently (a ValueError), until it is fixed."""
+
+    name = "picky"
+    cursor_key = "picky"  # the fixed adapter is the same target for the journal's cursors
+    permanent_errors = (ValueError,)
+
+    def __init__(self, *, reject: set[int]) -> None:
+        self.reject = reject
+        self.rows: list[tuple[int, dict[str, float]]] = []
+        self.status: Any = None
+
+    def open(self, *, run: Any) -> None:
+        """Nothing to open."""
+
+    def write(self, *, step: int, metrics: Any) -> None:
+        """Reject the steps in ``reject``; keep the others."""
+        if step in self.reject:
+            raise ValueError(f"the backend rejects step {step}")
+        self.rows.append((step, dict(metrics)))
+
+    def flush(self) -> None:
+        """Rows are kept in memory."""
+
+    def close(self, *, status: Any) -> None:
+        """Remember how the run ended."""
+        self.status = status
+
+
+def test_a_rejected_step_is_retried_by_sync_after_a_fix(tmp_path: Path) -> None:
+    """Live: step 3 rejected, the others delivered, the run ends failed; sync sends step 3 alone, then nothing."""
+    journal = str(tmp_path / "j")
+    live = Picky(reject={3})
+    bus = MetricBus(dist=None, adapters=[live], journal=journal)
+    for step in range(6):
+        bus.log("x", float(step))
+        bus.commit(step=step)
+    bus.close()
+    assert [s for s, _ in live.rows] == [0, 1, 2, 4, 5]
+    assert live.status == "failed"
+    fixed = Picky(reject=set())
+    assert sync(journal, [fixed]) == {"picky": 1}
+    assert fixed.rows == [(3, {"x": 3.0})]
+    again = Picky(reject=set())
+    assert sync(journal, [again]) == {"picky": 0}
+    assert again.rows == []
+
+
+def test_a_gap_that_is_still_rejected_stays_for_the_next_sync(tmp_path: Path) -> None:
+    """A sync whose backend still rejects the step keeps the gap; a later, fixed sync delivers it."""
+    journal = str(tmp_path / "j")
+    bus = MetricBus(dist=None, adapters=[Picky(reject={1})], journal=journal)
+    for step in range(3):
+        bus.log("x", float(step))
+        bus.commit(step=step)
+    bus.close()
+    still = Picky(reject={1})
+    try:
+        sync(journal, [still])
+    except ValueError:
+        pass
+    fixed = Picky(reject=set())
+    sync(journal, [fixed])
+    assert fixed.rows == [(1, {"x": 1.0})]
