@@ -8,7 +8,17 @@ Four verbs, explicit keywords, no ``**kwargs``:
 * ``close(status="finished" | "failed")``: end the run with that status.
 
 The bus calls these with keyword arguments. An adapter raising is reported (or re-raised on a strict bus);
-it never reaches the training loop otherwise.
+it never reaches the training loop otherwise. A step counts as delivered once ``flush()`` returned after its
+``write()``, so ``flush()`` must make what was written durable.
+
+Optional, looked up with ``getattr``:
+
+* ``resume(after_step=int | None)``, called before ``open()`` when the journal has a delivery cursor for the
+  adapter (and by ``metricbus sync``): the backend acknowledged the steps up to ``after_step``; drop anything
+  written after it, because those steps are about to be sent again (the jsonl adapter cuts its file there).
+* ``permanent_errors``: a tuple of exception types that mean "the backend rejects this step's data for good"
+  (the step is skipped and recorded as a gap instead of retried).
+* ``cursor_key``: a string naming the backend target, when two adapter objects must share one delivery cursor.
 """
 
 from __future__ import annotations
