@@ -131,7 +131,7 @@ def products(weights: Sequence[float], values: Sequence[float]) -> list[float]:
     2**-1074) or overflows (``p_i`` is then ±inf, as IEEE ``w*x`` gives, and so is the sum).
     """
     ps = [w * x for w, x in zip(weights, values, strict=True)]
-    errors = _dekker_errors(weights, values, ps)
+    errors = _dekker_errors(weights, values)
     check = sum(errors)
     if check - check != 0.0:  # an overflow on the way (it leaves an inf or NaN), or non-finite data
         return [*ps, *(_product_error(w, x, p) for w, x, p in zip(weights, values, ps, strict=True))]
@@ -152,18 +152,22 @@ _QUOTIENT_HIGH = 2.0**900  # ... or overflows
 _TWO_53 = 2.0**53
 
 
-def _dekker_errors(weights: Sequence[float], values: Sequence[float], ps: Sequence[float]) -> list[float]:
-    """``w·x - p`` for each record (Dekker; no fma in Python 3.11): exact where nothing over- or underflows."""
-    out = []
-    for w, x, p in zip(weights, values, ps, strict=True):
-        c = _SPLIT * w
-        w_hi = c - (c - w)
-        w_lo = w - w_hi
-        c = _SPLIT * x
-        x_hi = c - (c - x)
-        x_lo = x - x_hi
-        out.append(((w_hi * x_hi - p) + w_hi * x_lo + w_lo * x_hi) + w_lo * x_lo)
-    return out
+def two_product(a: float, b: float) -> tuple[float, float]:
+    """``(p, e)`` with ``p = fl(a*b)`` and ``a*b = p + e`` exactly where nothing over- or underflows (Dekker; no
+    fma in Python 3.11)."""
+    p = a * b
+    c = _SPLIT * a
+    a_hi = c - (c - a)
+    a_lo = a - a_hi
+    c = _SPLIT * b
+    b_hi = c - (c - b)
+    b_lo = b - b_hi
+    return p, ((a_hi * b_hi - p) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
+
+
+def _dekker_errors(weights: Sequence[float], values: Sequence[float]) -> list[float]:
+    """``w·x - p`` for each record: exact where nothing over- or underflows."""
+    return [two_product(w, x)[1] for w, x in zip(weights, values, strict=True)]
 
 
 def _product_error(w: float, x: float, p: float) -> float:

@@ -334,19 +334,6 @@ def _mean_dd(s: Summary) -> tuple[float, float]:
     return s.mean(), 0.0  # beyond the double range, hi and lo say little: the exact mean
 
 
-_SPLIT = 134217729.0  # 2**27 + 1, Dekker's splitter for float64
-
-
-def _two_product(a: float, b: float) -> tuple[float, float]:
-    """``(p, e)`` with ``p = fl(a*b)`` and ``a*b = p + e`` exactly (Dekker; no fma in Python 3.11)."""
-    p = a * b
-    c = _SPLIT * a
-    a_hi = c - (c - a)
-    a_lo = a - a_hi
-    c = _SPLIT * b
-    b_hi = c - (c - b)
-    b_lo = b - b_hi
-    return p, ((a_hi * b_hi - p) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
 
 
 def _dd_div(num: float, num_lo: float, den: float, den_lo: float) -> tuple[float, float]:
@@ -354,7 +341,7 @@ def _dd_div(num: float, num_lo: float, den: float, den_lo: float) -> tuple[float
     q = num / den
     if q - q != 0.0 or abs(q) > 1e290 or den > 1e290 or den < 1e-290:  # non-finite, or the split would overflow
         return q, 0.0
-    p, e = _two_product(q, den)
+    p, e = exact.two_product(q, den)
     return q, (((num - p) - e) + num_lo - q * den_lo) / den
 
 
