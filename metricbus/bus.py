@@ -31,8 +31,9 @@ from metricbus.errors import (
 )
 from metricbus.options import BusOptions
 from metricbus.partial import Partial, Updates
-from metricbus.ranks import LocalRanks, RankTransport
+from metricbus.ranks import Commit, RankTransport, make_transport
 from metricbus.reduce import StepReducer
+from metricbus.registry import resolve_adapter
 from metricbus.rules import Rules
 from metricbus.shutdown import EXIT_TIMEOUT_S
 from metricbus.sink import Sink
@@ -82,9 +83,9 @@ class MetricBus:
         self._last_step: int | None = None
         self._closed = False
         self._lock = threading.RLock()  # commits, ingests, exports and close run one at a time
-        self._ranks: RankTransport = _make_transport(dist=opts.dist, group=opts.group, writer_rank=opts.writer_rank)
+        self._ranks: RankTransport = make_transport(dist=opts.dist, group=opts.group, writer_rank=opts.writer_rank)
         self._sink = Sink(
-            adapters=[_resolve_adapter(a) for a in opts.adapters] if self._ranks.is_writer else [],
+            adapters=[resolve_adapter(a) for a in opts.adapters] if self._ranks.is_writer else [],
             journal=opts.journal, fsync=opts.fsync, rank=self._ranks.rank, run=self.run, rules=self._rules.items(),
             log_every=opts.log_every, strict=opts.strict, queue_size=opts.queue_size,
             queue_policy=opts.queue_policy, queue_timeout_s=opts.queue_timeout_s,
@@ -231,10 +232,11 @@ class MetricBus:
         own = self._collector.partial(updates, undeclared=False) if needed else _NOTHING
         ingested, self._ingested = self._ingested, []
         try:
-            exchange = self._ranks.exchange(
+            commit = Commit(
                 own=own, own_updates=updates, ingested=ingested, table=self._table, reducer=self._reducer,
                 journaled=self._sink.journaled, rejected=sorted(errors),
             )
+            exchange = self._ranks.exchange(commit)
         except BaseException:
             if not self._ranks.collective:  # nothing left this process: put the records back
                 self._collector.restore(updates)
@@ -376,24 +378,3 @@ def _rejected(errors: Mapping[str, MetricValueError], *, what: str, kept: str) -
     reasons = "; ".join(str(e) for e in errors.values())
     names = ", ".join(repr(n) for n in errors)
     return MetricValueError(f"{what}: the records of {names} were dropped ({reasons}); the other metrics were {kept}")
-
-
-def _make_transport(*, dist: str | None, group: Any, writer_rank: int) -> RankTransport:
-    if dist is None:
-        return LocalRanks()
-    try:
-        from metricbus.dist import make_torch_transport
-    except ImportError:
-        if dist == "torch":
-            raise
-        return LocalRanks()
-    transport = make_torch_transport(required=dist == "torch", group=group, writer_rank=writer_rank)
-    return transport if transport is not None else LocalRanks()
-
-
-def _resolve_adapter(adapter: Adapter | str | Mapping[str, Any]) -> Adapter:
-    if isinstance(adapter, (str, Mapping)):
-        from metricbus.registry import make_adapter
-
-        return make_adapter(adapter)  # type: ignore[no-any-return]
-    return adapter  # an adapter object: BusOptions checked its verbs

@@ -31,13 +31,12 @@ from __future__ import annotations
 import pickle
 import time
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 from metricbus.errors import DistributedError, MetricBusWarning, SpecError
-from metricbus.partial import Partial, Updates
-from metricbus.ranks import Exchange, with_specs
-from metricbus.reduce import StepReducer, WorkerStates, state_keys
+from metricbus.partial import Partial
+from metricbus.ranks import Commit, Exchange, with_specs
+from metricbus.reduce import WorkerStates, state_keys
 from metricbus.spec import Spec
 from metricbus.spec_table import Claim, SpecTable, decide, output_keys
 from metricbus.summary import N_FIELDS, Summary
@@ -95,19 +94,10 @@ class TorchRanks:
 
     # -- the protocol ------------------------------------------------------------------------------------------
 
-    def exchange(
-        self,
-        *,
-        own: Partial,
-        own_updates: Updates,
-        ingested: Sequence[Partial],
-        table: SpecTable,
-        reducer: StepReducer,
-        journaled: bool,
-        rejected: Sequence[str],
-    ) -> Exchange:
+    def exchange(self, commit: Commit) -> Exchange:
         """Every rank's update-level states of this commit, in rank order; a collective every rank calls."""
-        if ingested:
+        own, table, reducer, rejected = commit.own, commit.table, commit.reducer, commit.rejected
+        if commit.ingested:
             # Ingested partials are workers of their own at the rank level; folding them into one rank's
             # contribution would change rank-level kinds (e.g. rank="mean"), so the combination is refused.
             raise DistributedError(
@@ -120,7 +110,7 @@ class TorchRanks:
             held = self._agreed.get(name)
             if claim is not None and (held is None or held.spec != claim.spec):
                 claims[name] = claim
-        mine = {} if claims else reducer.worker(own_updates, self._specs)
+        mine = {} if claims else reducer.worker(commit.own_updates, self._specs)
         if claims or rejected or any(s.rest for states in mine.values() for s in states):
             # New names, dropped metrics, or sums too wide for the packed block: the partial itself travels in the
             # byte gather.
@@ -142,7 +132,7 @@ class TorchRanks:
                     states.pop(name, None)
         else:
             workers = [self._states(block) for block in blocks]
-        journal = [(self.rank, with_specs(own, self._specs, dropped))] if journaled else []
+        journal = [(self.rank, with_specs(own, self._specs, dropped))] if commit.journaled else []
         others = {name: where for name, where in dropped.items() if name not in rejected}
         return Exchange(workers, self._specs, journal, others)
 

@@ -9,12 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from metricbus.partial import Partial, Updates
 from metricbus.reduce import StepReducer, WorkerStates
 from metricbus.spec import Spec
 from metricbus.spec_table import SpecTable
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """What one commit hands its transport."""
+
+    own: Partial  # this process's records (empty when neither journaled nor collective: ``own_updates`` has them)
+    own_updates: Updates
+    ingested: Sequence[Partial]  # workers' partials, ranked before ``own``
+    table: SpecTable
+    reducer: StepReducer
+    journaled: bool
+    rejected: Sequence[str]  # metrics whose records this process dropped; a collective transport drops them on
+    # every rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,19 +48,8 @@ class RankTransport(Protocol):
     rank: int
     collective: bool  # True: exchange/any_pending are collectives that every participant must call together
 
-    def exchange(
-        self,
-        *,
-        own: Partial,
-        own_updates: Updates,
-        ingested: Sequence[Partial],
-        table: SpecTable,
-        reducer: StepReducer,
-        journaled: bool,
-        rejected: Sequence[str],
-    ) -> Exchange:
-        """Every worker's states of this commit, in rank order. ``rejected``: metrics whose records this process
-        dropped (bad device records); a collective transport drops them on every rank."""
+    def exchange(self, commit: Commit) -> Exchange:
+        """Every worker's states of this commit, in rank order."""
 
     def any_pending(self, *, pending: bool) -> bool:
         """True if any participant has uncommitted records (used by close)."""
@@ -76,22 +79,14 @@ class LocalRanks:
     rank = 0
     collective = False
 
-    def exchange(
-        self,
-        *,
-        own: Partial,
-        own_updates: Updates,
-        ingested: Sequence[Partial],
-        table: SpecTable,
-        reducer: StepReducer,
-        journaled: bool,
-        rejected: Sequence[str],
-    ) -> Exchange:
+    def exchange(self, commit: Commit) -> Exchange:
         """``[*ingested, own]``, each reduced to its update-level states (``rejected`` are already left out)."""
-        specs = table.specs  # ingest() claimed every ingested name; log() every own name
-        workers = [reducer.worker(p.updates(), specs) for p in ingested]
-        workers.append(reducer.worker(own_updates, specs))
-        journal = [(i, with_specs(p, specs)) for i, p in enumerate([*ingested, own])] if journaled else []
+        specs = commit.table.specs  # ingest() claimed every ingested name; log() every own name
+        worker = commit.reducer.worker
+        workers = [worker(p.updates(), specs) for p in commit.ingested]
+        workers.append(worker(commit.own_updates, specs))
+        partials = [*commit.ingested, commit.own]
+        journal = [(i, with_specs(p, specs)) for i, p in enumerate(partials)] if commit.journaled else []
         return Exchange(workers, specs, journal)
 
     def any_pending(self, *, pending: bool) -> bool:
@@ -105,3 +100,17 @@ class LocalRanks:
     def settle(self) -> bool:
         """Nothing to wait for."""
         return True
+
+
+def make_transport(*, dist: str | None, group: Any, writer_rank: int) -> RankTransport:
+    """The torch.distributed transport when asked for (``"torch"``) or available (``"auto"``), else LocalRanks."""
+    if dist is None:
+        return LocalRanks()
+    try:
+        from metricbus.dist import make_torch_transport
+    except ImportError:
+        if dist == "torch":
+            raise
+        return LocalRanks()
+    transport = make_torch_transport(required=dist == "torch", group=group, writer_rank=writer_rank)
+    return transport if transport is not None else LocalRanks()

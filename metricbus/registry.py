@@ -106,3 +106,10 @@ def make_adapter(spec: str | Mapping[str, Any]) -> Any:
             raise ConfigError(f"adapter {name!r} takes no options, so {spec!r} cannot set one")
         option = valid[0]
     return _build(name, {option: value})
+
+
+def resolve_adapter(adapter: Any) -> Any:
+    """An adapter object as given, or built from a name, ``"name:value"`` string or mapping."""
+    if isinstance(adapter, (str, Mapping)):
+        return make_adapter(adapter)
+    return adapter  # an adapter object: BusOptions checked its verbs
