@@ -9,7 +9,6 @@ adapters). ``commit()`` is "take -> exchange -> journal -> reduce -> deliver".
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -82,7 +81,7 @@ class MetricBus:
         self._ingested: list[Partial] = []
         self._last_step: int | None = None
         self._closed = False
-        self._lock = threading.RLock()  # commits, ingests, exports and close run one at a time
+        self._lock = shutdown.BusLock()  # commits, ingests, exports and close run one at a time
         self._ranks: RankTransport = make_transport(dist=opts.dist, group=opts.group, writer_rank=opts.writer_rank)
         self._sink = Sink(
             adapters=[resolve_adapter(a) for a in opts.adapters] if self._ranks.is_writer else [],

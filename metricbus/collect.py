@@ -9,10 +9,10 @@ every update's summaries. All mutation happens under one lock except the lock-fr
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from typing import Any
 
+from metricbus import shutdown
 from metricbus.accumulate import Accumulator
 from metricbus.errors import MetricTypeError, MetricValueError
 from metricbus.partial import Partial, Updates
@@ -28,7 +28,7 @@ class Collector:
     def __init__(self, *, table: SpecTable, nan: NanPolicy) -> None:
         self.table = table
         self._nan: NanPolicy = nan
-        self.lock = threading.Lock()
+        self.lock = shutdown.BusLock()  # a SIGTERM arriving while it is held waits for its release
         self.accs: dict[str, Accumulator] = {}
         self.fast: dict[str, list[float]] = {}  # name -> its accumulator's plain buffer (nan="propagate" only)
         self._done: Updates = []  # finished updates of this commit

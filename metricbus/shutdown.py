@@ -44,6 +44,7 @@ _hooked = False
 _sigterm_done = False
 _previous: Any = None  # the SIGTERM handler installed before ours
 _exit_started: float | None = None  # when exit or SIGTERM handling began (None: not exiting)
+_deferred: tuple[int, FrameType | None] | None = None  # a SIGTERM that arrived inside a bus call
 
 
 def track(key: int, closer: Callable[[Status], None]) -> None:
@@ -129,17 +130,75 @@ def install_sigterm() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+def _grace_s() -> float:
+    """The longest ``exit_timeout_s`` of this process's open buses, plus a margin for the journal."""
+    sinks = [getattr(getattr(closer, "__self__", None), "_sink", None) for closer in _closers()]
+    limits = [getattr(sink, "_exit_timeout_s", None) for sink in sinks]
+    return max([EXIT_TIMEOUT_S, *(t for t in limits if isinstance(t, (int, float)))]) + 5.0
+
+
+def _main_is_inside_a_bus() -> bool:
+    """True when the main thread (which runs signal handlers) holds a bus's lock: it was interrupted inside one."""
+    for closer in _closers():
+        bus = getattr(closer, "__self__", None)
+        locks = [getattr(bus, "_lock", None), getattr(getattr(bus, "_collector", None), "lock", None)]
+        if any(isinstance(lock, BusLock) and lock._is_owned() for lock in locks):
+            return True
+    return False
+
+
+class BusLock:
+    """A bus's lock: reentrant, and on its outermost release it runs a SIGTERM deferred while it was held."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        if _deferred is not None and not self._lock._is_owned():  # type: ignore[attr-defined]
+            after_call()
+
+    def _is_owned(self) -> bool:
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+
+
+def after_call() -> None:
+    """Called by the bus when a call that held its locks returns: run a SIGTERM that arrived during that call."""
+    global _deferred
+    if _deferred is not None and threading.current_thread() is threading.main_thread():
+        signum, frame = _deferred
+        _deferred = None
+        _on_sigterm(signum, frame)
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """Drain the buses within the grace period, then let the previous handler or the default action act."""
-    global _exit_started
+    """Drain the buses within the grace period, then let the previous handler or the default action act.
+
+    A SIGTERM that interrupts the main thread inside a bus call (holding its locks) is deferred until that call
+    returns (:func:`after_call`), so the drain never waits on a lock its own thread holds. The drain runs in a thread
+    of its own that the handler waits for, bounded by the buses' ``exit_timeout_s``; what could not be delivered in
+    time stays in the journal for ``metricbus sync``.
+    """
+    global _exit_started, _deferred
+    if _main_is_inside_a_bus():
+        _deferred = (signum, frame)
+        return
     previous = _previous
     chained = callable(previous)
     _exit_started = time.monotonic()
+    drain = threading.Thread(
+        target=flush_open_buses if chained else lambda: close_open_buses(status="failed"),
+        name="metricbus-sigterm",
+        daemon=True,
+    )
     try:
-        if chained:
-            flush_open_buses()
-        else:
-            close_open_buses(status="failed")
+        drain.start()
+        drain.join(timeout=_grace_s())
     finally:
         if chained:
             _exit_started = None  # the program goes on: later closes are not cut short
