@@ -100,39 +100,6 @@ def count_worker(rank: int, size: int, port: int, out: Any) -> None:
         tdist.destroy_process_group()
 
 
-def collision_worker(rank: int, size: int, port: int, out: Any) -> None:
-    """Rank 0 logs 'x' as [mean, max] (emits x/mean), rank 1 a plain 'x/mean': every rank must raise."""
-    _init(rank, size, port)
-    try:
-        bus = MetricBus(dist="torch")
-        if rank == 0:
-            bus.log("x", 1.0, agg=["mean", "max"])
-        else:
-            bus.log("x/mean", 2.0)
-        try:
-            bus.commit()
-            out.put((rank, "no error"))
-        except DistributedError as exc:
-            out.put((rank, str(exc)))
-        bus.close()
-    finally:
-        tdist.destroy_process_group()
-
-
-def adopt_worker(rank: int, size: int, port: int, out: Any) -> None:
-    """Rank 0 declares 'x' as sum; rank 1 logs it with only the default: both use sum."""
-    _init(rank, size, port)
-    try:
-        bus = MetricBus(dist="torch")
-        bus.log("x", float(rank + 1), agg="sum" if rank == 0 else None)
-        first = bus.commit()
-        bus.log("x", 10.0)
-        out.put((rank, (first, bus.commit(), str(bus.spec_of("x")))))
-        bus.close()
-    finally:
-        tdist.destroy_process_group()
-
-
 def updates_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
     rank: int, size: int, port: int, plan: Any, journal: str, out: Any
 ) -> None:
@@ -164,7 +131,22 @@ def review_worker(rank: int, size: int, port: int, scenario: str, out: Any) -> N
     _init(rank, size, port)
     got: list[Any] = []
     try:
-        if scenario == "strict":  # a strict adapter fails on rank 0 only: ranks stay in step, nothing hangs
+        if scenario == "collision":  # rank 0's x as [mean, max] emits x/mean; rank 1 logs a plain x/mean
+            bus = MetricBus(dist="torch")
+            bus.log("x" if rank == 0 else "x/mean", 1.0, agg=["mean", "max"] if rank == 0 else None)
+            try:
+                got.append(bus.commit())
+            except DistributedError as exc:
+                got.append(str(exc))
+            bus.close()
+        elif scenario == "adopt":  # rank 0 declares 'x' as sum; rank 1 logs it with only the default: both use sum
+            bus = MetricBus(dist="torch")
+            bus.log("x", float(rank + 1), agg="sum" if rank == 0 else None)
+            got.append(bus.commit())
+            bus.log("x", 10.0)
+            got.extend([bus.commit(), str(bus.spec_of("x"))])
+            bus.close()
+        elif scenario == "strict":  # a strict adapter fails on rank 0 only: ranks stay in step, nothing hangs
 
             class Bad:
                 name = "bad"
