@@ -86,7 +86,7 @@ class Collector:
                     self._respec(acc)
             spec = claim.spec
         else:
-            spec = table.resolve(name, agg)[0]  # raises for a different explicit spec
+            spec = table.resolve(name, agg)  # raises for a different explicit spec
         if acc is None:
             acc = Accumulator(name=name, spec=spec, nan=spec.nan or self._nan)
             self.accs[name] = acc
@@ -153,7 +153,7 @@ class Collector:
         """Close the current update (caller holds the lock)."""
         update = {}
         for name, acc in self.accs.items():
-            if acc.plain or acc.values or acc.state.count:
+            if acc.plain or acc.values or acc.state.count:  # acc.pending, inlined: once per metric per commit
                 try:
                     update[name] = acc.take()
                 except Exception as exc:  # never expected (every finite double is valid): lose this metric only

@@ -68,9 +68,6 @@ class SpecTable:
         self._unsealed: set[str] = set()
         self.specs: dict[str, Spec] = {}  # name -> its spec, for every claimed name (read by the hot paths)
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._claims
-
     def spec(self, name: str) -> Spec:
         """The spec ``name`` has, or would get if logged now without ``agg=``."""
         held = self._claims.get(name)
@@ -79,10 +76,6 @@ class SpecTable:
     def claim(self, name: str) -> Claim | None:
         """The claim fixed for ``name`` (None if the name is new)."""
         return self._claims.get(name)
-
-    def names(self) -> list[str]:
-        """Every name in the table, in the order first seen."""
-        return list(self._claims)
 
     def own(self, name: str, agg: SpecLike | None) -> Claim:
         """The claim for ``name`` logged on this bus with ``agg`` (None: rules, then the default); not recorded."""
@@ -95,16 +88,14 @@ class SpecTable:
             return Claim(spec, DEFAULT, "the default (no rule matched)")
         return Claim(spec, RULE, f"this bus's rule {pattern!r}")
 
-    def resolve(self, name: str, agg: SpecLike | None) -> tuple[Spec, bool]:
-        """The spec of ``name`` logged here with ``agg``, and whether the name is new; nothing is recorded."""
-        held = self._claims.get(name)
-        if held is None:
-            return self.own(name, agg).spec, True
+    def resolve(self, name: str, agg: SpecLike | None) -> Spec:
+        """The spec of ``name`` (already claimed) logged here with ``agg``; SpecError if ``agg`` differs."""
+        held = self._claims[name]
         if agg is not None:
             new = self.own(name, agg)
             if new.spec != held.spec:
                 raise SpecError(conflict(name, held, new))
-        return held.spec, False
+        return held.spec
 
     def offer(self, name: str, offers: Iterable[Claim]) -> Claim:
         """The winning claim for ``name`` among this bus's (fixed, or its rules) and ``offers`` (workers')."""
