@@ -2,8 +2,12 @@
 
 Four verbs, explicit keywords, no ``**kwargs``:
 
-* ``open(run=RunInfo)``: start the backend run (project, name, tags, config).
-* ``write(step=int, metrics={name: float})``: one emitted step; steps arrive strictly increasing, once each.
+* ``open(run=RunInfo)``: start the backend run (project, name, tags, config). ``run.id`` names the run: it is the
+  same for every process that writes this run (a trainer restarted with ``resume=True`` on the same journal, and
+  ``metricbus sync``), so an adapter opens the *same* backend run for the same id (wandb ``id=run.id``, MLflow the
+  run tagged ``metricbus.run_id``, TensorBoard the folder ``runs/<project>/<id>/tensorboard`` by default).
+* ``write(step=int, metrics={name: float})``: one emitted step. Steps never decrease; a step may come more than once
+  (training, then evaluation, at one step) with disjoint metric names.
 * ``flush()``: push buffered data to durable storage.
 * ``close(status="finished" | "failed")``: end the run with that status.
 
@@ -13,9 +17,16 @@ it never reaches the training loop otherwise. A step counts as delivered once ``
 
 Optional, looked up with ``getattr``:
 
-* ``resume(after_step=int | None)``, called before ``open()`` when the journal has a delivery cursor for the
-  adapter (and by ``metricbus sync``): the backend acknowledged the steps up to ``after_step``; drop anything
-  written after it, because those steps are about to be sent again (the jsonl adapter cuts its file there).
+* ``resume(after_step=int | None, identity=Mapping[str, str] | None)``, called before ``open()`` when the journal
+  has a delivery cursor for the adapter (and by ``metricbus sync``): the backend acknowledged the steps up to
+  ``after_step``; drop anything written after it, because those steps are about to be sent again (the jsonl
+  adapter cuts its file there). ``identity`` is what the adapter's ``identity`` said after its last open (the
+  MLflow run id, ...); an adapter whose ``resume`` has no ``identity`` parameter is called without it.
+* ``identity``: after ``open()``, a ``Mapping[str, str]`` naming the backend run (MLflow ``run_id``, wandb
+  ``run_id``, TensorBoard ``log_dir``); kept in the adapter's cursor record and handed back to ``resume``.
+* ``rewind(step=int)``, called between writes: a resumed run went back to ``step`` (a checkpoint), so every step
+  ``>= step`` is about to be sent again with new values; hide or drop what the backend holds there (TensorBoard
+  purges those events, jsonl cuts its file) or do nothing where the backend cannot (MLflow keeps both values).
 * ``permanent_errors``: a tuple of exception types that mean "the backend rejects this step's data for good"
   (the step is skipped and recorded as a gap instead of retried).
 * ``cursor_key``: a string naming the backend target, when two adapter objects must share one delivery cursor.
@@ -23,6 +34,7 @@ Optional, looked up with ``getattr``:
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,19 +48,36 @@ def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(value or {}))
 
 
+def new_run_id(now_ns: int | None = None) -> str:
+    """A fresh run id: UTC start time and 6 random hex digits, ``20261203-145959-a1b2c3`` (sorts by start time).
+
+    Only letters, digits and ``-``: valid as a wandb run id, an MLflow tag value and a folder name.
+    """
+    seconds = (time.time_ns() if now_ns is None else now_ns) // 1_000_000_000
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(seconds)) + "-" + secrets.token_hex(3)
+
+
 @dataclass(frozen=True, slots=True)
 class RunInfo:
-    """Metadata of one run, handed to every adapter's ``open``."""
+    """Metadata of one run, handed to every adapter's ``open``.
+
+    ``id`` is the run's identity across processes: a bus resumed on the same journal, and ``metricbus sync``, see
+    the id the journal header keeps, so every adapter writes into the same backend run. ``config`` holds the
+    hyperparameters (MLflow params, wandb config, the TensorBoard hparams plugin).
+    """
 
     project: str = "metricbus"
     name: str | None = None
     tags: tuple[str, ...] = ()
     config: Mapping[str, Any] = field(default_factory=dict)
     start_time_unix_ns: int = field(default_factory=time.time_ns)
+    id: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tags", tuple(self.tags))
         object.__setattr__(self, "config", _frozen_mapping(self.config))
+        if not self.id:
+            object.__setattr__(self, "id", new_run_id(self.start_time_unix_ns))
 
 
 @runtime_checkable

@@ -172,6 +172,7 @@ def run_to_json(run: RunInfo) -> dict[str, Any]:
         "tags": list(run.tags),
         "config": json.loads(json.dumps(dict(run.config), default=str)),
         "start_time_unix_ns": run.start_time_unix_ns,
+        "id": run.id,
     }
 
 
@@ -183,6 +184,7 @@ def run_from_json(data: Any) -> RunInfo:
         tags=tuple(data.get("tags", ())),
         config=dict(data.get("config", {})),
         start_time_unix_ns=int(data.get("start_time_unix_ns", 0)),
+        id=str(data.get("id") or ""),  # format 1-3 journals before run ids: a fresh id
     )
 
 
