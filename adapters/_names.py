@@ -17,17 +17,23 @@ _MLFLOW_BAD_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
 
 
 def mlflow_key(name: str) -> str:
-    """Map ``name`` to an MLflow metric/param key.
+    """Map ``name`` to a metric, param or tag key that MLflow accepts.
 
-    Characters outside letters, digits and ``_ - . space : /`` become ``_``; empty path segments (``a//b``, a
-    leading or trailing ``/``) are dropped; ``.``/``..`` segments become ``_``/``__``; the result is cut to 250
-    characters (without leaving a trailing ``/``).
+    MLflow (``mlflow.utils.validation``) takes letters, digits and ``_ - . space : /`` and refuses a key that
+    ``posixpath.normpath`` changes or that normalizes to ``.`` or to something starting with ``..`` or ``/``. So:
+    other characters become ``_``; empty path segments (``a//b``, a leading or trailing ``/``) are dropped; the
+    key is cut to 250 characters (without leaving a trailing ``/``); then every segment made only of dots
+    (``.``, ``..``, ``...``) becomes as many ``_``, and so do the leading dots of a key starting with ``..``
+    (``..x`` -> ``__x``). The empty name becomes ``_``.
     """
     text = _MLFLOW_BAD_CHARS.sub("_", name)
-    segments = [seg for seg in text.split("/") if seg]
-    segments = ["_" * len(seg) if seg in (".", "..") else seg for seg in segments]
-    key = "/".join(segments)[:MLFLOW_MAX_KEY_CHARS].rstrip("/")
-    return key or "_"
+    key = "/".join(seg for seg in text.split("/") if seg)[:MLFLOW_MAX_KEY_CHARS].rstrip("/")
+    segments = ["_" * len(seg) if not seg.strip(".") else seg for seg in key.split("/")]
+    first = segments[0]
+    if first.startswith(".."):
+        dots = len(first) - len(first.lstrip("."))
+        segments[0] = "_" * dots + first[dots:]
+    return "/".join(segments) or "_"
 
 
 def passthrough(name: str) -> str:

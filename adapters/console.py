@@ -1,4 +1,8 @@
-"""The console adapter: one compact, aligned line per emitted step on stdout."""
+"""The console adapter: one compact, aligned line per emitted step on stdout.
+
+Options are checked at construction (:class:`~metricbus.errors.ConfigError` naming the option and what is valid):
+``stream`` is a text stream or None (stdout at write time), ``max_metrics`` an int >= 1.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from collections.abc import Mapping
 from typing import TextIO
 
 from metricbus.adapter import RunInfo, Status
+from metricbus.errors import ConfigError
 
 _VALUE_WIDTH = 10
 
@@ -29,6 +34,14 @@ class ConsoleAdapter:
     name = "console"
 
     def __init__(self, *, stream: TextIO | None = None, max_metrics: int = 12) -> None:
+        if stream is not None and not callable(getattr(stream, "write", None)):
+            hint = " ('console:VALUE' sets the stream; set max_metrics with {type: console, max_metrics: N})"
+            raise ConfigError(
+                f"console: stream must be a text stream with write(), or None for stdout; got {stream!r}"
+                + (hint if isinstance(stream, str) else "")
+            )
+        if isinstance(max_metrics, bool) or not isinstance(max_metrics, int) or max_metrics < 1:
+            raise ConfigError(f"console: max_metrics must be an int >= 1 (metrics shown per line), got {max_metrics!r}")
         self._stream = stream
         self._max = max_metrics
         self._widths: dict[str, int] = {}

@@ -1,19 +1,31 @@
-"""The JSON Lines adapter: one line per emitted step, readable back exactly with :func:`read_jsonl`.
+"""The JSON Lines adapter: one line per write, readable back exactly with :func:`read_jsonl`.
 
 Each line is ``{"step": 7, "time_unix_ns": 1700000000000000000, "metrics": {"loss": 0.25}}``. Finite floats use
 Python's ``repr`` (shortest round-trip form), so they read back bit for bit. Non-finite values are written as the
 JSON *strings* ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` — the file stays strict JSON that any parser
-accepts — and :func:`read_jsonl` turns them back into floats. The spec form is ``"jsonl:out.jsonl"``.
+accepts — and :func:`read_jsonl` turns them back into floats. Two lines may share a step (training, then
+evaluation, at one step, with disjoint names); :func:`read_jsonl` returns both, in file order.
+
+Where. The spec ``"jsonl:out.jsonl"`` (or ``path=``) names the file. Without a path (the spec ``"jsonl"``) the file
+is ``runs/<project>/<run id>/metrics.jsonl`` under the working directory, decided at ``open()`` from the
+:class:`~metricbus.adapter.RunInfo`: one file per run, never shared between runs, and the same file for every
+process writing that run (a resumed trainer, ``metricbus sync``). ``identity`` is ``{"path": <absolute path>}``.
 
 Durability. Each ``write()`` hands its whole line to the operating system before it returns (a killed process
 loses nothing it wrote); ``flush()`` also ``fsync``s the file, so a step is durable once ``flush()`` returned —
 that is when the bus and ``metricbus sync`` acknowledge it to the delivery cursor.
 
-Resuming (the optional ``resume`` verb of the adapter protocol). ``resume(after_step=N)`` says that the cursor
-acknowledged steps up to ``N`` (``None``: none). Lines after the last line of a step ``<= N`` were written but never
-acknowledged, and the caller is about to send those steps again, so ``resume`` truncates the file to end right
-after that line (``None``: to empty). Without ``resume`` the file is appended to. Either way a torn last line (no
-newline: the process died mid-write) is cut off at ``open()`` so the next line does not glue onto it.
+Resuming (the optional ``resume`` verb of the adapter protocol). ``resume(after_step=N, identity=...)`` says that
+the cursor acknowledged steps up to ``N`` (``None``: none). Lines after the last line of a step ``<= N`` were
+written but never acknowledged, and the caller is about to send those steps again, so ``resume`` truncates the
+file to end right after that line (``None``: to empty). Without a path of its own the adapter writes where
+``identity`` says the run's file is (when the per-run file is only known at ``open()``, the cut waits for it).
+Without ``resume`` the file is appended to. Either way a torn last line (no newline: the process died mid-write) is
+cut off at ``open()`` so the next line does not glue onto it.
+
+Rewinding (the optional ``rewind`` verb). ``rewind(step=S)``: the run went back to a checkpoint and every step
+``>= S`` is about to be sent again, so the file is cut right after the last complete line of a step ``< S`` and
+later writes append after it.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from metricbus.adapter import RunInfo, Status
+from metricbus.errors import ConfigError
 
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _BLOCK = 1 << 16
@@ -109,26 +122,64 @@ def acknowledged_length(path: Path, after_step: int | None, *, keep_all: bool = 
     return 0
 
 
+def _checked_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a Path; ConfigError when it is empty or an existing directory."""
+    text = os.fspath(path)
+    if not text.strip():
+        raise ConfigError(
+            "jsonl: the path is empty; give a file ('jsonl:out.jsonl', path='out.jsonl') or no path at all ('jsonl') "
+            "for runs/<project>/<run id>/metrics.jsonl"
+        )
+    if os.path.isdir(text):
+        example = Path(text) / "metrics.jsonl"
+        raise ConfigError(f"jsonl: the path {text!r} is a directory; give a file in it, e.g. '{example}'")
+    return Path(text)
+
+
 class JsonlAdapter:
-    """Appends one JSON object per step to ``path`` (parent folders are created at open)."""
+    """Appends one JSON object per write to ``path`` (None: ``runs/<project>/<run id>/metrics.jsonl``).
+
+    Parent folders are created at open.
+    """
 
     name = "jsonl"
 
-    def __init__(self, *, path: str | os.PathLike[str]) -> None:
-        self._path = Path(path)
+    def __init__(self, *, path: str | os.PathLike[str] | None = None) -> None:
+        self._path = None if path is None else _checked_path(path)
+        # Fixed here, whether or not the path is known yet, so the delivery cursor is the same before and after
+        # open() (the same key adapter_key() gave when the path was always set: the absolute path).
+        self.cursor_key = "path=None" if self._path is None else f"path={os.path.abspath(self._path)!r}"
+        self._pending_cut: tuple[int | None] | None = None  # a resume() waiting for the per-run path
         self._handle: IO[bytes] | None = None
 
     @property
-    def path(self) -> Path:
-        """The file written."""
+    def path(self) -> Path | None:
+        """The file written: as given, or the per-run file once ``open()`` (or ``resume`` identity) decided it."""
         return self._path
 
-    def resume(self, *, after_step: int | None) -> None:
+    @property
+    def identity(self) -> Mapping[str, str]:
+        """``{"path": <absolute path>}`` once the file is known (empty before)."""
+        return {} if self._path is None else {"path": os.path.abspath(self._path)}
+
+    def resume(self, *, after_step: int | None, identity: Mapping[str, str] | None = None) -> None:
         """Cut the lines after the last acknowledged step ``after_step`` (None: every line); see the module doc."""
+        if self._path is None and identity and identity.get("path"):
+            self._path = Path(identity["path"])
+        if self._path is None:
+            self._pending_cut = (after_step,)
+            return
         self._cut(after_step, keep_all=False)
 
     def open(self, *, run: RunInfo) -> None:
-        """Create (or append to) the file, dropping a torn last line."""
+        """Create (or append to) the file, dropping a torn last line (and what a pending resume cuts)."""
+        if self._path is None:
+            self._path = Path("runs", run.project, run.id, "metrics.jsonl")
+        if self._path.is_dir():
+            raise IsADirectoryError(f"jsonl: {str(self._path)!r} is a directory; the adapter writes a file")
+        if self._pending_cut is not None:
+            self._cut(self._pending_cut[0], keep_all=False)
+            self._pending_cut = None
         self._path.parent.mkdir(parents=True, exist_ok=True)
         self._cut(None, keep_all=True)
         self._handle = self._path.open("ab")
@@ -145,6 +196,12 @@ class JsonlAdapter:
         self._handle.write((json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8"))
         self._handle.flush()
 
+    def rewind(self, *, step: int) -> None:
+        """Cut the file right after the last complete line of a step ``< step``; later writes append there."""
+        if self._handle is None:
+            raise RuntimeError("JsonlAdapter.rewind() before open()")
+        self._cut(int(step) - 1, keep_all=False)
+
     def flush(self) -> None:
         """Make every written line durable (flush, then ``fsync``)."""
         if self._handle is not None:
@@ -158,6 +215,8 @@ class JsonlAdapter:
             self._handle = None
 
     def _cut(self, after_step: int | None, *, keep_all: bool) -> None:
+        if self._path is None:
+            return
         if self._handle is not None:
             self._handle.flush()
         try:

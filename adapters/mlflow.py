@@ -1,26 +1,81 @@
-"""The MLflow adapter: one ``MlflowClient.log_batch`` per step, params from the run config.
+"""The MLflow adapter: one MLflow run per metricbus run, one ``MlflowClient.log_batch`` per step.
 
-The default store is ``sqlite:///runs/metricbus/mlflow.db`` (the file store is in maintenance mode). Metric and
-param keys go through the MLflow name rules of :mod:`metricbus.adapters._names`; two names that would merge raise
-``MetricValueError``. Config is flattened with ``.`` (``{"opt": {"lr": 0.1}}`` -> ``opt.lr``); values are cut to
-6000 characters and logged at most 100 per call. Run tags become MLflow tags with the value ``"true"``.
+Where, decided when the adapter is built (the first match wins; an explicit option beats the environment):
+
+* tracking store: ``tracking_uri`` > ``MLFLOW_TRACKING_URI`` > ``sqlite:///runs/metricbus/mlflow.db`` (relative to
+  the working folder; the file store is in maintenance mode). The URI must use a scheme MLflow 3.17 tracks to
+  (:data:`TRACKING_SCHEMES`, with a ``+driver`` for databases, plugins' ``mlflow.tracking_store`` schemes, or a
+  plain folder path), else :class:`~metricbus.errors.ConfigError` names it and the valid schemes;
+* experiment: ``experiment`` > ``MLFLOW_EXPERIMENT_NAME`` (checked against ``MLFLOW_EXPERIMENT_ID`` when both are
+  set) > ``MLFLOW_EXPERIMENT_ID`` > ``run.project``; created when missing;
+* run name (new runs only): ``run_name`` > ``run.name``.
+
+Which run, at ``open()`` (the first match wins):
+
+1. ``attach=True``: the run the trainer started with ``mlflow.start_run()`` (active in this thread, in exactly one
+   other thread, or when the adapter was built), else ``MLFLOW_RUN_ID``, else the run of ``resume(identity=...)``;
+   in the store of ``tracking_uri``, else ``mlflow.get_tracking_uri()``. metricbus never changes its status: the
+   trainer owns it. No such run raises ConfigError;
+2. ``MLFLOW_RUN_ID``: that run (it must be in the store, and in ``experiment`` if that option is given);
+3. the run named by ``resume(identity=...)``, if the store holds it (and it is not deleted);
+4. the oldest run of the experiment tagged ``metricbus.run_id = run.id``;
+5. a new run tagged ``metricbus.run_id = run.id``.
+
+A run found in 2-4 is set back to RUNNING, and ``close()`` ends it FINISHED or FAILED: a trainer killed mid-run
+and completed by ``metricbus sync`` (same ``run.id``) is one run. ``identity`` is ``{"run_id", "tracking_uri",
+"experiment_id"}``.
+
+Params come from ``run.config`` flattened with ``.`` (``{"opt": {"lr": 0.1}}`` -> ``opt.lr``), cut to 6000
+characters; a param the run already has is not logged again, and one whose value differs keeps its old value
+(MLflow refuses to change a param) with a warning. Run tags become MLflow tags with the value ``"true"``. Metric,
+param and tag keys go through :func:`metricbus.adapters._names.mlflow_key`; two metric names that would merge raise
+``MetricValueError``.
+
+MLflow's metric history is append-only. When a reopened run already holds points after the resume cursor
+(``after_step``; every point without one), those keys' histories are read once at open and a resent point with
+the same key, step and value is not logged again. ``rewind(step=S)`` drops nothing: the new values are logged next
+to the old ones and the tag ``metricbus.rewind`` is set to ``S``. ``get_metric_history`` then returns both values
+at a step both runs wrote, and the run's latest value is the one with the largest (step, timestamp): the new one,
+unless the old points reach a larger step than the resumed run does.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
+import math
+import os
+import re
+import sys
 import time
 from collections.abc import Iterator, Mapping
+from importlib.metadata import entry_points
+from pathlib import Path
+from types import MappingProxyType
 from typing import Any
+from urllib.parse import urlparse
 
 from metricbus.adapter import RunInfo, Status
-from metricbus.errors import AdapterNotFoundError
+from metricbus.errors import AdapterNotFoundError, ConfigError
 
-from ._names import NameMapper, mlflow_mapper
+from ._names import NameMapper, mlflow_key, mlflow_mapper
+
+logger = logging.getLogger(__name__)
 
 MAX_PARAM_VALUE_CHARS = 6000
-MAX_PARAMS_PER_BATCH = 100
+DEFAULT_TRACKING_URI = "sqlite:///runs/metricbus/mlflow.db"
+RUN_ID_TAG = "metricbus.run_id"
+PROJECT_TAG = "metricbus.project"
+REWIND_TAG = "metricbus.rewind"
+# What mlflow 3.17.2 registers in mlflow/tracking/_tracking_service/utils.py, less "databricks-uc" and "uc" (it
+# registers those only to refuse them as tracking stores). Database schemes also come with a driver: "mysql+pymysql".
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+TRACKING_SCHEMES = ("file", *DATABASE_SCHEMES, "http", "https", "databricks")
+INSTALL_HINT = "the mlflow adapter needs mlflow: pip install 'metricbus[mlflow]'"
 _STATUS = {"finished": "FINISHED", "failed": "FAILED"}
+_SQLITE_URI = re.compile(r"^sqlite(\+\w+)?:///(?P<path>[^?]*)")
+_NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")  # get_run of a missing or malformed run id
 
 
 def flatten_config(config: Mapping[str, Any], *, prefix: str = "") -> Iterator[tuple[str, str]]:
@@ -38,25 +93,106 @@ def flatten_config(config: Mapping[str, Any], *, prefix: str = "") -> Iterator[t
                 yield path, repr(value)
 
 
+def tracking_schemes() -> tuple[str, ...]:
+    """The schemes MLflow tracks to: the built-in ones, then those of installed ``mlflow.tracking_store`` plugins."""
+    plugins = sorted({ep.name for ep in entry_points(group="mlflow.tracking_store")} - set(TRACKING_SCHEMES))
+    return TRACKING_SCHEMES + tuple(plugins)
+
+
+def check_tracking_uri(uri: object, *, source: str) -> str:
+    """``uri`` when MLflow can track to it; else ConfigError naming ``source`` and the valid schemes."""
+    hint = "use a URI with one of the schemes " + ", ".join(tracking_schemes()) + " (or a local folder path)"
+    if not isinstance(uri, str) or not uri.strip():
+        raise ConfigError(f"mlflow {source} must be a non-empty tracking URI, not {uri!r}; {hint}")
+    try:
+        scheme = urlparse(uri).scheme  # lower-cased, like MLflow's own lookup
+    except ValueError as exc:
+        raise ConfigError(f"mlflow {source} {uri!r} is not a URI ({exc}); {hint}") from None
+    base, _, driver = scheme.partition("+")
+    if len(scheme) <= 1 or scheme in TRACKING_SCHEMES or (base in DATABASE_SCHEMES and "+" not in driver):
+        return uri  # a path (one letter: a Windows drive), a database with at most one driver, a built-in scheme
+    if scheme in tracking_schemes():
+        return uri
+    raise ConfigError(f"mlflow {source} {uri!r} has the scheme {scheme!r}, which MLflow cannot track to; {hint}")
+
+
+def _require_mlflow() -> None:
+    """Raise AdapterNotFoundError when mlflow is not installed (found without importing it)."""
+    try:
+        spec = importlib.util.find_spec("mlflow")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise AdapterNotFoundError(INSTALL_HINT)
+
+
+def _active_run_id_if_imported() -> str | None:
+    """The run ``mlflow.start_run()`` made active in this thread, if the trainer imported mlflow (never imports it)."""
+    active_run = getattr(sys.modules.get("mlflow"), "active_run", None)
+    active = active_run() if callable(active_run) else None
+    return None if active is None else str(active.info.run_id)
+
+
+def _active_run_elsewhere() -> str | None:
+    """The one run active in some other thread of this process (the bus opens adapters in worker threads).
+
+    MLflow keeps active runs per thread and has no public way to see another thread's, so this reads its
+    ``fluent._active_run_stack``; None if that changes, or if no run or several are active.
+    """
+    from mlflow.tracking import fluent
+
+    stacks: dict[int, list[Any]] = getattr(getattr(fluent, "_active_run_stack", None), "get_all_thread_values", dict)()
+    run_ids = {stack[-1].info.run_id for stack in stacks.values() if stack}
+    return run_ids.pop() if len(run_ids) == 1 else None
+
+
+def _comparable(value: float) -> float:
+    """``value`` as a store keeps it (sqlite clamps ±inf to ±max double); NaN becomes +inf so that NaN == NaN."""
+    return math.inf if math.isnan(value) else max(-sys.float_info.max, min(sys.float_info.max, value))
+
+
 class MlflowAdapter:
-    """Logs to an MLflow tracking server or database through ``MlflowClient``."""
+    """Logs one metricbus run into one MLflow run through ``MlflowClient``."""
 
     name = "mlflow"
 
     def __init__(
         self,
         *,
-        tracking_uri: str = "sqlite:///runs/metricbus/mlflow.db",
+        tracking_uri: str | None = None,
         experiment: str | None = None,
         run_name: str | None = None,
+        attach: bool = False,
     ) -> None:
-        self._tracking_uri = tracking_uri
+        _require_mlflow()
+        if not isinstance(attach, bool):
+            raise ConfigError(f"mlflow option attach must be true or false, not {attach!r}")
+        for option, value in (("experiment", experiment), ("run_name", run_name)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"mlflow option {option} must be a non-empty string or unset, not {value!r}")
+        env_uri = os.environ.get("MLFLOW_TRACKING_URI") or None
+        if tracking_uri is not None:
+            self._tracking_uri: str | None = check_tracking_uri(tracking_uri, source="option tracking_uri")
+        elif env_uri is not None:
+            self._tracking_uri = check_tracking_uri(env_uri, source="environment variable MLFLOW_TRACKING_URI")
+        else:  # an attached run lives where mlflow.start_run() put it: MLflow's own default, not ours
+            self._tracking_uri = None if attach else DEFAULT_TRACKING_URI
         self._experiment = experiment
+        self._env_experiment = (os.environ.get("MLFLOW_EXPERIMENT_NAME") or None,
+                                os.environ.get("MLFLOW_EXPERIMENT_ID") or None)
+        self._env_run_id = os.environ.get("MLFLOW_RUN_ID") or None
         self._run_name = run_name
+        self._attach = attach
+        self._active_at_build = _active_run_id_if_imported() if attach else None
+        self._resume_identity: Mapping[str, str] = {}
+        self._after_step: int | None = None
         self._names: NameMapper = mlflow_mapper()
         self._client: Any = None
         self._metric: Any = None
+        self._mlflow_error: type[Exception] = Exception
         self._run_id: str | None = None
+        self._identity: Mapping[str, str] = MappingProxyType({})
+        self._held: dict[tuple[str, int], set[float]] = {}  # points a reopened run holds after the cursor
 
     @property
     def run_id(self) -> str | None:
@@ -64,47 +200,149 @@ class MlflowAdapter:
         return self._run_id
 
     @property
-    def tracking_uri(self) -> str:
-        """Where the run is logged."""
+    def tracking_uri(self) -> str | None:
+        """The configured store (option, else MLFLOW_TRACKING_URI, else the default; None: attach to MLflow's own)."""
         return self._tracking_uri
 
+    @property
+    def identity(self) -> Mapping[str, str]:
+        """After open: ``run_id``, ``tracking_uri`` and ``experiment_id`` of the MLflow run (empty before)."""
+        return self._identity
+
+    def resume(self, *, after_step: int | None, identity: Mapping[str, str] | None = None) -> None:
+        """Before open: MLflow acknowledged the steps up to ``after_step``; ``identity`` names the run written then."""
+        self._after_step = None if after_step is None else int(after_step)
+        self._resume_identity = dict(identity or {})
+
     def open(self, *, run: RunInfo) -> None:
-        """Get or create the experiment, create the run with tags, log the config as params."""
+        """Find or create the one MLflow run of ``run.id`` (see the module docstring), tag it, log the config."""
         try:
-            from mlflow.entities import Metric, Param
+            import mlflow
+            from mlflow.entities import Metric, Param, RunTag
+            from mlflow.exceptions import MlflowException
             from mlflow.tracking import MlflowClient
         except ImportError as exc:
-            raise AdapterNotFoundError(
-                f"the mlflow adapter needs mlflow: pip install 'metricbus[mlflow]' ({exc})"
-            ) from exc
-        self._metric = Metric
-        self._ensure_sqlite_folder()
-        client = MlflowClient(tracking_uri=self._tracking_uri)
-        experiment_name = self._experiment or run.project
-        experiment = client.get_experiment_by_name(experiment_name)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(experiment_name)
-        tags = dict.fromkeys(run.tags, "true")
-        tags["metricbus.project"] = run.project
-        created = client.create_run(
-            experiment_id,
-            start_time=run.start_time_unix_ns // 1_000_000,
-            tags=tags,
-            run_name=self._run_name or run.name,
+            raise AdapterNotFoundError(f"{INSTALL_HINT} ({exc})") from exc
+        self._metric, self._mlflow_error = Metric, MlflowException
+        uri, run_id, source = self._named_run(mlflow)
+        _ensure_sqlite_folder(uri)
+        client = MlflowClient(tracking_uri=uri)
+        tags = {mlflow_key(tag): "true" for tag in run.tags} | {PROJECT_TAG: run.project, RUN_ID_TAG: run.id}
+        found = self._existing(client, run_id) if run_id else None
+        if run_id and found is None and source != "resume identity":
+            raise ConfigError(f"mlflow: {source} names run {run_id!r}, which {uri} does not hold (or it is deleted)")
+        if found is None and self._attach:
+            raise ConfigError("mlflow option attach=True, but there is no MLflow run to attach to: call "
+                              "mlflow.start_run() before the bus is built, or set MLFLOW_RUN_ID")
+        if found is None:
+            experiment_id = self._experiment_id(client, run, uri)
+            found = self._tagged_run(client, experiment_id, run.id)
+        created = found is None
+        if created:
+            found = client.create_run(experiment_id, start_time=run.start_time_unix_ns // 1_000_000,
+                                      tags=tags, run_name=self._run_name or run.name)
+        self._check_experiment(client, found, source)
+        self._client, self._run_id = client, str(found.info.run_id)
+        if not created and not self._attach and found.info.status != "RUNNING":
+            client.update_run(self._run_id, status="RUNNING")
+        new_tags = [] if created else [RunTag(key, value) for key, value in tags.items()]
+        client.log_batch(self._run_id, params=self._new_params(found, run, Param), tags=new_tags)
+        self._identity = MappingProxyType(
+            {"run_id": self._run_id, "tracking_uri": uri, "experiment_id": str(found.info.experiment_id)}
         )
-        self._client, self._run_id = client, created.info.run_id
-        param_names = mlflow_mapper()
-        params = [
-            Param(param_names(key), value[:MAX_PARAM_VALUE_CHARS]) for key, value in flatten_config(run.config)
-        ]
-        for start in range(0, len(params), MAX_PARAMS_PER_BATCH):
-            client.log_batch(self._run_id, params=params[start : start + MAX_PARAMS_PER_BATCH])
+        self._held = {} if created else self._held_points(client, found, self._after_step)
 
-    def _ensure_sqlite_folder(self) -> None:
-        prefix = "sqlite:///"
-        if self._tracking_uri.startswith(prefix):
-            from pathlib import Path
+    def _named_run(self, mlflow: Any) -> tuple[str, str | None, str]:
+        """(tracking URI, run id or None, what named it) from attach, MLFLOW_RUN_ID or the resume identity."""
+        fluent_uri = self._tracking_uri or str(mlflow.get_tracking_uri())
+        if self._attach:
+            active = mlflow.active_run()
+            run_id = active.info.run_id if active else (_active_run_elsewhere() or self._active_at_build)
+            if run_id:
+                return fluent_uri, str(run_id), "the active MLflow run"
+        if self._env_run_id:
+            return fluent_uri, self._env_run_id, "environment variable MLFLOW_RUN_ID"
+        resumed = self._resume_identity.get("run_id")
+        uri = self._tracking_uri or self._resume_identity.get("tracking_uri") or fluent_uri
+        return uri, resumed or None, "resume identity"
 
-            Path(self._tracking_uri[len(prefix) :]).parent.mkdir(parents=True, exist_ok=True)
+    def _existing(self, client: Any, run_id: str) -> Any:
+        """The run ``run_id`` of this store, or None if it has no such run or the run is deleted."""
+        try:
+            found = client.get_run(run_id)
+        except self._mlflow_error as exc:
+            if getattr(exc, "error_code", None) in _NOT_FOUND:
+                return None
+            raise
+        return None if found.info.lifecycle_stage == "deleted" else found
+
+    def _experiment_id(self, client: Any, run: RunInfo, uri: str) -> str:
+        """The experiment id from the option, MLFLOW_EXPERIMENT_NAME/_ID or ``run.project``; created if missing."""
+        name, wanted_id = (self._experiment, None) if self._experiment else self._env_experiment
+        if name is None and wanted_id is None:
+            name = run.project
+        if name is None:
+            try:
+                return str(client.get_experiment(wanted_id).experiment_id)
+            except self._mlflow_error as exc:
+                raise ConfigError(f"mlflow: environment variable MLFLOW_EXPERIMENT_ID={wanted_id!r} names no "
+                                  f"experiment in {uri}; unset it or set MLFLOW_EXPERIMENT_NAME") from exc
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                return str(client.create_experiment(name))
+            except self._mlflow_error:  # another process created it meanwhile
+                experiment = client.get_experiment_by_name(name)
+                if experiment is None:
+                    raise
+        if wanted_id is not None and experiment.experiment_id != wanted_id:
+            raise ConfigError(f"mlflow: MLFLOW_EXPERIMENT_NAME={name!r} is experiment {experiment.experiment_id} in "
+                              f"{uri}, but MLFLOW_EXPERIMENT_ID={wanted_id!r}; unset one of them")
+        if experiment.lifecycle_stage == "deleted":
+            raise ConfigError(f"mlflow: experiment {name!r} in {uri} is deleted; restore it (mlflow experiments "
+                              f"restore --experiment-id {experiment.experiment_id}) or pick another")
+        return str(experiment.experiment_id)
+
+    def _tagged_run(self, client: Any, experiment_id: str, metricbus_id: str) -> Any:
+        """The oldest active run of the experiment tagged ``metricbus.run_id = metricbus_id``, or None."""
+        quote = "'" if "'" not in metricbus_id else '"'
+        if quote in metricbus_id:
+            raise ConfigError(f"run id {metricbus_id!r} holds both quote characters; MLflow cannot search for it")
+        found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = {quote}{metricbus_id}{quote}",
+                                   max_results=1, order_by=["attributes.start_time ASC"])
+        return found[0] if found else None
+
+    def _check_experiment(self, client: Any, found: Any, source: str) -> None:
+        """A run named by MLFLOW_RUN_ID or attach must be in the ``experiment`` option's experiment, if given."""
+        if self._experiment and source != "resume identity":
+            name = client.get_experiment(found.info.experiment_id).name
+            if name != self._experiment:
+                raise ConfigError(f"mlflow: {source} names run {found.info.run_id} of experiment {name!r}, but the "
+                                  f"option experiment is {self._experiment!r}; drop one of them")
+
+    def _new_params(self, found: Any, run: RunInfo, param: Any) -> list[Any]:
+        """The config params the run lacks; a differing value already there is kept (MLflow cannot change it)."""
+        names, have, params, kept = mlflow_mapper(), found.data.params, [], []
+        for key, text in flatten_config(run.config):
+            name, value = names(key), text[:MAX_PARAM_VALUE_CHARS]
+            if name not in have:
+                params.append(param(name, value))
+            elif have[name] != value:
+                kept.append(f"{name}={have[name]!r} (new {value!r})")
+        if kept:
+            logger.warning("mlflow run %s keeps its params %s: MLflow refuses to change a param's value",
+                           found.info.run_id, ", ".join(kept))
+        return params
+
+    def _held_points(self, client: Any, found: Any, after: int | None) -> dict[tuple[str, int], set[float]]:
+        """The points run ``found`` holds after step ``after`` (every point for None), to not log them twice."""
+        held: dict[tuple[str, int], set[float]] = {}
+        for latest in found.data.to_proto().metrics:  # the latest point of each key: largest (step, timestamp)
+            if after is None or latest.step > after:
+                for point in client.get_metric_history(found.info.run_id, latest.key):
+                    if after is None or point.step > after:
+                        held.setdefault((point.key, point.step), set()).add(_comparable(point.value))
+        return held
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Log every metric of ``step`` in one batch (the client splits batches over 1000)."""
@@ -113,13 +351,42 @@ class MlflowAdapter:
         now_ms = time.time_ns() // 1_000_000
         metric, names, step = self._metric, self._names, int(step)
         batch = [metric(names(key), float(value), now_ms, step) for key, value in metrics.items()]
-        self._client.log_batch(self._run_id, metrics=batch)
+        if self._held:
+            held = self._held
+            batch = [m for m in batch if _comparable(m.value) not in held.get((m.key, step), ())]
+        if batch:
+            self._client.log_batch(self._run_id, metrics=batch)
+
+    def rewind(self, *, step: int) -> None:
+        """Steps ``>= step`` come again: log them next to the old points (identical ones once), tag the rewind."""
+        if self._client is None:
+            raise RuntimeError("MlflowAdapter.rewind() before open()")
+        client, step = self._client, int(step)
+        self._held = self._held_points(client, client.get_run(self._run_id), step - 1)
+        client.set_tag(self._run_id, REWIND_TAG, str(step))
 
     def flush(self) -> None:
         """Nothing to do: every batch is sent synchronously."""
 
     def close(self, *, status: Status) -> None:
-        """Mark the run FINISHED or FAILED."""
+        """Mark the run FINISHED or FAILED (an attached run is left to the trainer that started it)."""
         if self._client is not None and self._run_id is not None:
-            self._client.set_terminated(self._run_id, status=_STATUS[status])
+            if not self._attach:
+                self._client.set_terminated(self._run_id, status=_STATUS[status])
             self._client = None
+
+
+def _ensure_sqlite_folder(uri: str) -> None:
+    """Create the folder of a sqlite database; ConfigError naming the URI when it cannot be created or written."""
+    match = _SQLITE_URI.match(uri)
+    if match is None or match["path"] in ("", ":memory:"):
+        return
+    folder = Path(match["path"]).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"mlflow tracking URI {uri!r}: cannot create the database folder {str(folder)!r} "
+                          f"({exc.strerror or exc}); use a writable path") from exc
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"mlflow tracking URI {uri!r}: the database folder {str(folder)!r} is not writable; "
+                          f"use a writable path")

@@ -1,81 +1,328 @@
-"""The TensorBoard adapter: plain scalar events, written without torch or TensorFlow.
+"""The TensorBoard adapter: exact float64 scalars and the run's hyperparameters, written without torch or TensorFlow.
 
-Scalars go through ``tensorboard.summary.writer.event_file_writer.EventFileWriter`` as
-``Summary.Value(tag=..., simple_value=...)``, so ``EventAccumulator.Scalars()`` and the scalars dashboard see them
-(TensorBoard stores them as float32). Run metadata (project, name, tags, config) is written once at open as a
-text summary with tag ``metricbus/run``, shown in the Text dashboard.
+What it writes. Each metric of a step becomes a scalar-shaped ``DT_DOUBLE`` tensor summary carrying the scalars
+plugin's metadata, so the scalars dashboard plots it and
+``EventAccumulator(folder, size_guidance={"tensors": 0}).Tensors(tag)`` returns the committed float64 bit for bit
+(``tensor_util.make_ndarray(event.tensor_proto)``; NaN, ±inf, -0.0 and subnormals included). ``Scalars(tag)`` of
+the legacy reader is empty for these tags: it lists only float32 ``simple_value`` summaries. At open the run's
+project, id, name, tags and config go into a text summary with tag ``metricbus/run`` (Text dashboard), and the
+config, flattened with ``.`` (values bool, int, float or str; anything else as ``str()``), into the hparams plugin's
+session-start summary (trial id = run id). Both sit at step 0.
+
+Where. ``log_dir=None`` (the default) means ``runs/<project>/<run id>/tensorboard`` under the working directory at
+open, so two runs never share a folder and every process of one run (a resumed trainer, ``metricbus sync``) finds
+the same one; an explicit ``log_dir`` is used as given. Each ``open()`` starts a new event file whose name sorts
+after every event file already in the folder (TensorBoard reads a folder's files in name order). Records are written
+synchronously; ``flush()`` also ``fsync``s the file.
+
+Resume and rewind. ``resume(after_step=N, identity=...)`` (before open) takes the folder from ``identity`` unless
+``log_dir`` was given. At open, and at ``rewind(step=S)``, the adapter hides the steps about to be sent again in two
+ways. (1) It cuts them out of the event files it wrote itself (files whose first event names ``metricbus`` as
+writer): every event at step ``> N`` (``>= S``; every event when ``N`` is None) and a torn last record go, so every
+reader, the legacy ``EventAccumulator.Tensors`` included (it never purges tensors), sees one value per step. (2) It
+starts the new event file the way ``SummaryWriter(purge_step=P)`` does: a ``file_version`` event and a
+``SessionLog(status=START)`` event at step ``P`` (``N + 1``, ``S``, or the smallest int64 when ``N`` is None), for
+readers that purge on START (TensorBoard's multiplexer, ``--load_fast=false``, also while it runs; the Rust data
+server instead replaces a tag's points from the step it sees again). The run text and hparams are written again
+after a cut removed them. Other writers' files are never modified.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import numbers
 import os
+import re
+import socket
+import struct
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import SimpleNamespace
+from typing import IO, Any
 
 from metricbus.adapter import RunInfo, Status
-from metricbus.errors import AdapterNotFoundError
+from metricbus.errors import AdapterNotFoundError, ConfigError
 
 from ._names import NameMapper, passthrough_mapper
 
 RUN_TEXT_TAG = "metricbus/run"
+WRITER = "metricbus"  # SourceMetadata.writer of the event files this adapter writes (and may cut)
+HParamValue = bool | int | float | str
+
+_INSTALL = "pip install 'metricbus[tensorboard]'"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_HEADER = struct.Struct("<QI")  # TFRecord: payload length, masked CRC-32C of the length; then payload, its CRC
+_FOOTER_BYTES = 4
+_FILE_SECONDS = re.compile(r"events\.out\.tfevents\.(\d+)\.")
+
+
+def hparams_of(config: Mapping[str, Any], *, prefix: str = "") -> dict[str, HParamValue]:
+    """Flatten a nested config with ``.``; bool, int, float and str stay, other leaves become ``str(value)``."""
+    flat: dict[str, HParamValue] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(hparams_of(value, prefix=f"{name}."))
+        elif isinstance(value, (bool, str)):
+            flat[name] = value
+        elif isinstance(value, numbers.Integral):
+            flat[name] = int(value)
+        elif isinstance(value, numbers.Real):
+            flat[name] = float(value)
+        else:
+            flat[name] = str(value)
+    return flat
 
 
 def _run_markdown(run: RunInfo) -> str:
-    meta = {"project": run.project, "name": run.name, "tags": list(run.tags), "config": dict(run.config)}
+    meta = {"project": run.project, "id": run.id, "name": run.name, "tags": list(run.tags), "config": dict(run.config)}
     return "```json\n" + json.dumps(meta, indent=2, sort_keys=True, default=repr) + "\n```"
 
 
+def _checked_log_dir(log_dir: object) -> str | None:
+    if log_dir is None:
+        return None
+    path = os.fspath(log_dir) if isinstance(log_dir, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path:
+        raise ConfigError(
+            f"tensorboard option log_dir={log_dir!r} is invalid; use a non-empty folder path (str or os.PathLike), "
+            f"or None for runs/<project>/<run id>/tensorboard"
+        )
+    return path
+
+
+def _next_event_file(folder: Path) -> Path:
+    """A new event file name that sorts after every event file in ``folder`` (TensorBoard reads them in name order)."""
+    newest = max((p.name for p in folder.iterdir() if "tfevents" in p.name), default="")
+    seconds = int(time.time())
+    match = _FILE_SECONDS.match(newest)
+    if match:  # same second, or a clock behind the newest file: take its second, or the next one
+        seconds = max(seconds, int(match[1]))
+    for candidate in (seconds, seconds + 1):
+        name = f"events.out.tfevents.{candidate:010d}.{socket.gethostname()}.{os.getpid()}.{WRITER}"
+        if name > newest:
+            return folder / name
+    return folder / f"{newest}.{WRITER}"  # the newest name is not TensorBoard's pattern: extend it
+
+
+def _records(handle: IO[bytes], crc: Any) -> Iterator[tuple[int, int, bytes]]:
+    """``(start, end, payload)`` of each whole record; stops at a torn or damaged tail."""
+    start = 0
+    while True:
+        header = handle.read(_HEADER.size)
+        if len(header) < _HEADER.size:
+            return
+        length, length_crc = _HEADER.unpack(header)
+        if crc(header[:8]) != length_crc:
+            return
+        body = handle.read(length + _FOOTER_BYTES)
+        if len(body) < length + _FOOTER_BYTES:
+            return
+        end = start + _HEADER.size + len(body)
+        yield start, end, body[:length]
+        start = end
+
+
+def _scan(path: Path, *, before_step: int, pb: Any) -> tuple[list[tuple[int, int]], bool, bool] | None:
+    """Kept byte spans, whether anything goes, whether the run text stays; None for a file metricbus did not write."""
+    spans: list[tuple[int, int]] = []
+    dropped, has_run_text, read_to = False, False, 0
+    with path.open("rb") as handle:
+        for index, (start, end, payload) in enumerate(_records(handle, pb.masked_crc32c)):
+            try:
+                event = pb.Event.FromString(payload)
+            except pb.DecodeError:
+                break  # a damaged record: it and everything after it go
+            if index == 0 and event.source_metadata.writer != WRITER:
+                return None
+            read_to = end
+            if index > 0 and event.step >= before_step:
+                dropped = True
+                continue
+            has_run_text = has_run_text or any(value.tag == RUN_TEXT_TAG for value in event.summary.value)
+            if spans and spans[-1][1] == start:
+                spans[-1] = (spans[-1][0], end)
+            else:
+                spans.append((start, end))
+        size = handle.seek(0, os.SEEK_END)
+    if not spans:  # not even a first record: whose file it is cannot be told
+        return None
+    return spans, dropped or read_to != size, has_run_text
+
+
+def _cut(folder: Path, *, before_step: int, pb: Any) -> bool:
+    """Drop every event at a step ``>= before_step`` from metricbus's event files; True if the run text remains."""
+    kept_run_text = False
+    for path in sorted(p for p in folder.iterdir() if "tfevents" in p.name and p.is_file()):
+        scanned = _scan(path, before_step=before_step, pb=pb)
+        if scanned is None:
+            continue
+        spans, changed, has_run_text = scanned
+        kept_run_text = kept_run_text or has_run_text
+        if not changed:
+            continue
+        if len(spans) == 1 and spans[0][0] == 0:  # a prefix stays: truncating is atomic and cheap
+            os.truncate(path, spans[0][1])
+            continue
+        temp = folder / f".{path.name.replace('tfevents', 'cut')}.tmp"  # no "tfevents": readers skip it
+        with path.open("rb") as source, temp.open("wb") as target:
+            for start, stop in spans:
+                source.seek(start)
+                target.write(source.read(stop - start))
+            target.flush()
+            os.fsync(target.fileno())
+        os.replace(temp, path)
+    return kept_run_text
+
+
+def _protos() -> SimpleNamespace:
+    """TensorBoard's protos and helpers, imported at open (importing metricbus imports no backend)."""
+    try:
+        from google.protobuf.message import DecodeError
+        from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+        from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+        from tensorboard.plugins.hparams import summary_v2 as hparams_summary
+        from tensorboard.plugins.scalar import metadata as scalar_metadata
+        from tensorboard.plugins.text import summary_v2 as text_summary
+        from tensorboard.summary.writer.record_writer import RecordWriter
+    except ImportError as exc:
+        raise AdapterNotFoundError(
+            f"the tensorboard adapter needs the tensorboard package: {_INSTALL} ({exc})"
+        ) from exc
+    scalar = scalar_metadata.create_summary_metadata(display_name="", description="")
+    scalar.data_class = summary_pb2.DATA_CLASS_SCALAR
+    return SimpleNamespace(
+        Event=event_pb2.Event,
+        SessionLog=event_pb2.SessionLog,
+        SourceMetadata=event_pb2.SourceMetadata,
+        Summary=summary_pb2.Summary,
+        TensorProto=tensor_pb2.TensorProto,
+        DT_DOUBLE=types_pb2.DT_DOUBLE,
+        scalar_shape=tensor_shape_pb2.TensorShapeProto(),
+        scalar_metadata=scalar,
+        text_pb=text_summary.text_pb,
+        hparams_pb=hparams_summary.hparams_pb,
+        masked_crc32c=masked_crc32c,
+        RecordWriter=RecordWriter,
+        DecodeError=DecodeError,
+    )
+
+
 class TensorBoardAdapter:
-    """Writes one scalar event per metric per step under ``log_dir``."""
+    """Writes one event per step under ``log_dir`` (default ``runs/<project>/<run id>/tensorboard``)."""
 
     name = "tensorboard"
 
-    def __init__(self, *, log_dir: str | os.PathLike[str] = "runs/metricbus/tensorboard") -> None:
-        self._log_dir = os.fspath(log_dir)
+    def __init__(self, *, log_dir: str | os.PathLike[str] | None = None) -> None:
+        self._log_dir = _checked_log_dir(log_dir)
+        if importlib.util.find_spec("tensorboard") is None:
+            raise AdapterNotFoundError(f"the tensorboard adapter needs the tensorboard package: {_INSTALL}")
         self._names: NameMapper = passthrough_mapper(backend="TensorBoard")
-        self._writer: Any = None
-        self._event: Any = None
-        self._summary: Any = None
+        self._resumed_dir: str | None = None
+        self._purge_step: int | None = None  # set by resume(): the first step open() hides
+        self._folder: Path | None = None
+        self._run = RunInfo()
+        self._pb: Any = None
+        self._file: IO[bytes] | None = None
+        self._records: Any = None
+        self._tags_in_file: set[str] = set()
 
     @property
-    def log_dir(self) -> str:
-        """The folder the event file is written to."""
-        return self._log_dir
+    def log_dir(self) -> str | None:
+        """The folder written to: as given, else the absolute folder decided at open (or named by resume)."""
+        if self._log_dir is not None:
+            return self._log_dir
+        return str(self._folder) if self._folder is not None else self._resumed_dir
+
+    @property
+    def identity(self) -> Mapping[str, str] | None:
+        """``{"log_dir": absolute folder}`` after open, None before."""
+        return None if self._folder is None else {"log_dir": str(self._folder)}
+
+    def resume(self, *, after_step: int | None, identity: Mapping[str, str] | None = None) -> None:
+        """Before open: hide the steps after ``after_step`` (None: every step) at open; see the module doc."""
+        self._purge_step = _INT64_MIN if after_step is None else int(after_step) + 1
+        folder = (identity or {}).get("log_dir")
+        if self._log_dir is None and isinstance(folder, str) and folder:
+            self._resumed_dir = folder
 
     def open(self, *, run: RunInfo) -> None:
-        """Create the event file and write the run metadata as text."""
+        """Decide the folder, hide the steps ``resume`` named, start an event file, write the run text and hparams."""
+        pb = _protos()
+        path = self._log_dir or self._resumed_dir or os.path.join("runs", run.project, run.id, "tensorboard")
+        folder = Path(os.path.abspath(path))
+        self._pb, self._run = pb, run
         try:
-            from tensorboard.compat.proto import event_pb2, summary_pb2
-            from tensorboard.plugins.text import summary_v2 as text_summary
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        except ImportError as exc:
-            raise AdapterNotFoundError(
-                f"the tensorboard adapter needs the tensorboard package: pip install 'metricbus[tensorboard]' ({exc})"
-            ) from exc
-        self._event, self._summary = event_pb2.Event, summary_pb2.Summary
-        os.makedirs(self._log_dir, exist_ok=True)
-        self._writer = EventFileWriter(self._log_dir)
-        text = text_summary.text_pb(RUN_TEXT_TAG, _run_markdown(run))
-        self._writer.add_event(self._event(wall_time=time.time(), step=0, summary=text))
+            folder.mkdir(parents=True, exist_ok=True)
+            purge = self._purge_step
+            has_run_text = purge is not None and _cut(folder, before_step=purge, pb=pb)
+            self._start_file(folder, purge_step=purge, run_text=not has_run_text)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot write TensorBoard events under {str(folder)!r}: {exc.strerror}") from exc
+        self._folder = folder
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
-        """Write one event holding every metric of ``step`` as a simple scalar."""
-        if self._writer is None:
+        """Write one event holding every metric of ``step`` as a float64 scalar tensor."""
+        if self._records is None:
             raise RuntimeError("TensorBoardAdapter.write() before open()")
-        value = self._summary.Value
-        names = self._names
-        summary = self._summary(value=[value(tag=names(key), simple_value=val) for key, val in metrics.items()])
-        self._writer.add_event(self._event(wall_time=time.time(), step=int(step), summary=summary))
+        pb, names, seen = self._pb, self._names, self._tags_in_file
+        values, new_tags = [], []
+        for key, value in metrics.items():
+            tag = names(key)
+            tensor = pb.TensorProto(dtype=pb.DT_DOUBLE, tensor_shape=pb.scalar_shape, double_val=[float(value)])
+            if tag in seen:
+                values.append(pb.Summary.Value(tag=tag, tensor=tensor))
+            else:  # as TensorFlow's writers do: the plugin metadata rides on a tag's first value in each file
+                values.append(pb.Summary.Value(tag=tag, metadata=pb.scalar_metadata, tensor=tensor))
+                new_tags.append(tag)
+        if values:
+            self._add(step=int(step), summary=pb.Summary(value=values))
+            seen.update(new_tags)
+
+    def rewind(self, *, step: int) -> None:
+        """Hide every event at a step ``>= step`` (cut from metricbus's files, purged by START); start a new file."""
+        if self._records is None or self._folder is None:
+            raise RuntimeError("TensorBoardAdapter.rewind() before open()")
+        self._close_file()
+        has_run_text = _cut(self._folder, before_step=int(step), pb=self._pb)
+        self._start_file(self._folder, purge_step=int(step), run_text=not has_run_text)
 
     def flush(self) -> None:
-        """Flush pending events to the event file."""
-        if self._writer is not None:
-            self._writer.flush()
+        """Make every written event durable (flush, then ``fsync``)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def close(self, *, status: Status) -> None:
         """Flush and close the event file (TensorBoard has no run status)."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self._close_file()
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self.flush()
+            self._file.close()
+            self._file = self._records = None
+
+    def _add(self, **fields: Any) -> None:
+        self._records.write(self._pb.Event(wall_time=time.time(), **fields).SerializeToString())
+
+    def _start_file(self, folder: Path, *, purge_step: int | None, run_text: bool) -> None:
+        pb, run = self._pb, self._run
+        self._file = _next_event_file(folder).open("xb")
+        self._records, self._tags_in_file = pb.RecordWriter(self._file), set()
+        self._add(file_version="brain.Event:2", source_metadata=pb.SourceMetadata(writer=WRITER))
+        if purge_step is not None and purge_step <= _INT64_MAX:
+            self._add(step=purge_step, file_version="brain.Event:2")  # what SummaryWriter(purge_step=...) writes
+            # TensorBoard's multiplexer takes a run's first START for a session start, not a restart: a second one
+            # makes it purge whether or not an earlier file of the run had a START.
+            for _ in range(2):
+                self._add(step=purge_step, session_log=pb.SessionLog(status=pb.SessionLog.START))
+        if run_text:
+            self._add(step=0, summary=pb.text_pb(RUN_TEXT_TAG, _run_markdown(run)))
+            hparams = hparams_of(run.config)
+            if hparams:
+                start_s = run.start_time_unix_ns / 1e9
+                self._add(step=0, summary=pb.hparams_pb(hparams, trial_id=run.id, start_time_secs=start_s))
+        self.flush()

@@ -21,6 +21,7 @@ from metricbus.collect import Collector
 from metricbus.delivery import WRITE_TIMEOUT_S
 from metricbus.errors import (
     ClosedError,
+    ConfigError,
     DistributedError,
     JournalError,
     MetricBusWarning,
@@ -31,7 +32,7 @@ from metricbus.errors import (
 from metricbus.options import BusOptions
 from metricbus.partial import Partial, Updates
 from metricbus.ranks import Commit, RankTransport, make_transport
-from metricbus.reduce import StepReducer
+from metricbus.reduce import StepReducer, WorkerStates
 from metricbus.registry import resolve_adapter
 from metricbus.rules import Rules
 from metricbus.shutdown import EXIT_TIMEOUT_S
@@ -65,14 +66,25 @@ class MetricBus:
         queue_timeout_s: float = 10.0,
         write_timeout_s: float = WRITE_TIMEOUT_S,
         exit_timeout_s: float = EXIT_TIMEOUT_S,
+        resume: bool = False,
+        on_open_error: str = "raise",
     ) -> None:
         opts = BusOptions.build(
             adapters=adapters, rules=rules, log_every=log_every, nan=nan, strict=strict, run=run, dist=dist,
             group=group, writer_rank=writer_rank, journal=journal, fsync=fsync, queue_size=queue_size,
             queue_policy=queue_policy, queue_timeout_s=queue_timeout_s, write_timeout_s=write_timeout_s,
-            exit_timeout_s=exit_timeout_s,
+            exit_timeout_s=exit_timeout_s, resume=resume, on_open_error=on_open_error,
         )  # fmt: skip
-        self.run = opts.run or RunInfo()
+        previous = None
+        if opts.journal is not None:
+            from metricbus.resume import previous_run
+
+            run_info, previous = previous_run(opts.journal, resume=opts.resume, run=opts.run)
+        elif opts.resume:
+            raise ConfigError("resume: needs a journal (the run to continue is read from it); pass journal=DIR")
+        else:
+            run_info = opts.run
+        self.run = run_info or RunInfo()
         self._rules = Rules(opts.rules)
         self._table = SpecTable(self._rules)
         self._collector = Collector(table=self._table, nan=opts.nan)
@@ -80,6 +92,8 @@ class MetricBus:
         self._reducer = StepReducer(log_every=opts.log_every)
         self._ingested: list[Partial] = []
         self._last_step: int | None = None
+        self._resumed_after = None if previous is None else previous.last_step  # commit() without a step: next one
+        self._step_workers: list[WorkerStates] = []  # the states committed at the last step (names: see _check_again)
         self._closed = False
         self._lock = shutdown.BusLock()  # commits, ingests, exports and close run one at a time
         self._ranks: RankTransport = make_transport(dist=opts.dist, group=opts.group, writer_rank=opts.writer_rank)
@@ -89,6 +103,7 @@ class MetricBus:
             log_every=opts.log_every, strict=opts.strict, queue_size=opts.queue_size,
             queue_policy=opts.queue_policy, queue_timeout_s=opts.queue_timeout_s,
             write_timeout_s=opts.write_timeout_s, exit_timeout_s=opts.exit_timeout_s,
+            on_open_error=opts.on_open_error, previous=previous if self._ranks.is_writer else None,
         )  # fmt: skip
         if self._sink.durable or self._ranks.collective:
             shutdown.track(id(self), self._close_at_exit)
@@ -241,6 +256,19 @@ class MetricBus:
                 self._collector.restore(updates)
                 self._ingested = ingested + self._ingested
             raise
+        if step == self._last_step:
+            again = _names(exchange.workers) & _names(self._step_workers)
+            if again:  # every rank sees the same states, so every rank raises here, and nothing is lost
+                self._collector.restore(updates)
+                self._ingested = ingested + self._ingested
+                shown = ", ".join(repr(n) for n in sorted(again)[:5]) + (" ..." if len(again) > 5 else "")
+                raise StepError(
+                    f"step {step}: {shown} already committed at this step; a step may hold several commits "
+                    "(training, then evaluation) only with different metric names. The records stay buffered"
+                )
+            self._step_workers = [*self._step_workers, *exchange.workers]
+        else:
+            self._step_workers = list(exchange.workers)
         journal_error = None
         try:
             self._sink.record(step=step, entries=exchange.journal)
@@ -265,13 +293,18 @@ class MetricBus:
 
     def _next_step(self, step: int | None) -> int:
         if step is None:
-            return 0 if self._last_step is None else self._last_step + 1
+            last = self._last_step if self._last_step is not None else self._resumed_after
+            return 0 if last is None else last + 1
         if isinstance(step, bool) or not isinstance(step, int):
             raise StepError(f"commit step must be an int, got {step!r}")
         if not -(2**63) <= step < 2**63:
             raise StepError(f"commit step {step} is out of range; steps are int64 (-2**63 <= step < 2**63)")
-        if self._last_step is not None and step <= self._last_step:
-            raise StepError(f"commit step {step} is not greater than the last step {self._last_step}")
+        if self._last_step is not None and step < self._last_step:
+            raise StepError(
+                f"commit step {step} is less than the last step {self._last_step}; steps never go back within a run "
+                f"(another commit at step {self._last_step} is fine for other metrics; to go back to a checkpoint, "
+                "build a new bus with resume=True)"
+            )
         return step
 
     # -- flushing and closing ----------------------------------------------------------------------------------
@@ -370,6 +403,11 @@ class MetricBus:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close(status="failed" if exc_type is not None else "finished")
+
+
+def _names(workers: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The metric names in these workers' states."""
+    return {name for states in workers for name in states}
 
 
 def _rejected(errors: Mapping[str, MetricValueError], *, what: str, kept: str) -> MetricValueError:

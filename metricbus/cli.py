@@ -1,9 +1,12 @@
 """The ``metricbus`` command: replay, sync, show and inspect journals.
 
-Errors (a missing or foreign journal, a newer format, a bad rule or adapter) print one line on stderr and exit 2;
+Each command ends with a one-line summary on stdout (``show``: the table itself). Errors (a missing or foreign
+journal, a newer format, a bad rule or adapter, a selection that matches nothing, a config that still holds a
+``{placeholder}``) print one line on stderr, saying what exists or is valid, and exit 2 before anything is created;
 a backend that fails while receiving steps prints one line and exits 1. Warnings (a torn record) are one line each.
 Progress (replay: a bar; sync: steps sent, rate, ETA) goes to stderr only when it is a terminal. Ctrl-C stops
-cleanly: sync flushes and acknowledges what it wrote, prints one ``interrupted: ...`` line and exits 130.
+cleanly: sync flushes and acknowledges what it wrote, prints one ``interrupted: ...`` line and exits 130. A reader
+that stops early (``metricbus show J | head``) is not an error: no message, exit 0.
 """
 
 from __future__ import annotations
@@ -11,14 +14,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
+import re
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from fnmatch import fnmatchcase
 from typing import Any, TextIO
 
+from metricbus._version import __version__
 from metricbus.errors import MetricBusError
 from metricbus.journal import Journal, JournalWarning, read_journal
 from metricbus.replay import (
@@ -51,25 +57,113 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
+_TOP_EPILOG = """\
+examples:
+  metricbus inspect runs/ppo/journal
+  metricbus show runs/ppo/journal --metric 'actor/*' --last 5
+  metricbus replay runs/ppo/journal --to jsonl --rule 'actor/*=micro:sum,rank:mean'
+  metricbus sync runs/ppo/journal --config my.yaml
+
+'metricbus COMMAND --help' describes a command. Exit codes: 0 done, 2 a usage or input error,
+1 a backend failed, 130 interrupted.
+"""
+
+_REPLAY_EPILOG = """\
+rules (--rule PATTERN=SPEC; repeatable, the first matching rule wins):
+  PATTERN  a metric name or an fnmatch pattern: 'loss', 'actor/*'
+  SPEC     one kind                    sum
+           several kinds               mean,max              (emits NAME/mean and NAME/max)
+           a kind per level            micro:sum,rank:mean   (levels: {levels})
+           a nan policy too            micro:sum,nan:ignore  (nan: {nan})
+  kinds:   {kinds}
+  example: --rule 'actor/*=micro:sum,rank:mean'
+
+adapters (--to ADAPTER; repeatable):
+  NAME or NAME:VALUE, e.g. jsonl:out.jsonl, tensorboard:runs/x, mlflow:sqlite:///m.db, console
+  jsonl alone writes runs/<project>/<run id>/metrics.jsonl
+
+steps (--steps): A:B (half-open, like a slice), A:, :B, or one step A
+
+examples:
+  metricbus replay runs/ppo/journal --to jsonl
+  metricbus replay runs/ppo/journal --to jsonl:fixed.jsonl --rule 'actor/*=micro:sum,rank:mean' --steps 100:
+"""
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
-    top = _Parser(prog="metricbus", description="Replay, sync, show and inspect metricbus journals.")
-    sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    rp = sub.add_parser("replay", help="replay a journal into adapters (same reduction code as live)")
-    rp.add_argument("journal")
+    from metricbus.kinds import KIND_NAMES
+    from metricbus.spec import LEVELS, NAN_POLICIES
+
+    raw = argparse.RawDescriptionHelpFormatter
+    top = _Parser(prog="metricbus", description="Replay, sync, show and inspect metricbus journals.",
+                  epilog=_TOP_EPILOG, formatter_class=raw)
+    top.add_argument("--version", action="version", version=f"metricbus {__version__}")
+    sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser, title="commands",
+                             metavar="COMMAND")
+
+    def command(name: str, summary: str, **kwargs: Any) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=summary[0].upper()
+                                                         + summary[1:] + ".", formatter_class=raw, **kwargs)
+        parser.add_argument("journal", help="the journal folder")
+        return parser
+
+    epilog = _REPLAY_EPILOG.format(levels=", ".join(LEVELS), nan=", ".join(NAN_POLICIES), kinds=", ".join(KIND_NAMES))
+    rp = command("replay", "re-send a journal's steps to adapters (the live reduction code; --rule re-aggregates)",
+                 epilog=epilog)
     rp.add_argument("--config", help="config file whose adapters receive the replay")
-    rp.add_argument("--to", action="append", default=[], metavar="ADAPTER", help="a name or URI, e.g. jsonl:out.jsonl")
-    rp.add_argument("--rule", action="append", default=[], metavar="PATTERN=SPEC", help="re-aggregate; first wins")
-    rp.add_argument("--steps", help="emit only steps A:B (half-open; A: or :B); every commit is still reduced")
-    sp = sub.add_parser("sync", help="send each adapter the steps it has not acknowledged")
-    sp.add_argument("journal")
+    rp.add_argument("--to", action="append", default=[], metavar="ADAPTER",
+                    help="an adapter NAME or NAME:VALUE, e.g. jsonl or jsonl:out.jsonl (see below)")
+    rp.add_argument("--rule", action="append", default=[], metavar="PATTERN=SPEC",
+                    help="re-aggregate matching metrics, e.g. 'actor/*=micro:sum,rank:mean' (see below)")
+    rp.add_argument("--steps", metavar="A:B", help="emit only steps A:B (half-open; A: or :B); every commit is "
+                    "still reduced")
+    sp = command("sync", "send each adapter the steps it has not acknowledged yet")
     sp.add_argument("--config", help="config file with the adapters (default $METRICBUS_CONFIG)")
-    sh = sub.add_parser("show", help="reduced values as a table")
-    sh.add_argument("journal")
-    sh.add_argument("--metric", action="append", default=[], metavar="PATTERN")
-    sh.add_argument("--last", type=int, metavar="N", help="only the last N emitted steps")
-    ip = sub.add_parser("inspect", help="run metadata, ranks, steps, metrics and specs")
-    ip.add_argument("journal")
+    sh = command("show", "print the reduced values as a table")
+    sh.add_argument("--metric", action="append", default=[], metavar="PATTERN",
+                    help="only metrics matching this fnmatch pattern (repeatable)")
+    sh.add_argument("--last", type=_at_least_one, metavar="N", help="only the last N emitted steps (N >= 1)")
+    command("inspect", "print run metadata, ranks, steps, metrics and specs")
     return top
+
+
+_PLACEHOLDER = re.compile(r"\{[A-Za-z_][A-Za-z0-9_.-]*\}")
+
+
+def _check_placeholders(config: str | None) -> None:
+    """Refuse a config whose adapters or journal still hold a ``{placeholder}`` (before anything is created).
+
+    examples/demo.yaml writes ``{out}``, which only the example that owns it fills in; taken literally it would
+    make a folder named ``{out}``.
+    """
+    from metricbus.config import ENV_ADAPTERS, load_source
+
+    data, origin = load_source(config)
+    entries: list[tuple[str, Any]] = []
+    adapters = data.get("adapters")
+    if adapters is not None and not os.environ.get(ENV_ADAPTERS, "").strip():  # else the variable replaces them
+        listed = adapters if isinstance(adapters, list) else [adapters]
+        entries += [(f"adapters[{i}]", entry) for i, entry in enumerate(listed)]
+    if "journal" in data:
+        entries.append(("journal", data["journal"]))
+    for where, value in entries:
+        for text in [value] if isinstance(value, str) else value.values() if isinstance(value, Mapping) else []:
+            found = _PLACEHOLDER.search(text) if isinstance(text, str) else None
+            if found is not None:
+                raise _UsageError(
+                    f"{origin}: {where}: {text!r} holds the placeholder {found.group()}, which the metricbus command "
+                    f"does not fill in; write the path itself (in a copy of the config)"
+                )
 
 
 def _adapters(config: str | None, to: Sequence[str]) -> list[Any]:
@@ -78,11 +172,51 @@ def _adapters(config: str | None, to: Sequence[str]) -> list[Any]:
 
     out: list[Any] = []
     if config is not None or not to:
+        _check_placeholders(config)
         out.extend(bus_options(config).get("adapters", []))
-    out.extend(make_adapter(spec) for spec in to)
+    for spec in to:
+        try:
+            out.append(make_adapter(spec))
+        except (MetricBusError, TypeError, ValueError) as exc:
+            raise _UsageError(f"--to {spec!r}: {exc}") from exc
     if not out:
         raise _UsageError("no adapters: give --to ADAPTER or a --config with adapters")
     return out
+
+
+class _Tally:
+    """An adapter that only notes the steps a replay sends, for its summary line."""
+
+    name = "tally"
+
+    def __init__(self) -> None:
+        self.steps: set[int] = set()
+
+    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
+        self.steps.add(step)
+
+    def open(self, *, run: Any) -> None: ...
+    def flush(self) -> None: ...
+    def close(self, *, status: str) -> None: ...
+
+
+def _label(adapter: Any) -> str:
+    """The adapter's name, and where it wrote when it says so (its optional ``identity``)."""
+    name = str(getattr(adapter, "name", type(adapter).__name__))
+    try:
+        identity = getattr(adapter, "identity", None)
+    except Exception:  # an optional verb: a failing one only costs the detail
+        identity = None
+    if isinstance(identity, Mapping) and identity:
+        return f"{name} ({', '.join(str(v) for v in identity.values())})"
+    return name
+
+
+def _span(steps: Iterable[int]) -> str:
+    ordered = sorted(set(steps))
+    if not ordered:
+        return "no steps"
+    return f"step {ordered[0]}" if len(ordered) == 1 else f"steps {ordered[0]}..{ordered[-1]}"
 
 
 def _progress(stream: TextIO) -> Progress | None:
@@ -154,26 +288,52 @@ def _fmt(value: float) -> str:
     return f"{value:.6g}"
 
 
-def _table(rows: list[list[str]]) -> str:
+def _natural(name: str) -> tuple[tuple[int | str, ...], str]:
+    """Sort key putting ``m/2`` before ``m/10``: digit runs compare as numbers (``re.split`` puts them at odd
+    positions, so equal positions always hold equal types)."""
+    parts = re.split(r"(\d+)", name)
+    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name
+
+
+def _table(rows: list[list[str]]) -> Iterator[str]:
+    """The aligned lines of ``rows``, each ending in a newline (written one by one: a reader may stop early)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        for r in rows
-    ]
-    return "\n".join(line.rstrip() for line in lines)
+    for r in rows:
+        line = "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        yield line.rstrip() + "\n"
+
+
+def _by_step(points: Iterable[tuple[int, dict[str, float]]]) -> dict[int, dict[str, float]]:
+    """One row per step: two writes at one step (training, then evaluation) merge; a step lower than the last
+    one (a resumed run went back to a checkpoint) replaces every row from there on, as a backend's rewind does."""
+    rows: dict[int, dict[str, float]] = {}
+    last: int | None = None
+    for step, metrics in points:
+        if last is not None and step < last:
+            for stale in [s for s in rows if s >= step]:
+                del rows[stale]
+        rows.setdefault(step, {}).update(metrics)
+        last = step
+    return rows
 
 
 def _show(journal: Journal, patterns: Sequence[str], last: int | None, out: TextIO) -> None:
-    points = list(emitted(journal))
-    if last is not None:
-        points = points[-last:] if last > 0 else []
-    names = sorted({n for _, m in points for n in m if not patterns or any(fnmatchcase(n, p) for p in patterns)})
+    rows = _by_step(emitted(journal))
+    if not rows:
+        raise _UsageError(f"no emitted steps to show: the journal has {len(journal.commits)} commits")
+    every = sorted({n for m in rows.values() for n in m}, key=_natural)
+    for pattern in patterns:
+        if not any(fnmatchcase(n, pattern) for n in every):
+            few = ", ".join(every[:8]) + (f", ... ({len(every)} in all)" if len(every) > 8 else "")
+            raise _UsageError(f"--metric {pattern!r} matches no metric; the journal has {few}")
+    steps = list(rows)[-last:] if last is not None else list(rows)
+    names = [n for n in every if any(n in rows[s] for s in steps) and
+             (not patterns or any(fnmatchcase(n, p) for p in patterns))]
     if not names:
-        out.write("no values\n")
-        return
-    rows = [["step", *names]]
-    rows += [[str(step), *(_fmt(m[n]) if n in m else "-" for n in names)] for step, m in points]
-    out.write(_table(rows) + "\n")
+        raise _UsageError(f"no values of {', '.join(map(repr, patterns))} in the last {last} steps ({_span(steps)})")
+    table = [["step", *names]]
+    table += [[str(step), *(_fmt(rows[step][n]) if n in rows[step] else "-" for n in names)] for step in steps]
+    out.writelines(_table(table))
 
 
 def _inspect(journal: Journal, out: TextIO) -> None:
@@ -202,46 +362,87 @@ def _inspect(journal: Journal, out: TextIO) -> None:
     if journal.rules:
         lines.append("rules")
         lines += [f"  {pattern} = {spec}" for pattern, spec in journal.rules]
-    metrics = journal.metrics()
+    known = journal.metrics()
+    metrics = {n: known[n] for n in sorted(known, key=_natural)}
     lines.append(f"metrics     {len(metrics)}")
     out.write("\n".join(lines) + "\n")
     if metrics:
-        out.write(_table([["  name", "spec"], *[[f"  {n}", str(s)] for n, s in metrics.items()]]) + "\n")
+        out.writelines(_table([["  name", "spec"], *[[f"  {n}", str(s)] for n, s in metrics.items()]]))
+
+
+def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
+    rules = [parse_rule(r) for r in args.rule]
+    steps = parse_steps(args.steps) if args.steps else None
+    journal = read_journal(args.journal)
+    commits = [step for step, _ in journal.commits]
+    if not commits:
+        raise _UsageError("no emitted steps: the journal has no commits")
+    where = f" in {args.steps}" if args.steps else ""
+    has = f"the journal has steps {min(commits)}..{max(commits)}"
+    if steps is not None and not any(step in steps for step in commits):  # checked before any adapter is made
+        raise _UsageError(f"no emitted steps{where} ({has})")
+    adapters = _adapters(args.config, args.to)
+    tally = _Tally()
+    try:
+        replay(journal, [*adapters, tally], rules=rules, steps=steps, progress=_progress(err))
+    except BrokenPipeError:
+        raise
+    except Exception as exc:
+        raise _BackendError(f"{type(exc).__name__}: {exc}") from exc
+    if not tally.steps:  # commits in range, but none ends a log_every window there
+        raise _UsageError(f"no emitted steps{where} ({has}; a step is emitted every {journal.log_every} commits)")
+    sent = len(tally.steps)
+    out.write(f"replayed {sent} step{'s' * (sent != 1)} ({_span(tally.steps)}) to "
+              f"{', '.join(_label(a) for a in adapters)}\n")
+
+
+def _sync(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    journal = read_journal(args.journal)
+    adapters = _adapters(args.config, ())
+    progress = _sync_progress(err)
+    stop = threading.Event()
+    try:
+        with _first_sigint_sets(stop):
+            sent = sync(journal, adapters, progress=progress, stop=stop)
+    except SyncInterrupted as stopped:
+        err.write(("\n" if progress is not None else "") + _interrupted(stopped.sent) + "\n")
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # a second Ctrl-C while closing the adapters
+        err.write("interrupted; run sync again to resume\n")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        raise
+    except Exception as exc:
+        raise _BackendError(f"{type(exc).__name__}: {exc} (cursors keep the acknowledged steps)") from exc
+    for label, count in sent.items():
+        out.write(f"{label}: sent {count} steps\n")
+    if len(sent) > 1:
+        out.write(f"sync: sent {sum(sent.values())} steps to {len(sent)} adapters\n")
+    return 0
 
 
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.command == "replay":
-        rules = [parse_rule(r) for r in args.rule]
-        steps = parse_steps(args.steps) if args.steps else None
-        journal = read_journal(args.journal)
-        adapters = _adapters(args.config, args.to)
-        try:
-            replay(journal, adapters, rules=rules, steps=steps, progress=_progress(err))
-        except Exception as exc:
-            raise _BackendError(f"{type(exc).__name__}: {exc}") from exc
+        _replay(args, out, err)
     elif args.command == "sync":
-        journal = read_journal(args.journal)
-        adapters = _adapters(args.config, ())
-        progress = _sync_progress(err)
-        stop = threading.Event()
-        try:
-            with _first_sigint_sets(stop):
-                sent = sync(journal, adapters, progress=progress, stop=stop)
-        except SyncInterrupted as stop:
-            err.write(("\n" if progress is not None else "") + _interrupted(stop.sent) + "\n")
-            return EXIT_INTERRUPTED
-        except KeyboardInterrupt:  # a second Ctrl-C while closing the adapters
-            err.write("interrupted; run sync again to resume\n")
-            return EXIT_INTERRUPTED
-        except Exception as exc:
-            raise _BackendError(f"{type(exc).__name__}: {exc} (cursors keep the acknowledged steps)") from exc
-        for label, count in sent.items():
-            out.write(f"{label}: sent {count} steps\n")
+        return _sync(args, out, err)
     elif args.command == "show":
         _show(read_journal(args.journal), args.metric, args.last, out)
     else:
         _inspect(read_journal(args.journal), out)
     return 0
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe (``metricbus show J | head``): point stdout at devnull, as Python's docs on SIGPIPE
+    recommend, so the flush at exit cannot fail again and print ``Exception ignored ... BrokenPipeError``."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture): nothing flushes at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -258,7 +459,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("always", JournalWarning)
             warnings.showwarning = warn_line
-            return _run(args, out, err)
+            code = _run(args, out, err)
+        out.flush()  # here, so a closed pipe is seen inside this try and not at exit
+        return code
+    except BrokenPipeError:  # the reader stopped early (| head): what it read is all it wanted
+        _quiet_stdout()
+        return 0
     except (_UsageError, MetricBusError, OSError) as exc:
         err.write(f"metricbus: error: {exc}\n")
         return EXIT_ERROR
@@ -268,5 +474,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # outside sync's loop (reading the journal, a second Ctrl-C): nothing half-done
         err.write("metricbus: interrupted\n")
         return EXIT_INTERRUPTED
-    except SystemExit as exc:  # --help
+    except SystemExit as exc:  # --help, --version
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_ERROR

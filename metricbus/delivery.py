@@ -45,15 +45,17 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from metricbus.adapter import Adapter, RunInfo, Status
-from metricbus.delivery_worker import WAIT_SLICE_S, Worker, _Step, _Stop, _Sync
+from metricbus.delivery_worker import WAIT_SLICE_S, Worker, _Resume, _Step, _Stop, _Sync
 from metricbus.errors import AdapterError
 
 logger = logging.getLogger("metricbus.delivery")
 REPORT_EVERY_S = 60.0
 QUEUE_POLICIES = ("block", "drop")
 WRITE_TIMEOUT_S = 30.0  # an adapter call running longer than this stops the adapter (see the module docstring)
+OPEN_ERROR_POLICIES = ("raise", "warn")
 OnDelivered = Callable[[int, Adapter, int], None]
 OnGap = Callable[[int, Adapter, int, str], None]
+OnOpened = Callable[[int, Adapter], None]
 
 
 def check_queue_options(*, queue_size: object, queue_policy: object, queue_timeout_s: object) -> None:
@@ -64,6 +66,16 @@ def check_queue_options(*, queue_size: object, queue_policy: object, queue_timeo
         raise ValueError(f"unknown queue_policy {queue_policy!r}; use one of {', '.join(QUEUE_POLICIES)}")
     if isinstance(queue_timeout_s, bool) or not isinstance(queue_timeout_s, (int, float)) or queue_timeout_s < 0:
         raise ValueError(f"queue_timeout_s must be a number >= 0, got {queue_timeout_s!r}")
+
+
+def check_open_error(value: object) -> str:
+    """``value`` if it is a valid ``on_open_error`` policy, else a ValueError saying what is valid."""
+    if value not in OPEN_ERROR_POLICIES:
+        raise ValueError(
+            f"on_open_error must be 'raise' (an adapter that cannot open fails the bus's construction) or 'warn' "
+            f"(log it and train without that adapter; the journal keeps its steps for `metricbus sync`), got {value!r}"
+        )
+    return str(value)
 
 
 def check_seconds(option: str, value: object) -> float:
@@ -113,6 +125,9 @@ class Delivery:
         write_timeout_s: float = WRITE_TIMEOUT_S,
         on_delivered: OnDelivered | None = None,
         on_gap: OnGap | None = None,
+        on_opened: OnOpened | None = None,
+        on_rewound: OnDelivered | None = None,
+        on_open_error: str = "raise",
         retry_tries: int = 3,
         retry_base_s: float = 0.05,
         retry_cap_s: float = 2.0,
@@ -124,6 +139,9 @@ class Delivery:
         self.write_timeout_s = check_seconds("write_timeout_s", write_timeout_s)
         self.on_delivered = on_delivered
         self.on_gap = on_gap
+        self.on_opened = on_opened  # after an adapter opened (the journal keeps its identity)
+        self.on_rewound = on_rewound  # an adapter's cursor must go back to a step
+        self.on_open_error = check_open_error(on_open_error)
         self.retry_tries = retry_tries
         self.retry_base_s = retry_base_s
         self.retry_cap_s = retry_cap_s
@@ -225,26 +243,54 @@ class Delivery:
     # -- the bus's verbs ---------------------------------------------------------------------------------------
 
     def open(self, *, run: RunInfo) -> None:
-        """Start one thread per adapter; each opens its adapter. A strict bus waits and raises an open failure."""
+        """Start one thread per adapter, each opening its adapter, and wait (up to ``write_timeout_s``) for them.
+
+        An adapter that failed to open, or did not open in time, raises :class:`~metricbus.errors.AdapterError`
+        naming it, the reason and the fix (every adapter is closed first), unless ``on_open_error="warn"``: then
+        it is reported and left out, and the journal keeps its steps for ``metricbus sync``.
+        """
         if self._started:
             raise RuntimeError("Delivery.open() called twice")
         self._started = True
         self.run = run
         for worker in self._workers:
             worker.thread.start()
-        if not self.strict:
-            return  # writes queue behind the open; a failed open is reported from the adapter's thread
         deadline = time.monotonic() + self.write_timeout_s + WAIT_SLICE_S
         for worker in self._workers:
             while not worker.opened.wait(WAIT_SLICE_S) and time.monotonic() < deadline:
                 pass
             self._watch(worker, time.monotonic())
-        if any(w.open_error is not None for w in self._workers):
-            with self._lock:
-                first = self._errors.pop(0) if self._errors else None
-            self.close(status="failed", timeout_s=self._timeout_s, check=False)
-            if first is not None:
-                raise first
+        failed = [w for w in self._workers if w.open_error is not None or (w.dead and not w.opened.is_set())]
+        if not failed or self.on_open_error == "warn":
+            return
+        with self._lock:
+            self._errors.clear()
+        self.close(status="failed", timeout_s=self._timeout_s, check=False)
+        worker = failed[0]
+        exc = worker.open_error
+        why = f"{type(exc).__name__}: {exc}" if exc is not None else str(worker.stopped)
+        raise AdapterError(
+            f"adapter {worker.label!r} could not open ({why}). Fix the cause, remove the adapter, or pass "
+            "on_open_error='warn' to train without it (the journal keeps its steps for `metricbus sync`)"
+        ) from exc
+
+    def resume(self, index: int, *, rewind: int | None, steps: Sequence[tuple[int, Mapping[str, float]]]) -> None:
+        """A resumed run's first delivery to adapter ``index``: rewind its backend to ``rewind`` (None: no rewind),
+        then write ``steps`` (what it missed), ahead of every step submitted later; one queue item whatever its size.
+        """
+        worker = self._workers[index]
+        if worker.stopped is not None:
+            worker.released += len(steps)
+            return
+        item = _Resume(rewind, tuple(_Step(s, MappingProxyType(dict(m))) for s, m in steps))
+        worker.submitted += len(steps)
+        if not worker.put(item, deadline=time.monotonic() + self._timeout_s, even_degraded=True):
+            worker.dropped += len(steps)
+
+    @property
+    def adapters(self) -> list[Adapter]:
+        """The adapters, in order (index = position)."""
+        return [w.adapter for w in self._workers]
 
     def submit(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Enqueue one emitted step for every adapter (a read-only copy of ``metrics``, shared)."""

@@ -39,7 +39,15 @@ class _Sync:
     done: threading.Event  # set once everything queued before it is written, flushed and acknowledged
 
 
-_Item = _Step | _Stop | _Sync
+@dataclass(frozen=True, slots=True)
+class _Resume:
+    """A resumed run's first delivery: ``rewind`` (None: none) the backend to a step, then write ``steps``."""
+
+    rewind: int | None
+    steps: tuple[_Step, ...]
+
+
+_Item = _Step | _Stop | _Sync | _Resume
 
 
 class Worker:
@@ -98,7 +106,10 @@ class Worker:
             self._fail("open", None, exc, kind="open")
         finally:
             self.busy_since = None
-            self.opened.set()
+        if self.open_error is None and self.delivery.on_opened is not None:
+            on_opened = self.delivery.on_opened
+            self._call("on_opened", lambda: on_opened(self.index, self.adapter))
+        self.opened.set()
         status: Status = "failed"
         while (item := self._next()) is not None:
             if isinstance(item, _Stop):
@@ -107,6 +118,8 @@ class Worker:
             if isinstance(item, _Sync):
                 self._flush()
                 item.done.set()
+            elif isinstance(item, _Resume):
+                self._resume(item)
             elif self.stopped is not None or self.abandon.is_set():
                 self.lost += 1
             else:
@@ -136,8 +149,33 @@ class Worker:
         self.busy_verb = verb
         self.busy_since = time.monotonic()
 
+    def _resume(self, item: _Resume) -> None:
+        """Rewind the backend (if it has the optional verb), then write the steps it missed, in order."""
+        if self.stopped is not None or self.abandon.is_set():
+            self.lost += len(item.steps)
+            return
+        rewind = getattr(self.adapter, "rewind", None)
+        if item.rewind is not None and callable(rewind):
+            step = item.rewind
+            self._call("rewind", lambda: rewind(step=step))
+        for step_item in item.steps:
+            if self.stopped is not None or self.abandon.is_set():
+                self.lost += 1
+                continue
+            self._deliver(step_item)
+            if self.unacked_count >= FLUSH_EVERY_STEPS:
+                self._flush()
+
     def _deliver(self, item: _Step) -> None:
         d = self.delivery
+        if self.acked is not None and item.step <= self.acked:
+            # A second commit at an acknowledged step: its cursor covers whole steps, so it goes back one step
+            # until this part is durable too (a crash in between sends the whole step again).
+            on_rewound = d.on_rewound
+            self.acked = item.step - 1
+            if on_rewound is not None:
+                back = item.step - 1
+                self._call("on_rewound", lambda: on_rewound(self.index, self.adapter, back))
         tries = 0
         while True:
             try:

@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Any, TypeAlias
 
 from metricbus.adapter import Adapter, RunInfo
-from metricbus.delivery import WRITE_TIMEOUT_S, check_queue_options, check_seconds
+from metricbus.delivery import WRITE_TIMEOUT_S, check_open_error, check_queue_options, check_seconds
 from metricbus.errors import ConfigError, SpecError
 from metricbus.rules import Rules
 from metricbus.shutdown import EXIT_TIMEOUT_S
@@ -59,6 +59,8 @@ class BusOptions:
     queue_timeout_s: float = 10.0
     write_timeout_s: float = WRITE_TIMEOUT_S
     exit_timeout_s: float = EXIT_TIMEOUT_S
+    resume: bool = False
+    on_open_error: str = "raise"
 
     @classmethod
     def build(cls, **options: Any) -> BusOptions:
@@ -88,10 +90,17 @@ def _int_at_least(option: str, least: int) -> Callable[[Any], int]:
     return check
 
 
-def _strict(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"strict: must be a bool (True or False), got {value!r}")
-    return value
+def _bool(option: str) -> Callable[[Any], bool]:
+    def check(value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{option}: must be a bool (True or False), got {value!r}")
+        return value
+
+    return check
+
+
+def _on_open_error(value: Any) -> str:
+    return _located("on_open_error", ConfigError, lambda: check_open_error(value))  # type: ignore[no-any-return]
 
 
 def _dist(value: Any) -> str | None:
@@ -228,7 +237,7 @@ VALIDATORS: Mapping[str, Callable[[Any], Any]] = MappingProxyType(
         "rules": _rules,
         "log_every": _int_at_least("log_every", 1),
         "nan": _nan,
-        "strict": _strict,
+        "strict": _bool("strict"),
         "run": _run,
         "dist": _dist,
         "group": _group,
@@ -240,6 +249,8 @@ VALIDATORS: Mapping[str, Callable[[Any], Any]] = MappingProxyType(
         "queue_timeout_s": _queue("queue_timeout_s"),
         "write_timeout_s": _seconds("write_timeout_s"),
         "exit_timeout_s": _seconds("exit_timeout_s"),
+        "resume": _bool("resume"),
+        "on_open_error": _on_open_error,
     }
 )
 """Option name -> its check, in MetricBus's signature order."""

@@ -20,7 +20,7 @@ from typing import Any
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.errors import JournalError
 from metricbus.journal import CursorStore, Journal, read_journal
-from metricbus.journal.cursors import resume_adapter
+from metricbus.journal.cursors import identity_of, resume_adapter
 from metricbus.reduce import StepReducer
 from metricbus.spec import Spec, parse_spec_text
 
@@ -85,13 +85,30 @@ def emitted(
     """The ``(step, metrics)`` a live bus would have delivered, recomputed from the journal.
 
     Every commit is reduced, in order, through the live :class:`~metricbus.reduce.StepReducer` (so windows are
-    the live ones); ``steps`` only selects which emitted steps are yielded, never what is reduced.
+    the live ones; a segment's open window is emitted at its last step, as the bus's ``close`` does, before the
+    next segment starts a fresh one); ``steps`` only selects which emitted steps are yielded, never what is
+    reduced. A step may be yielded more than once (several commits at one step, with disjoint names).
     """
+    for step, out, _ in emissions(journal, rules=rules, progress=progress):
+        if steps is None or step in steps:
+            yield step, out
+
+
+def emissions(
+    journal: Journal, *, rules: Sequence[tuple[str, Spec]] = (), progress: Progress | None = None
+) -> Iterator[tuple[int, dict[str, float], bool]]:
+    """:func:`emitted`'s ``(step, metrics)`` with a third item: True for a window closed early (a segment's end)."""
     reducer = StepReducer(log_every=journal.log_every)
     respec = _Respec(rules)
     commits = journal.commits
     last: int | None = None
     for i, (step, partials) in enumerate(commits):
+        if i in journal.breaks:  # a resumed writer starts afresh: the open window ends with its segment
+            if reducer.pending and last is not None:
+                tail = reducer.finish()
+                if tail:
+                    yield last, tail, True
+            reducer = StepReducer(log_every=journal.log_every)
         specs: dict[str, Spec] = {}
         for partial in partials:
             for name, spec, _ in partial.entries:
@@ -100,14 +117,14 @@ def emitted(
         workers = [reducer.worker(p.updates(), specs) for p in partials]
         last = step
         out = reducer.commit(workers, specs)
-        if out and (steps is None or step in steps):
-            yield step, out
+        if out:
+            yield step, out, False
         if progress is not None:
             progress(i + 1, len(commits))
     if reducer.pending and last is not None:
-        out = reducer.finish()
-        if out and (steps is None or last in steps):
-            yield last, out
+        tail = reducer.finish()
+        if tail:
+            yield last, tail, True
 
 
 def record_counts(journal: Journal) -> tuple[int, int]:
@@ -179,6 +196,7 @@ class _Target:
     error: BaseException | None = None
     gaps: set[int] = field(default_factory=set)  # steps the backend rejected live: retried here
     resent: set[int] = field(default_factory=set)  # gaps written, not yet acknowledged
+    identity: dict[str, str] | None = None  # the backend run the live bus (or a last sync) wrote to
 
     def wants(self, step: int) -> bool:
         return self.error is None and (self.cursor is None or step > self.cursor or step in self.gaps)
@@ -195,8 +213,10 @@ def sync(
 ) -> dict[str, int]:
     """Send each adapter the replayed steps after its delivery cursor; returns ``{adapter label: steps sent}``.
 
-    Each adapter is first told its cursor (``resume(after_step=...)``, if it has that optional verb, so it drops
-    steps written but never acknowledged) and opened. A step is acknowledged (the cursor advanced) only after the
+    Each adapter is first told its cursor and the backend run the live bus wrote to (``resume(after_step=...,
+    identity=...)``, if it has that optional verb, so it drops steps written but never acknowledged) and opened
+    with the journal's run, whose ``id`` is the live run's: the steps land in the same backend run, which is then
+    closed as finished. A step is acknowledged (the cursor advanced) only after the
     adapter's ``flush()`` returned: every ``flush_every`` steps, every ``flush_interval_s`` and at the end. So after
     any crash, of the trainer or of a sync, the next sync sends every journaled step once.
 
@@ -210,7 +230,8 @@ def sync(
     names = [str(getattr(a, "name", type(a).__name__)) for a in adapters]
     labels = [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
     targets = [
-        _Target(a, label, store.get(a), gaps=store.gaps(a)) for a, label in zip(adapters, labels, strict=True)
+        _Target(a, label, store.get(a), gaps=store.gaps(a), identity=store.identity(a))
+        for a, label in zip(adapters, labels, strict=True)
     ]
     last = _last_step(journal)
     pending = [t for t in targets if t.cursor is None or t.cursor < last or t.gaps]
@@ -219,6 +240,7 @@ def sync(
         for target in pending:
             if _start(target, journal.run):
                 opened.append(target)
+                store.set_identity(target.adapter, identity_of(target.adapter))
         _send(journal, opened, store=store, progress=progress, flush_every=flush_every,
               flush_interval_s=flush_interval_s, stop=stop)
     except KeyboardInterrupt:
@@ -237,7 +259,7 @@ def sync(
 def _start(target: _Target, run: RunInfo) -> bool:
     """Tell the adapter its cursor and open it; False (the error kept) when either raised."""
     try:
-        resume_adapter(target.adapter, target.cursor)
+        resume_adapter(target.adapter, target.cursor, target.identity)
         target.adapter.open(run=run)
     except Exception as exc:
         target.error = exc

@@ -16,6 +16,7 @@ from typing import Any
 from metricbus import shutdown
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.delivery import Delivery
+from metricbus.journal.reader import Journal
 from metricbus.partial import Partial
 from metricbus.spec import Spec
 
@@ -39,8 +40,11 @@ class Sink:
         queue_timeout_s: float,
         write_timeout_s: float,
         exit_timeout_s: float,
+        on_open_error: str = "raise",
+        previous: Journal | None = None,
     ) -> None:
         self._exit_timeout_s = exit_timeout_s
+        self._previous = previous  # the journal this run resumes, until its first commit
         self._journal: Any = None
         if journal is not None:
             from metricbus.journal import open_journal
@@ -57,16 +61,24 @@ class Sink:
             write_timeout_s=write_timeout_s,
             on_delivered=None if self._journal is None else self._journal.delivered,
             on_gap=None if self._journal is None else self._journal.skipped,
+            on_opened=None if self._journal is None else self._journal.opened,
+            on_rewound=None if self._journal is None else self._journal.rewound,
+            on_open_error=on_open_error,
         )
-        if journal is not None:  # an adapter that keeps unacknowledged data (jsonl) drops it before appending
-            from metricbus.journal.cursors import CursorStore, resume_adapter
+        if self._journal is not None:  # an adapter that keeps unacknowledged data (jsonl) drops it before appending
+            from metricbus.journal.cursors import resume_adapter
 
-            store = CursorStore(journal)
+            store = self._journal.cursors
             for adapter in adapters:
-                cursor = store.get(adapter)
-                if cursor is not None:  # only a file this journal delivered to before: never a stranger's file
-                    resume_adapter(adapter, cursor)
-        self.delivery.open(run=run)
+                cursor, identity = store.get(adapter), store.identity(adapter)
+                if cursor is not None or identity is not None:  # only a backend this journal wrote to before
+                    resume_adapter(adapter, cursor, identity)
+        try:
+            self.delivery.open(run=run)
+        except BaseException:
+            if self._journal is not None:
+                self._journal.close()
+            raise
         self._has_adapters = bool(adapters)
 
     @property
@@ -80,9 +92,28 @@ class Sink:
         return self._journal is not None or self._has_adapters
 
     def record(self, *, step: int, entries: list[tuple[int, Partial]]) -> None:
-        """Journal one commit (every worker's partial this process keeps), before commit() returns."""
+        """Journal one commit (every worker's partial this process keeps), before commit() returns.
+
+        The first commit of a resumed run first tells each adapter what it missed (see :mod:`metricbus.resume`);
+        cursors move back before the commit is journaled, so a crash in between sends steps again, never skips them.
+        """
+        if self._previous is not None:
+            previous, self._previous = self._previous, None
+            self._catch_up(previous, step)
         if self._journal is not None:
             self._journal.append(step=step, entries=entries)
+
+    def _catch_up(self, previous: Journal, step: int) -> None:
+        from metricbus.resume import catch_up
+
+        store = self._journal.cursors
+        adapters = self.delivery.adapters
+        plans = catch_up(previous, step=step, cursors=[store.get(a) for a in adapters])
+        for index, (adapter, plan) in enumerate(zip(adapters, plans, strict=True)):
+            if plan.rewind is not None:
+                store.rewind(adapter, plan.cursor)
+            if plan.rewind is not None or plan.steps:
+                self.delivery.resume(index, rewind=plan.rewind, steps=plan.steps)
 
     def submit(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Hand an emitted step to the adapters (enqueue only)."""

@@ -11,6 +11,8 @@ import pytest
 from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 
 from metricbus.adapter import RunInfo
+from metricbus.errors import ConfigError
+from metricbus.journal import adapter_key
 from metricbus.registry import make_adapter
 
 
@@ -145,3 +147,165 @@ def test_resume_of_a_missing_file_creates_nothing(jsonl_path: Path) -> None:
     """Resuming a file that does not exist yet is a no-op."""
     JsonlAdapter(path=jsonl_path).resume(after_step=3)
     assert not jsonl_path.exists()
+
+
+RUN_ID = "20261203-150237-df2645"
+
+
+def test_default_path_is_a_per_run_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a path the file is runs/<project>/<run id>/metrics.jsonl, decided at open, one per run."""
+    monkeypatch.chdir(tmp_path)
+    first, second = JsonlAdapter(), make_adapter("jsonl")
+    assert isinstance(second, JsonlAdapter)
+    assert first.path is None
+    for adapter, run_id in [(first, RUN_ID), (second, "20261203-150238-000001")]:
+        adapter.open(run=RunInfo(project="ppo", id=run_id))
+        adapter.write(step=0, metrics={"loss": 0.5})
+        adapter.close(status="finished")
+    assert first.path == Path("runs", "ppo", RUN_ID, "metrics.jsonl")
+    assert second.path == Path("runs", "ppo", "20261203-150238-000001", "metrics.jsonl")
+    assert read_jsonl(tmp_path / "runs" / "ppo" / RUN_ID / "metrics.jsonl") == [(0, {"loss": 0.5})]
+    assert read_jsonl(tmp_path / str(second.path)) == [(0, {"loss": 0.5})]
+
+
+@pytest.mark.parametrize("spec", ["jsonl:", "jsonl:  "])
+def test_an_empty_path_is_a_config_error(spec: str) -> None:
+    """'jsonl:' with nothing after it fails at construction, saying what is valid."""
+    with pytest.raises(ConfigError, match=r"path is empty.*'jsonl:out.jsonl'.*'jsonl'"):
+        make_adapter(spec)
+
+
+def test_a_directory_path_is_a_config_error(tmp_path: Path) -> None:
+    """A path that is an existing folder fails at construction, suggesting a file in it."""
+    with pytest.raises(ConfigError, match=r"is a directory; give a file in it.*metrics.jsonl"):
+        JsonlAdapter(path=tmp_path)
+
+
+def test_identity_is_the_absolute_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """identity names the file by its absolute path once it is known (empty before a per-run open)."""
+    monkeypatch.chdir(tmp_path)
+    adapter = JsonlAdapter()
+    assert dict(adapter.identity) == {}
+    adapter.open(run=RunInfo(project="p", id=RUN_ID))
+    assert dict(adapter.identity) == {"path": str(tmp_path / "runs" / "p" / RUN_ID / "metrics.jsonl")}
+    adapter.close(status="finished")
+    assert dict(JsonlAdapter(path="rel/out.jsonl").identity) == {"path": str(tmp_path / "rel" / "out.jsonl")}
+
+
+def test_the_cursor_key_does_not_change_at_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A per-run adapter keeps one delivery cursor: its key is the same before and after open decides the path."""
+    monkeypatch.chdir(tmp_path)
+    adapter = JsonlAdapter()
+    before = adapter_key(adapter)
+    adapter.open(run=RunInfo(id=RUN_ID))
+    assert adapter_key(adapter) == before
+    adapter.close(status="finished")
+    assert adapter_key(JsonlAdapter(path="a.jsonl")) != adapter_key(JsonlAdapter(path="b.jsonl"))
+
+
+def test_resume_with_identity_writes_to_that_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter without a path resumes into the file its identity names (cut after the step), whatever the run."""
+    monkeypatch.chdir(tmp_path)
+    live = JsonlAdapter()
+    _write(live, _lines(range(10)))
+    later = JsonlAdapter()
+    later.resume(after_step=4, identity=live.identity)
+    assert read_jsonl(tmp_path / str(live.path)) == _lines(range(5))
+    later.open(run=RunInfo(project="elsewhere", id=RUN_ID))
+    for step, metrics in _lines(range(5, 12)):
+        later.write(step=step, metrics=metrics)
+    later.close(status="finished")
+    assert later.path == tmp_path / str(live.path)
+    assert read_jsonl(tmp_path / str(live.path)) == _lines(range(12))
+    assert not (tmp_path / "runs" / "elsewhere").exists()
+
+
+def test_resume_without_identity_cuts_the_per_run_file_at_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a path or identity the cut waits for open(), which names the run's file from its id."""
+    monkeypatch.chdir(tmp_path)
+    run = RunInfo(project="p", id=RUN_ID)
+    first = JsonlAdapter()
+    first.open(run=run)
+    for step, metrics in _lines(range(8)):
+        first.write(step=step, metrics=metrics)
+    first.close(status="failed")
+    again = JsonlAdapter()
+    again.resume(after_step=2)
+    assert len(read_jsonl(tmp_path / str(first.path))) == 8  # nothing cut before the file is known
+    again.open(run=run)
+    again.close(status="finished")
+    assert read_jsonl(tmp_path / str(first.path)) == _lines(range(3))
+
+
+def test_a_given_path_wins_over_identity(tmp_path: Path) -> None:
+    """resume's identity does not redirect an adapter that was given its path."""
+    mine, other = tmp_path / "mine.jsonl", tmp_path / "other.jsonl"
+    _write(JsonlAdapter(path=mine), _lines(range(5)))
+    _write(JsonlAdapter(path=other), _lines(range(5)))
+    adapter = JsonlAdapter(path=mine)
+    adapter.resume(after_step=1, identity={"path": str(other)})
+    assert adapter.path == mine
+    assert read_jsonl(mine) == _lines(range(2))
+    assert read_jsonl(other) == _lines(range(5))
+
+
+def test_rewind_cuts_from_the_step_and_appends_after(jsonl_path: Path) -> None:
+    """rewind(step=S) drops every line of a step >= S; the steps sent again follow the earlier lines."""
+    adapter = JsonlAdapter(path=jsonl_path)
+    adapter.open(run=RunInfo())
+    for step, metrics in _lines(range(10)):
+        adapter.write(step=step, metrics=metrics)
+    adapter.rewind(step=6)
+    assert read_jsonl(jsonl_path) == _lines(range(6))
+    redone = [(step, {"loss": -step / 8}) for step in range(6, 9)]
+    for step, metrics in redone:
+        adapter.write(step=step, metrics=metrics)
+    adapter.flush()
+    adapter.close(status="finished")
+    assert read_jsonl(jsonl_path) == _lines(range(6)) + redone
+
+
+def test_rewind_below_every_step_empties_the_file(jsonl_path: Path) -> None:
+    """Rewinding to the first step (or before) leaves an empty file that later writes fill."""
+    adapter = JsonlAdapter(path=jsonl_path)
+    adapter.open(run=RunInfo())
+    for step, metrics in _lines(range(3)):
+        adapter.write(step=step, metrics=metrics)
+    adapter.rewind(step=0)
+    adapter.write(step=0, metrics={"loss": 9.0})
+    adapter.close(status="finished")
+    assert read_jsonl(jsonl_path) == [(0, {"loss": 9.0})]
+
+
+def test_rewind_before_open_raises(jsonl_path: Path) -> None:
+    """rewind() comes between writes; before open() it is an error, not a silent no-op."""
+    with pytest.raises(RuntimeError, match="before open"):
+        JsonlAdapter(path=jsonl_path).rewind(step=3)
+
+
+TRAIN_EVAL = [(3, {"train/loss": 0.5}), (3, {"eval/loss": 0.75}), (4, {"train/loss": 0.25})]
+
+
+def test_two_writes_at_one_step_read_back_as_two_lines(jsonl_path: Path) -> None:
+    """Training then evaluation at one step (disjoint names): both lines, in order."""
+    _write(JsonlAdapter(path=jsonl_path), TRAIN_EVAL)
+    assert read_jsonl(jsonl_path) == TRAIN_EVAL
+
+
+@pytest.mark.parametrize(("step", "kept"), [(4, 2), (3, 0)])
+def test_rewind_keeps_or_drops_both_lines_of_a_step(jsonl_path: Path, step: int, kept: int) -> None:
+    """Both lines of an earlier step survive a rewind past it; rewinding to that step drops both."""
+    adapter = JsonlAdapter(path=jsonl_path)
+    adapter.open(run=RunInfo())
+    for at, metrics in TRAIN_EVAL:
+        adapter.write(step=at, metrics=metrics)
+    adapter.rewind(step=step)
+    adapter.close(status="finished")
+    assert read_jsonl(jsonl_path) == TRAIN_EVAL[:kept]
+
+
+def test_resume_keeps_both_lines_of_the_acknowledged_step(jsonl_path: Path) -> None:
+    """Cutting after an acknowledged step keeps every line of that step."""
+    _write(JsonlAdapter(path=jsonl_path), TRAIN_EVAL)
+    JsonlAdapter(path=jsonl_path).resume(after_step=3)
+    assert read_jsonl(jsonl_path) == TRAIN_EVAL[:2]

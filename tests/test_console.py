@@ -9,6 +9,9 @@ import pytest
 from metricbus.adapters.console import ConsoleAdapter, format_value
 
 from metricbus import MetricBus, RunInfo
+from metricbus.config import bus_options
+from metricbus.errors import ConfigError
+from metricbus.registry import make_adapter
 
 
 def run_console(steps: list[dict[str, float]], **options: object) -> list[str]:
@@ -59,3 +62,23 @@ def test_default_stream_is_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     adapter = ConsoleAdapter()
     adapter.write(step=3, metrics={"x": 1.5})
     assert "step      3 | x 1.5000" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("max_metrics", [0, -1, 2.5, "3", True, None])
+def test_a_bad_max_metrics_is_a_config_error_at_construction(max_metrics: object) -> None:
+    """max_metrics must be an int >= 1; anything else fails when the adapter is built, naming the option."""
+    with pytest.raises(ConfigError, match=r"console: max_metrics must be an int >= 1.*got"):
+        ConsoleAdapter(max_metrics=max_metrics)  # type: ignore[arg-type]
+
+
+def test_a_stream_without_write_is_a_config_error() -> None:
+    """'console:x' would set the stream to a string: refused, with how to set max_metrics instead."""
+    with pytest.raises(ConfigError, match=r"stream must be a text stream.*max_metrics"):
+        make_adapter("console:x")
+
+
+def test_a_config_names_the_bad_console_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a config the error also says which adapter entry it is."""
+    monkeypatch.delenv("METRICBUS_ADAPTERS", raising=False)
+    with pytest.raises(ConfigError, match=r"adapters\[0\].*max_metrics"):
+        bus_options({"adapters": [{"type": "console", "max_metrics": 0}]})

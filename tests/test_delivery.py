@@ -276,10 +276,10 @@ def test_close_timeout_reports_what_did_not_drain(caplog: pytest.LogCaptureFixtu
 
 
 def test_open_failure_is_reported_and_others_go_on(caplog: pytest.LogCaptureFixture) -> None:
-    """An adapter whose open raises gets no writes; it is reported and the others receive every step."""
+    """With on_open_error="warn", an adapter whose open raises gets no writes; it is reported, the others go on."""
     bad, mem = NoOpen(), MemoryAdapter()
     with caplog.at_level(logging.ERROR, logger="metricbus.delivery"):
-        bus = _bus(bad, mem)
+        bus = _bus(bad, mem, on_open_error="warn")
         _run(bus, 5)
         bus.close()
     assert bad.rows == []
@@ -287,11 +287,14 @@ def test_open_failure_is_reported_and_others_go_on(caplog: pytest.LogCaptureFixt
     assert any("'noopen' failed in open" in r.getMessage() for r in caplog.records)
 
 
-def test_strict_open_failure_raises_and_closes_the_others() -> None:
-    """On a strict bus an open failure raises from the constructor; the adapters that opened are closed."""
+@pytest.mark.parametrize("strict", [False, True])
+def test_open_failure_raises_and_closes_the_others(strict: bool) -> None:
+    """By default an open failure raises from the constructor, naming the adapter, the reason and the way out;
+    the adapters that opened are closed as failed."""
     mem = MemoryAdapter()
-    with pytest.raises(AdapterError, match="'noopen' failed in open") as info:
-        _bus(NoOpen(), mem, strict=True)
+    expected = "'noopen' could not open .PermissionError: no credentials.*on_open_error='warn'"
+    with pytest.raises(AdapterError, match=expected) as info:
+        _bus(NoOpen(), mem, strict=strict)
     assert isinstance(info.value.__cause__, PermissionError)
     assert mem.status == "failed"
 

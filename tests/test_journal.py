@@ -124,12 +124,18 @@ def test_newer_format_is_refused(tmp_path: Path) -> None:
 
 
 def test_restarted_writer_appends_a_new_segment(tmp_path: Path) -> None:
-    """A second bus on the same journal appends; both runs' commits are read."""
+    """A second bus on the same journal with resume=True appends; both runs' commits are read, one run id."""
     write_run(tmp_path / "j", steps=3)
-    with MetricBus(dist=None, rules=RULES, journal=str(tmp_path / "j")) as bus:
+    first = read_journal(tmp_path / "j").run.id
+    with pytest.raises(JournalError, match="already holds run .*resume=True"):
+        MetricBus(dist=None, rules=RULES, journal=str(tmp_path / "j"))
+    with MetricBus(dist=None, rules=RULES, journal=str(tmp_path / "j"), resume=True) as bus:
+        assert bus.run.id == first
         for step in range(3, 6):
             log_step(bus, step, 0)
             bus.commit(step)
     journal = read_journal(tmp_path / "j")
     assert [s for s, _ in journal.commits] == [0, 1, 2, 3, 4, 5]
     assert len(journal.files[0].headers) == 2
+    assert journal.run.id == first
+    assert journal.breaks == {3}

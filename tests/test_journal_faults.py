@@ -89,7 +89,7 @@ def test_a_second_writer_in_the_same_process_is_refused(tmp_path: Path) -> None:
     with MetricBus(dist=None, journal=str(journal)) as first:
         live = commit_steps(first, range(3))
         with pytest.raises(JournalError) as refused:
-            MetricBus(dist=None, journal=str(journal))
+            MetricBus(dist=None, journal=str(journal), resume=True)
         live |= commit_steps(first, range(3, 6))
     message = str(refused.value)
     assert str(rank_file(journal, 0)) in message
@@ -99,7 +99,7 @@ def test_a_second_writer_in_the_same_process_is_refused(tmp_path: Path) -> None:
     assert [len(f.headers) for f in got.files] == [1]
     assert live == recovered(got) == {step: expected(step) for step in range(6)}
     assert not lock_file(journal, 0).exists()  # removed at close
-    with MetricBus(dist=None, journal=str(journal)) as again:  # and the lock is released
+    with MetricBus(dist=None, journal=str(journal), resume=True) as again:  # and the lock is released
         commit_steps(again, range(6, 7))
 
 
@@ -114,7 +114,7 @@ def test_a_second_writer_in_another_process_is_refused_until_it_dies(tmp_path: P
             assert child.stdout is not None
             assert child.stdout.readline() == "ready\n"
             with pytest.raises(JournalError) as refused:
-                MetricBus(dist=None, journal=str(journal))
+                MetricBus(dist=None, journal=str(journal), resume=True)
         finally:
             child.send_signal(signal.SIGKILL)
             child.wait(timeout=60)
@@ -122,7 +122,7 @@ def test_a_second_writer_in_another_process_is_refused_until_it_dies(tmp_path: P
     assert f"PID {child.pid} " in str(refused.value)
     assert child.returncode == -signal.SIGKILL
     assert json.loads(lock_file(journal, 0).read_text())["pid"] == child.pid  # stale, and it must not block
-    with MetricBus(dist=None, journal=str(journal)) as bus:
+    with MetricBus(dist=None, journal=str(journal), resume=True) as bus:
         live = commit_steps(bus, range(3, 6))
     got, caught = quietly_read(journal)
     assert caught == []

@@ -47,7 +47,7 @@ def test_defaults_are_metricbus_defaults() -> None:
         "adapters": (), "rules": (), "log_every": 1, "nan": "propagate", "strict": False, "run": None,
         "dist": "auto", "group": None, "writer_rank": 0, "journal": None, "fsync": "interval",
         "queue_size": 1024, "queue_policy": "block", "queue_timeout_s": 10.0, "write_timeout_s": 30.0,
-        "exit_timeout_s": 20.0,
+        "exit_timeout_s": 20.0, "resume": False, "on_open_error": "raise",
     }  # fmt: skip
 
 

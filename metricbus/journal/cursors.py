@@ -8,9 +8,12 @@ what it holds after that step, so the steps sent again are not duplicated.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import threading
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,52 +46,116 @@ def adapter_key(adapter: Any) -> str:
     return f"{safe}-{zlib.crc32(ident.encode()):08x}"
 
 
-def resume_adapter(adapter: Any, after_step: int | None) -> None:
-    """Call ``adapter.resume(after_step=...)`` if the adapter has that optional verb (before its ``open()``)."""
+def resume_adapter(adapter: Any, after_step: int | None, identity: Mapping[str, str] | None = None) -> None:
+    """Call ``adapter.resume(after_step=..., identity=...)`` if the adapter has that optional verb (before ``open()``).
+
+    ``identity`` is passed only to a ``resume`` that has an ``identity`` parameter (adapters written before it
+    existed take ``after_step`` alone).
+    """
     resume = getattr(adapter, "resume", None)
-    if callable(resume):
+    if not callable(resume):
+        return
+    if identity is not None and _takes_identity(resume):
+        resume(after_step=after_step, identity=dict(identity))
+    else:
         resume(after_step=after_step)
 
 
+def _takes_identity(fn: Any) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "identity" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def identity_of(adapter: Any) -> dict[str, str] | None:
+    """The adapter's optional ``identity`` (what names its backend run) as a plain dict, or None."""
+    value = getattr(adapter, "identity", None)
+    if callable(value):
+        value = value()
+    if not isinstance(value, Mapping):
+        return None
+    return {str(k): str(v) for k, v in value.items()}
+
+
 class CursorStore:
-    """Per adapter, the last step its backend acknowledged, in ``<journal>/cursors/<key>.json``."""
+    """Per adapter, the last step its backend acknowledged and its backend run, in ``<journal>/cursors/<key>.json``.
+
+    The record is ``{"adapter": name, "key": key, "step": int | null, "identity": {...} | null}``.
+    """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory) / "cursors"
-        self._last: dict[str, int] = {}
+        self._last: dict[str, int | None] = {}
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
 
+    def _record(self, adapter: Any) -> dict[str, Any]:
+        try:
+            data = json.loads(self._path(adapter_key(adapter)).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
     def get(self, adapter: Any) -> int | None:
         """The last acknowledged step of ``adapter`` (None: nothing yet)."""
         try:
-            data = json.loads(self._path(adapter_key(adapter)).read_text(encoding="utf-8"))
-            return int(data["step"])
-        except (OSError, ValueError, KeyError, TypeError):
+            step = self._record(adapter).get("step")
+            return None if step is None else int(step)
+        except (ValueError, TypeError):
             return None
 
+    def identity(self, adapter: Any) -> dict[str, str] | None:
+        """What ``adapter``'s ``identity`` said after its last open (None: never recorded)."""
+        value = self._record(adapter).get("identity")
+        return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else None
+
     def resume(self, adapter: Any) -> int | None:
-        """Tell ``adapter`` its cursor (see :func:`resume_adapter`) before it is opened; returns the cursor."""
+        """Tell ``adapter`` its cursor and identity (:func:`resume_adapter`) before it is opened; returns the cursor."""
         cursor = self.get(adapter)
-        resume_adapter(adapter, cursor)
+        resume_adapter(adapter, cursor, self.identity(adapter))
         return cursor
 
-    def advance(self, adapter: Any, step: int) -> None:
-        """Record ``step`` as acknowledged (atomically: tmp file + rename); never moves backwards."""
+    def _write(self, adapter: Any, *, step: int | None, identity: Mapping[str, str] | None) -> None:
+        """Replace ``adapter``'s record atomically (tmp file + rename)."""
         key = adapter_key(adapter)
-        last = self._last.get(key)
-        if last is None:
-            last = self.get(adapter)
-        if last is not None and step <= last:
-            return
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self._path(key)
-        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         name = str(getattr(adapter, "name", type(adapter).__name__))
-        tmp.write_text(json.dumps({"adapter": name, "key": key, "step": int(step)}), encoding="utf-8")
+        record = {"adapter": name, "key": key, "step": step, "identity": None if identity is None else dict(identity)}
+        tmp.write_text(json.dumps(record), encoding="utf-8")
         os.replace(tmp, target)
-        self._last[key] = int(step)
+        self._last[key] = step
+
+    def _current(self, adapter: Any) -> int | None:
+        key = adapter_key(adapter)
+        if key not in self._last:
+            self._last[key] = self.get(adapter)
+        return self._last[key]
+
+    def advance(self, adapter: Any, step: int) -> None:
+        """Record ``step`` as acknowledged; never moves backwards (see :meth:`rewind`)."""
+        last = self._current(adapter)
+        if last is not None and step <= last:
+            return
+        self._write(adapter, step=int(step), identity=self.identity(adapter))
+
+    def rewind(self, adapter: Any, step: int | None) -> None:
+        """Move the cursor back to ``step`` (None: nothing acknowledged) if it is past it: the steps after it are
+        about to be sent again (a resume from a checkpoint, or a second commit at an acknowledged step)."""
+        last = self._current(adapter)
+        if last is None or (step is not None and last <= step):
+            return
+        self._write(adapter, step=None if step is None else int(step), identity=self.identity(adapter))
+
+    def set_identity(self, adapter: Any, identity: Mapping[str, str] | None) -> None:
+        """Keep what names ``adapter``'s backend run (after it opened), so a later process opens the same run."""
+        if identity is None or identity == self.identity(adapter):
+            return
+        self._write(adapter, step=self._current(adapter), identity=identity)
 
     def _gaps_path(self, adapter: Any) -> Path:
         return self.directory / f"{adapter_key(adapter)}.gaps.jsonl"

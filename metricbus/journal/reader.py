@@ -4,6 +4,12 @@ Every frame carries a CRC32: a torn or damaged frame is skipped with a :class:`J
 resynchronises on the next valid frame. Of two identical adjacent headers (format 3 writes each twice) one is kept;
 "G" frames (commits a writer failed to journal) are collected in ``Journal.gaps`` and replay skips them.
 
+One timeline. Each header starts a *segment* (a writer: the first run, then each ``resume``). A segment's first
+commit at step ``S`` replaces everything the file held at steps ``>= S`` (a resume from a checkpoint at ``S``), and
+commits of one segment at the same step (training, then evaluation) are kept in order. So ``Journal.commits`` is
+one timeline: steps ``< S`` from before, ``>= S`` from the new segment; ``Journal.breaks`` holds the index of each
+segment's first commit there (a ``log_every`` window never spans two segments: replay emits the open one first).
+
 Files of every format up to ``FORMAT_VERSION`` are read; a newer one is refused with a
 :class:`~metricbus.errors.JournalError` that says to upgrade. In a directory, a rank file that cannot be read at all
 (empty, foreign, no readable header) is skipped with a :class:`JournalWarning` naming it and why, and listed in
@@ -58,15 +64,43 @@ class Gap:
     last_step: int
 
 
+@dataclass(slots=True)
+class FileCommit:
+    """One commit of a rank file: its step, each rank's entries (in order), and whether it starts a segment."""
+
+    step: int
+    ranks: dict[int, list[Entry]]
+    starts_segment: bool
+
+
 @dataclass
 class RankFile:
-    """What one journal file holds: its headers and, per step, the entries of each rank it wrote (in order)."""
+    """What one journal file holds: its headers and its timeline of commits (see the module docstring)."""
 
     path: Path
     headers: list[dict[str, Any]] = field(default_factory=list)
-    steps: dict[int, dict[int, list[Entry]]] = field(default_factory=dict)
+    commits: list[FileCommit] = field(default_factory=list)
     damaged: int = 0
     gaps: list[Gap] = field(default_factory=list)
+
+    def add(self, step: int, ranks: dict[int, list[Entry]], *, new_segment: bool) -> None:
+        """Append a commit; a segment's first commit (or any step going back) drops the commits at steps >= it."""
+        commits = self.commits
+        if commits and (new_segment or step < commits[-1].step):
+            keep = len(commits)
+            while keep and commits[keep - 1].step >= step:
+                keep -= 1
+            if keep < len(commits):
+                del commits[keep:]
+                self.gaps = [g for g in (_clip(g, step) for g in self.gaps) if g is not None]
+        commits.append(FileCommit(step, ranks, new_segment))
+
+
+def _clip(gap: Gap, step: int) -> Gap | None:
+    """``gap`` without its steps ``>= step`` (None: nothing left)."""
+    if gap.first_step >= step:
+        return None
+    return Gap(gap.rank, gap.first_step, min(gap.last_step, step - 1))
 
 
 def _warn(path: Path, what: str) -> None:
@@ -146,6 +180,7 @@ def read_rank_file(path: str | os.PathLike[str]) -> RankFile:
     unknown = 0
     from_tuple = Summary.from_tuple
     previous = b""
+    new_segment = False
     for pos, payload in _frames(path, data, rf):
         kind, body = payload[:1], payload[1:]
         prior, previous = previous, payload
@@ -155,24 +190,24 @@ def read_rank_file(path: str | os.PathLike[str]) -> RankFile:
                     continue  # the second copy of the header just read
                 rf.headers.append(_check_header(path, json.loads(body)))
                 names = {}  # a restarted writer numbers its names afresh
+                new_segment = True
             elif kind == b"N":
                 for ident, name, spec, *_ in json.loads(body):  # later versions may add per-name fields
                     names[int(ident)] = (str(name), spec_from_json(spec))
             elif kind in {b"S", b"R"}:
                 step, rows = unpack_commit(kind, body)
-                ranks = rf.steps.setdefault(step, {})  # a restarted run's later records of a step win
-                seen: set[int] = set()
+                ranks: dict[int, list[Entry]] = {}
                 for rank, ident, fields, rest in rows:
-                    if rank not in seen:
-                        ranks[rank] = []
-                        seen.add(rank)
+                    entries = ranks.get(rank)
+                    if entries is None:
+                        entries = ranks[rank] = []
                     known = names.get(ident)
                     if known is None:
                         unknown += 1
                         continue
-                    ranks[rank].append((known[0], known[1], from_tuple(fields, rest)))
-                if not rows:
-                    ranks.setdefault(-1, [])  # a commit with nothing logged still counts in the window
+                    entries.append((known[0], known[1], from_tuple(fields, rest)))
+                rf.add(step, ranks, new_segment=new_segment)  # a commit with nothing logged still counts
+                new_segment = False
             elif kind == b"G":
                 first, last = GAP.unpack(body)
                 rank = int(rf.headers[-1].get("rank", -1)) if rf.headers else -1
@@ -194,8 +229,9 @@ def read_rank_file(path: str | os.PathLike[str]) -> RankFile:
 class Journal:
     """A whole journal directory: header of the lowest rank, and every commit's partials in rank order.
 
-    ``gaps``: the commits some writer failed to journal (their step may still hold other ranks' partials);
-    ``skipped``: the rank files that could not be read at all, and why.
+    ``commits``: the timeline, in step order (a step may hold several commits); ``breaks``: the indexes in
+    ``commits`` where a segment (a resumed writer) starts; ``gaps``: the commits some writer failed to journal
+    (their step may still hold other ranks' partials); ``skipped``: the rank files that could not be read at all.
     """
 
     directory: Path
@@ -205,6 +241,20 @@ class Journal:
     ranks: list[int]
     gaps: list[Gap] = field(default_factory=list)
     skipped: list[tuple[Path, str]] = field(default_factory=list)
+    breaks: frozenset[int] = frozenset()
+
+    @property
+    def last_step(self) -> int | None:
+        """The step of the last commit of the timeline (None: no commit)."""
+        return self.commits[-1][0] if self.commits else None
+
+    def until(self, step: int) -> Journal:
+        """This journal's timeline before ``step`` (what a resume at ``step`` keeps)."""
+        keep = len(self.commits)
+        while keep and self.commits[keep - 1][0] >= step:
+            keep -= 1
+        return Journal(self.directory, self.header, self.files, self.commits[:keep], self.ranks, self.gaps,
+                       self.skipped, frozenset(i for i in self.breaks if i < keep))
 
     @property
     def run(self) -> RunInfo:
@@ -255,19 +305,22 @@ def read_journal(directory: str | os.PathLike[str]) -> Journal:
         raise JournalError(f"{directory} holds no readable journal file: " + "; ".join(why for _, why in skipped))
     for path, why in skipped:
         warnings.warn(f"journal {path}: skipped, the other ranks are read ({why})", JournalWarning, stacklevel=2)
-    merged: dict[int, dict[int, list[Entry]]] = {}
+    merged: dict[tuple[int, int], dict[int, list[Entry]]] = {}
+    starts: set[tuple[int, int]] = set()
     for rf in files:
-        for step, ranks in rf.steps.items():
-            slot = merged.setdefault(step, {})
-            for rank, entries in ranks.items():
-                slot[rank] = entries
-    all_ranks = sorted({r for ranks in merged.values() for r in ranks if r >= 0})
-    commits = [
-        (step, [Partial(tuple(merged[step][r])) for r in sorted(merged[step]) if r >= 0])
-        for step in sorted(merged)
-    ]
+        seen: dict[int, int] = {}
+        for commit in rf.commits:
+            nth = seen[commit.step] = seen.get(commit.step, -1) + 1  # the n-th commit of this step in this file
+            key = (commit.step, nth)
+            merged.setdefault(key, {}).update(commit.ranks)
+            if commit.starts_segment:
+                starts.add(key)
+    all_ranks = sorted({r for ranks in merged.values() for r in ranks})
+    keys = sorted(merged)
+    commits = [(step, [Partial(tuple(merged[step, nth][r])) for r in sorted(merged[step, nth])]) for step, nth in keys]
+    breaks = frozenset(i for i, key in enumerate(keys) if key in starts and i > 0)
     first = min(files, key=lambda rf: int(rf.headers[0].get("rank", 0)))
-    return Journal(directory, first.headers[-1], files, commits, all_ranks, _merge_gaps(files), skipped)
+    return Journal(directory, first.headers[-1], files, commits, all_ranks, _merge_gaps(files), skipped, breaks)
 
 
 def _merge_gaps(files: list[RankFile]) -> list[Gap]:

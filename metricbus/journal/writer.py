@@ -32,7 +32,7 @@ from typing import Any
 
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError, JournalWarning
-from metricbus.journal.cursors import CursorStore
+from metricbus.journal.cursors import CursorStore, identity_of
 from metricbus.journal.format import (
     CHECKPOINT_BYTES,
     FSYNC_INTERVAL_S,
@@ -83,7 +83,7 @@ class JournalWriter:
         self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
         self._locked = False
         self._last_sync = time.monotonic()
-        self._cursors = CursorStore(self.directory)
+        self.cursors = CursorStore(self.directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -214,11 +214,19 @@ class JournalWriter:
 
     def delivered(self, index: int, adapter: Any, step: int) -> None:
         """Advance ``adapter``'s cursor to ``step`` (called from its delivery thread once the step is durable)."""
-        self._cursors.advance(adapter, step)
+        self.cursors.advance(adapter, step)
 
     def skipped(self, index: int, adapter: Any, step: int, reason: str) -> None:
         """``adapter``'s backend rejected ``step`` for good: keep the gap so a later ``metricbus sync`` retries it."""
-        self._cursors.add_gap(adapter, step, reason)
+        self.cursors.add_gap(adapter, step, reason)
+
+    def opened(self, index: int, adapter: Any) -> None:
+        """Keep what names ``adapter``'s backend run (its optional ``identity``), so a resume or a sync reopens it."""
+        self.cursors.set_identity(adapter, identity_of(adapter))
+
+    def rewound(self, index: int, adapter: Any, step: int) -> None:
+        """``adapter``'s cursor goes back to ``step`` (a second commit at a step it had acknowledged)."""
+        self.cursors.rewind(adapter, step)
 
     def close(self) -> None:
         """Write a pending gap marker (best effort), fsync (unless ``fsync="never"``), close and unlock the file.

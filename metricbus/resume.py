@@ -1,0 +1,87 @@
+"""Resuming a run on its journal: the run it continues, and what each adapter must be told at the first commit.
+
+``MetricBus(journal=..., resume=True)`` reads the journal (:func:`previous_run`): the new writer keeps the run's
+id (so every adapter opens the same backend run), and its first commit, at step ``S``, starts a new segment of the
+journal (see :mod:`metricbus.journal.reader`). At that commit :func:`catch_up` decides, per adapter, from its
+delivery cursor ``c``:
+
+* ``S`` at or below the last journaled step (a resume from an earlier checkpoint): the backend holds steps that
+  the new segment replaces. Let ``R`` be ``S``, or the step of the old segment's last, unfinished window if that is
+  earlier (it is emitted now, at its last commit, as ``close()`` would have). If ``c >= R`` the backend is rewound
+  to ``R`` (its optional ``rewind`` verb) and the cursor moves back to ``R - 1``.
+* Either way, the steps of the old timeline after ``c`` (the ones a crash kept from the backend) are delivered
+  first, so the backend's steps stay in order and the cursor never skips one.
+
+Without ``resume``, a journal that already holds commits is refused: two runs never share one timeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from metricbus.adapter import RunInfo
+from metricbus.errors import JournalError
+from metricbus.journal import Journal, read_journal
+from metricbus.journal.format import SUFFIX
+
+Emission = tuple[int, Mapping[str, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class CatchUp:
+    """What one adapter gets before a resumed run's first step: an optional rewind, then the steps it missed."""
+
+    rewind: int | None
+    steps: tuple[Emission, ...]
+    cursor: int | None  # the cursor after the rewind
+
+
+def previous_run(directory: str, *, resume: bool, run: RunInfo | None) -> tuple[RunInfo | None, Journal | None]:
+    """The run to write and the journal it continues (None: a fresh run).
+
+    ``resume`` False and a journal with commits: JournalError saying to pass ``resume=True`` or use a new
+    directory. ``run`` given with ``resume``: its project, name, tags and config are used, with the journal's id
+    and start time (the run stays one run).
+    """
+    path = Path(directory)
+    if not path.is_dir() or not any(path.glob(f"rank-*{SUFFIX}")):
+        return run, None
+    try:
+        journal = read_journal(path)
+    except JournalError:
+        return run, None  # nothing readable: the writer appends a fresh run
+    if not journal.commits:
+        return run, None
+    old = journal.run
+    if not resume:
+        raise JournalError(
+            f"journal {directory} already holds run {old.id!r} (steps {journal.commits[0][0]}.."
+            f"{journal.commits[-1][0]}); pass resume=True to continue that run (its backend runs too), or give "
+            "this run a new journal directory"
+        )
+    if run is None:
+        return old, journal
+    return replace(run, id=old.id, start_time_unix_ns=old.start_time_unix_ns), journal
+
+
+def catch_up(journal: Journal, *, step: int, cursors: Sequence[int | None]) -> list[CatchUp]:
+    """Per adapter (its cursor in ``cursors``), the rewind and steps it needs before the first commit at ``step``."""
+    from metricbus.replay import emissions
+
+    kept = journal.until(step)
+    timeline = list(emissions(kept))
+    rewinding = journal.last_step is not None and step <= journal.last_step
+    start = step
+    if rewinding and timeline and timeline[-1][2]:
+        start = min(start, timeline[-1][0])  # the old segment's unfinished window, emitted now at its last commit
+    out = []
+    for acked in cursors:
+        rewind, after = None, acked
+        if rewinding and acked is not None and acked >= start:
+            rewind, after = start, start - 1
+        missed = tuple((s, m) for s, m, _ in timeline if after is None or s > after)
+        out.append(CatchUp(rewind, missed, after))
+    return out
+
