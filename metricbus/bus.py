@@ -20,6 +20,7 @@ from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.collect import Collector
 from metricbus.delivery import WRITE_TIMEOUT_S
 from metricbus.errors import (
+    AdapterNotFoundError,
     ClosedError,
     ConfigError,
     DistributedError,
@@ -97,8 +98,9 @@ class MetricBus:
         self._closed = False
         self._lock = shutdown.BusLock()  # commits, ingests, exports and close run one at a time
         self._ranks: RankTransport = make_transport(dist=opts.dist, group=opts.group, writer_rank=opts.writer_rank)
+        adapters: list[Adapter] = [_resolve(i, a) for i, a in enumerate(opts.adapters)]  # every rank fails alike
         self._sink = Sink(
-            adapters=[resolve_adapter(a) for a in opts.adapters] if self._ranks.is_writer else [],
+            adapters=adapters if self._ranks.is_writer else [],
             journal=opts.journal, fsync=opts.fsync, rank=self._ranks.rank, run=self.run, rules=self._rules.items(),
             log_every=opts.log_every, strict=opts.strict, queue_size=opts.queue_size,
             queue_policy=opts.queue_policy, queue_timeout_s=opts.queue_timeout_s,
@@ -403,6 +405,16 @@ class MetricBus:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close(status="failed" if exc_type is not None else "finished")
+
+
+def _resolve(index: int, adapter: Any) -> Any:
+    """The adapter object for ``adapters[index]``; a bad spec's error says which entry it is."""
+    try:
+        return resolve_adapter(adapter)
+    except (ConfigError, AdapterNotFoundError) as exc:
+        if str(exc).startswith("adapters["):
+            raise
+        raise type(exc)(f"adapters[{index}]: {exc}") from exc
 
 
 def _names(workers: Sequence[Mapping[str, Any]]) -> set[str]:

@@ -157,7 +157,7 @@ def _check_placeholders(config: str | None) -> None:
     if "journal" in data:
         entries.append(("journal", data["journal"]))
     for where, value in entries:
-        for text in [value] if isinstance(value, str) else value.values() if isinstance(value, Mapping) else []:
+        for text in value.values() if isinstance(value, Mapping) else [value]:  # a spec string or {type: ...}
             found = _PLACEHOLDER.search(text) if isinstance(text, str) else None
             if found is not None:
                 raise _UsageError(
@@ -213,9 +213,7 @@ def _label(adapter: Any) -> str:
 
 
 def _span(steps: Iterable[int]) -> str:
-    ordered = sorted(set(steps))
-    if not ordered:
-        return "no steps"
+    ordered = sorted(set(steps))  # never empty here
     return f"step {ordered[0]}" if len(ordered) == 1 else f"steps {ordered[0]}..{ordered[-1]}"
 
 
@@ -327,8 +325,8 @@ def _show(journal: Journal, patterns: Sequence[str], last: int | None, out: Text
             few = ", ".join(every[:8]) + (f", ... ({len(every)} in all)" if len(every) > 8 else "")
             raise _UsageError(f"--metric {pattern!r} matches no metric; the journal has {few}")
     steps = list(rows)[-last:] if last is not None else list(rows)
-    names = [n for n in every if any(n in rows[s] for s in steps) and
-             (not patterns or any(fnmatchcase(n, p) for p in patterns))]
+    present = {n for s in steps for n in rows[s]}
+    names = [n for n in every if n in present and (not patterns or any(fnmatchcase(n, p) for p in patterns))]
     if not names:
         raise _UsageError(f"no values of {', '.join(map(repr, patterns))} in the last {last} steps ({_span(steps)})")
     table = [["step", *names]]
