@@ -94,13 +94,13 @@ class MetricBus:
         self._ingested: list[Partial] = []
         self._last_step: int | None = None
         self._resumed_after = None if previous is None else previous.last_step  # commit() without a step: next one
-        self._step_workers: list[WorkerStates] = []  # the states committed at the last step (names: see _check_again)
+        self._step_workers: list[WorkerStates] = []  # what the last step's commits held
         self._closed = False
         self._lock = shutdown.BusLock()  # commits, ingests, exports and close run one at a time
         self._ranks: RankTransport = make_transport(dist=opts.dist, group=opts.group, writer_rank=opts.writer_rank)
-        adapters: list[Adapter] = [_resolve(i, a) for i, a in enumerate(opts.adapters)]  # every rank fails alike
+        built: list[Adapter] = [_resolve(i, a) for i, a in enumerate(opts.adapters)]  # every rank fails alike
         self._sink = Sink(
-            adapters=adapters if self._ranks.is_writer else [],
+            adapters=built if self._ranks.is_writer else [],
             journal=opts.journal, fsync=opts.fsync, rank=self._ranks.rank, run=self.run, rules=self._rules.items(),
             log_every=opts.log_every, strict=opts.strict, queue_size=opts.queue_size,
             queue_policy=opts.queue_policy, queue_timeout_s=opts.queue_timeout_s,
