@@ -1,20 +1,103 @@
-"""The Weights & Biases adapter: ``wandb.init`` at open, ``run.log(metrics, step=step)`` per step.
+"""The Weights & Biases adapter: ``wandb.init`` at open, ``run.log(metrics, step=step)`` per write.
 
-``mode=None`` leaves the mode to wandb's own settings (``WANDB_MODE``, ``wandb offline``, ...); pass
-``mode="offline"`` to never touch the network. System-stats sampling is off (``x_disable_stats=True``) so no
-``wandb-symon`` process is spawned. wandb accepts any metric name; names are passed through.
+**One metricbus run is one wandb run.** The run is opened with ``id=run.id`` and ``resume="allow"``, so a trainer
+resumed on the same journal and ``metricbus sync`` write into the same wandb run id. Offline, each process writes
+its own folder ``<dir>/wandb/offline-run-<time>-<id>/``, all with that run id; ``wandb sync`` uploads them.
+
+**wandb's own settings are respected as** ``wandb.init`` **does**: an adapter option wins, then wandb's settings
+(``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_RUN_ID``, ``WANDB_NAME``, ``WANDB_TAGS``, ``WANDB_RUN_GROUP``,
+``WANDB_JOB_TYPE``, ``WANDB_NOTES``, ``WANDB_MODE``, ``WANDB_DIR``, and wandb's settings files, as wandb loaded
+them), then metricbus's run (``run.project``, ``run.id``, ``run.name``, ``run.tags``). A resumed adapter keeps the
+run its ``identity`` names (``run_id``, ``project``, ``entity``) over all of these. ``resume`` is always
+``"allow"``: ``WANDB_RESUME`` is overridden.
+
+**attach=True** logs into the ``wandb.run`` the trainer started: no ``wandb.init``, the run is not finished at close
+(the trainer owns it), and its name, tags and config are left as the trainer set them. Otherwise the adapter's run
+is created with ``reinit="create_new"``: a run the trainer has active is left alone (wandb's default would return
+that run, and the adapter would log into it and finish it), and ``wandb.run`` stays the trainer's.
+
+**Rows.** Writes at one step (training, then evaluation) merge into one history row: wandb keeps a step's row open
+until a later step arrives or the run finishes, and drops a step lower than one it already closed (with only a
+warning). ``flush()`` therefore leaves the last written step's row open, and waits until every closed row is in
+the run's ``.wandb`` file: wandb-core writes that file every ``x_transaction_log_flush_interval`` seconds (15 by
+default; the adapter sets 0.1 unless that setting is set), and a process that dies loses what was not written
+yet. The last step's row reaches the file with the next step or at close; a crash before then loses it. The wait
+is skipped for attached runs, ``shared`` and ``disabled`` modes, ``x_skip_transaction_log`` and an interval over
+1 s. ``close()`` waits (bounded) until the exit record is in the file: ``run.finish()`` can return before it.
+
+**rewind(step=S)** finishes the run and opens it again with ``resume_from="<id>?_step=<S-1>"`` (wandb's run
+rewind, beta), so every step from S on is written again. Offline this makes one more folder, whose run record
+carries the branch point (run id, ``_step``, S-1) and whose history starts at S; ``wandb sync`` hands that to the
+server, which truncates the run there. Attached runs are not rewound: wandb drops the re-sent steps below its
+current step.
+
+``mode`` is checked at construction against what wandb accepts. System-stats sampling is off
+(``x_disable_stats=True``), so no ``wandb-symon`` process is spawned. Metric names are passed through.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import os
-from collections.abc import Mapping
+import struct
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from metricbus.adapter import RunInfo, Status
-from metricbus.errors import AdapterNotFoundError
+from metricbus.errors import AdapterNotFoundError, ConfigError
 
 from ._names import NameMapper, passthrough_mapper
+
+MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
+"""What wandb 0.31 accepts as ``mode`` (``wandb.Settings.mode``; ``dryrun`` is offline, ``run`` online)."""
+PROJECT_MAX_CHARS = 128
+PROJECT_BAD_CHARS = "/\\#?%:"  # wandb.Settings.validate_project
+FLUSH_INTERVAL_S = 0.1  # the adapter's x_transaction_log_flush_interval (wandb's default is 15 s)
+WAIT_INTERVAL_MAX_S = 1.0  # flush() waits for the file only when wandb writes it at least this often
+FILE_WAIT_S = 10.0  # how long flush() and close() wait for wandb-core to write the file
+_STRING_OPTIONS = ("project", "entity", "group", "job_type", "notes", "mode")
+_RUN_OPTIONS = (*_STRING_OPTIONS, "dir")  # options that configure wandb.init, meaningless with attach=True
+_IDENTITY_KEYS = ("run_id", "project", "entity")
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    """Raise ConfigError naming the first invalid option and what is valid."""
+    for key in _STRING_OPTIONS:
+        value = options[key]
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"wandb option {key!r} must be a string or None, not {type(value).__name__}")
+    if options["dir"] is not None and not isinstance(options["dir"], (str, os.PathLike)):
+        raise ConfigError(f"wandb option 'dir' must be a path or None, not {type(options['dir']).__name__}")
+    if not isinstance(options["attach"], bool):
+        raise ConfigError(f"wandb option 'attach' must be True or False, not {options['attach']!r}")
+    mode = options["mode"]
+    if mode is not None and mode not in MODES:
+        close = difflib.get_close_matches(mode, MODES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"unknown wandb mode {mode!r}; {hint}use one of {', '.join(MODES)} (or None: wandb's own)")
+    project = options["project"]
+    if project is not None and (len(project) > PROJECT_MAX_CHARS or any(c in project for c in PROJECT_BAD_CHARS)):
+        raise ConfigError(
+            f"invalid wandb project {project!r}: at most {PROJECT_MAX_CHARS} characters, none of {PROJECT_BAD_CHARS}"
+        )
+    given = [key for key in _RUN_OPTIONS if options[key] is not None]
+    if options["attach"] and given:
+        raise ConfigError(
+            f"wandb option attach=True logs into the run the trainer started, so {', '.join(given)} cannot be set"
+        )
+
+
+def _pick(option: Any, kept: Any, wandb_value: Any, fallback: Any) -> Any:
+    """What to pass to ``wandb.init``: the option, else the resumed run's, else None where wandb's settings name a
+    value (wandb applies it), else metricbus's."""
+    if option is not None:
+        return option
+    if kept is not None:
+        return kept
+    return None if wandb_value is not None else fallback
 
 
 class WandbAdapter:
@@ -29,17 +112,31 @@ class WandbAdapter:
         mode: str | None = None,
         dir: str | os.PathLike[str] | None = None,  # named like wandb.init's own keyword
         entity: str | None = None,
+        group: str | None = None,
+        job_type: str | None = None,
+        notes: str | None = None,
+        attach: bool = False,
     ) -> None:
-        self._project = project
-        self._mode = mode
+        _check_options(locals())
+        if importlib.util.find_spec("wandb") is None:
+            raise AdapterNotFoundError("the wandb adapter needs wandb: pip install 'metricbus[wandb]'")
+        self._project, self._mode, self._entity = project, mode, entity
         self._dir = None if dir is None else os.fspath(dir)
-        self._entity = entity
+        self._group, self._job_type, self._notes, self._attach = group, job_type, notes, attach
         self._names: NameMapper = passthrough_mapper(backend="wandb")
         self._run: Any = None
+        self._info: RunInfo | None = None
+        self._kept: dict[str, str] = {}  # run_id, project, entity of the run to reopen (resume, rewind)
+        self._resuming = False
+        self._identity: dict[str, str] | None = None
+        self._file: _RunFile | None = None  # the run's .wandb file, when flush() waits for it
+        self._first_step = 0  # wandb drops the steps below this one (a resumed or rewound run)
+        self._open_step: int | None = None  # the last step written: wandb keeps its row open
+        self._closed_step: int | None = None  # the last step whose row wandb closed (it goes to the file)
 
     @property
     def project(self) -> str | None:
-        """The wandb project given (None: the run's project)."""
+        """The wandb project given (None: wandb's settings, else the run's project)."""
         return self._project
 
     @property
@@ -47,40 +144,208 @@ class WandbAdapter:
         """The ``wandb.Run`` once open (its ``dir``, ``id``, ... are useful in tests)."""
         return self._run
 
+    @property
+    def identity(self) -> Mapping[str, str] | None:
+        """The wandb run after open: ``run_id``, ``project``, ``entity`` (if known) and ``dir`` (its run folder)."""
+        return self._identity
+
+    def resume(self, *, after_step: int | None, identity: Mapping[str, str] | None = None) -> None:
+        """Reopen the run ``identity`` names (else the run's id); config values may change.
+
+        The steps after ``after_step`` are sent again with the values sent before (from the journal): offline they
+        are written again into the new folder; online, wandb drops those the server already holds.
+        """
+        del after_step  # resume="allow" continues the run; nothing is cut (see the docstring)
+        self._resuming = True
+        self._kept = {key: str(identity[key]) for key in _IDENTITY_KEYS if identity and identity.get(key)}
+
     def open(self, *, run: RunInfo) -> None:
-        """Start the wandb run with project, name, tags and config."""
+        """Start (or, with attach=True, take) the wandb run."""
         try:
             import wandb
         except ImportError as exc:
             raise AdapterNotFoundError(
                 f"the wandb adapter needs wandb: pip install 'metricbus[wandb]' ({exc})"
             ) from exc
-        if self._dir is not None:
-            os.makedirs(self._dir, exist_ok=True)
+        self._info = run
+        if not self._attach:
+            self._start(wandb, rewind_to=None)
+            return
+        active = wandb.run
+        if active is None:
+            raise ConfigError(
+                "wandb option attach=True, but no wandb run is active in this process: call wandb.init() before "
+                "the bus opens, or leave attach False so the adapter starts its own run"
+            )
+        self._run, self._file, self._first_step = active, None, 0
+        self._identity = self._identity_of(active)
+
+    def _start(self, wandb: Any, *, rewind_to: int | None) -> None:
+        """``wandb.init`` the run: resume="allow", or rewound so that ``rewind_to`` is its next step."""
+        run, kept = self._info, self._kept
+        assert run is not None
+        own = wandb.setup().settings  # wandb's settings, from its files and WANDB_* variables, as it loaded them
+        settings: dict[str, Any] = {"x_disable_stats": True}
+        if "x_transaction_log_flush_interval" not in own.model_fields_set:
+            settings["x_transaction_log_flush_interval"] = FLUSH_INTERVAL_S
+        run_id = _pick(None, kept.get("run_id"), own.run_id, run.id)
+        branch: dict[str, Any] = {"resume": "allow"}
+        if rewind_to is not None:  # resume and resume_from exclude each other
+            branch = {"resume_from": f"{run_id}?_step={rewind_to - 1}"}
         self._run = wandb.init(
-            project=self._project or run.project,
-            entity=self._entity,
-            name=run.name,
-            tags=list(run.tags),
+            id=run_id,
+            project=_pick(self._project, kept.get("project"), own.project, run.project),
+            entity=self._entity or kept.get("entity"),
+            name=_pick(None, None, own.run_name, run.name),
+            tags=_pick(None, None, own.run_tags, list(run.tags) or None),
             config=dict(run.config),
-            mode=self._mode,  # type: ignore[arg-type]
+            allow_val_change=self._resuming or rewind_to is not None,
+            group=self._group,
+            job_type=self._job_type,
+            notes=self._notes,
+            mode=self._mode,
             dir=self._dir,
-            settings=wandb.Settings(x_disable_stats=True),
-            reinit="create_new",
+            settings=wandb.Settings(**settings),  # a new one each time: wandb.init writes into it
+            reinit="create_new",  # leave a run the trainer has active alone (see the module docstring)
+            **branch,
         )
+        self._identity = self._identity_of(self._run)
+        self._kept = {key: self._identity[key] for key in _IDENTITY_KEYS if key in self._identity}
+        self._first_step = int(self._run.starting_step or 0)
+        self._open_step = self._closed_step = None
+        current = self._run.settings  # a deep copy: read once
+        interval = current.x_transaction_log_flush_interval
+        writes_file = current.mode in ("online", "offline", "dryrun", "run") and not current.x_skip_transaction_log
+        self._file = _RunFile(current.sync_file) if writes_file and 0 < interval <= WAIT_INTERVAL_MAX_S else None
+
+    @staticmethod
+    def _identity_of(run: Any) -> dict[str, str]:
+        identity = {"run_id": str(run.id), "project": str(run.project)}
+        if run.entity:
+            identity["entity"] = str(run.entity)
+        if not run.disabled:
+            identity["dir"] = str(run.settings.sync_dir)
+        return identity
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
-        """Log one row at ``step``."""
+        """Log ``metrics`` into the row of ``step`` (a second write at one step joins the same row)."""
         if self._run is None:
             raise RuntimeError("WandbAdapter.write() before open()")
-        names = self._names
-        self._run.log({names(key): value for key, value in metrics.items()}, step=int(step))
+        if not metrics:
+            return
+        names, step = self._names, int(step)
+        self._run.log({names(key): value for key, value in metrics.items()}, step=step)
+        if self._open_step is None or step > self._open_step:
+            if self._open_step is not None and self._open_step >= self._first_step:
+                self._closed_step = self._open_step  # wandb closed that row when this later step arrived
+            self._open_step = step
 
     def flush(self) -> None:
-        """Nothing to do: wandb's service process writes the run file as rows arrive."""
+        """Wait until every closed row is in the run's ``.wandb`` file (the last step's row stays open)."""
+        file, step = self._file, self._closed_step
+        if file is not None and step is not None:
+            file.wait(lambda: file.last_step is not None and file.last_step >= step, f"the row of step {step}")
+
+    def rewind(self, *, step: int) -> None:
+        """Finish the run and reopen it rewound to ``step`` (``resume_from``); attached runs are left as they are."""
+        if self._run is None:
+            raise RuntimeError("WandbAdapter.rewind() before open()")
+        if self._attach:
+            return
+        import wandb
+
+        self._finish(exit_code=0)
+        self._start(wandb, rewind_to=int(step))
 
     def close(self, *, status: Status) -> None:
-        """Finish the run with exit code 0 (finished) or 1 (failed)."""
-        if self._run is not None:
-            self._run.finish(exit_code=0 if status == "finished" else 1)
-            self._run = None
+        """Finish the run with exit code 0 (finished) or 1 (failed); an attached run is left running."""
+        if self._run is not None and not self._attach:
+            self._finish(exit_code=0 if status == "finished" else 1)
+        self._run = None
+
+    def _finish(self, *, exit_code: int) -> None:
+        """``run.finish``, then wait until the exit record is in the file (finish can return before it is)."""
+        run, file = self._run, self._file
+        self._run = None
+        run.finish(exit_code=exit_code)
+        if file is not None:
+            file.wait(lambda: file.exited, "the exit record")
+
+
+BLOCK_BYTES = 32 * 1024
+HEADER_BYTES = 7  # b":W&B", then <HB: 0xBEE1, version
+CHUNK = struct.Struct("<IHB")  # crc32 of type + data, data length, type
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+class _RunFile:
+    """Follows a run's ``.wandb`` file as wandb-core writes it: the highest history ``_step`` and the exit record.
+
+    The file is LevelDB-log framed (32 KiB blocks of chunks ``<IHB`` + data) around ``wandb_internal_pb2.Record``
+    protobufs. Each :meth:`read` parses only the complete records after the last one read.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.last_step: int | None = None
+        self.exited = False
+        self._pos = HEADER_BYTES  # where the next unread record starts
+
+    def read(self) -> None:
+        from wandb.proto import wandb_internal_pb2
+
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(self._pos)
+                data = file.read()
+        except FileNotFoundError:
+            return
+        for payload, end in _records(data, self._pos):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            kind = record.WhichOneof("record_type")
+            if kind == "history" and record.history.HasField("step"):
+                self.last_step = max(self.last_step or 0, record.history.step.num)
+            elif kind == "exit":
+                self.exited = True
+            self._pos = end
+
+    def wait(self, done: Callable[[], bool], what: str) -> None:
+        """Read until ``done()``; TimeoutError after :data:`FILE_WAIT_S`."""
+        deadline = time.monotonic() + FILE_WAIT_S
+        while True:
+            self.read()
+            if done():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"wandb did not write {what} to {self.path} within {FILE_WAIT_S:g} s")
+            time.sleep(0.005)
+
+
+def _records(data: bytes, start: int) -> Iterator[tuple[bytes, int]]:
+    """``(payload, end offset)`` of each complete record in ``data`` (read from file offset ``start``)."""
+    pos, parts = start, []
+    while True:
+        room = BLOCK_BYTES - pos % BLOCK_BYTES
+        at = pos - start
+        if room < CHUNK.size or data[at : at + CHUNK.size] == bytes(CHUNK.size):  # block trailer, or padding
+            if at + min(room, CHUNK.size) > len(data):
+                return
+            pos += room
+            continue
+        if at + CHUNK.size > len(data):
+            return
+        crc, length, kind = CHUNK.unpack_from(data, at)
+        body = data[at + CHUNK.size : at + CHUNK.size + length]
+        if len(body) < length or zlib.crc32(bytes([kind]) + body) != crc:
+            return  # not written completely yet
+        pos += CHUNK.size + length
+        if kind == FULL:
+            yield body, pos
+        elif kind == FIRST:
+            parts = [body]
+        elif kind == MIDDLE:
+            parts.append(body)
+        elif kind == LAST:
+            yield b"".join([*parts, body]), pos
+            parts = []
