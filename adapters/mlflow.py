@@ -12,10 +12,11 @@ Where, decided when the adapter is built (the first match wins; an explicit opti
 
 Which run, at ``open()`` (the first match wins):
 
-1. ``attach=True``: the run the trainer started with ``mlflow.start_run()`` (active in this thread, in exactly one
-   other thread, or when the adapter was built), else ``MLFLOW_RUN_ID``, else the run of ``resume(identity=...)``;
-   in the store of ``tracking_uri``, else ``mlflow.get_tracking_uri()``. metricbus never changes its status: the
-   trainer owns it. No such run raises ConfigError;
+1. ``attach=True``: the run the trainer started with ``mlflow.start_run()`` (active in this thread, or in exactly
+   one other thread: the bus opens adapters in worker threads), else ``MLFLOW_RUN_ID``, else the run of
+   ``resume(identity=...)``, looked up in ``tracking_uri`` / ``MLFLOW_TRACKING_URI``, else in
+   ``mlflow.get_tracking_uri()`` (MLflow's own default store, not metricbus's). metricbus never changes that run's
+   status: the trainer owns it. No such run raises ConfigError;
 2. ``MLFLOW_RUN_ID``: that run (it must be in the store, and in ``experiment`` if that option is given);
 3. the run named by ``resume(identity=...)``, if the store holds it (and it is not deleted);
 4. the oldest run of the experiment tagged ``metricbus.run_id = run.id``;
@@ -31,12 +32,13 @@ characters; a param the run already has is not logged again, and one whose value
 param and tag keys go through :func:`metricbus.adapters._names.mlflow_key`; two metric names that would merge raise
 ``MetricValueError``.
 
-MLflow's metric history is append-only. When a reopened run already holds points after the resume cursor
-(``after_step``; every point without one), those keys' histories are read once at open and a resent point with
-the same key, step and value is not logged again. ``rewind(step=S)`` drops nothing: the new values are logged next
-to the old ones and the tag ``metricbus.rewind`` is set to ``S``. ``get_metric_history`` then returns both values
-at a step both runs wrote, and the run's latest value is the one with the largest (step, timestamp): the new one,
-unless the old points reach a larger step than the resumed run does.
+MLflow's metric history is append-only: nothing can be dropped. When a reopened run already holds points after
+the resume cursor (``after_step``; every point without one), those keys' histories are read once at open, and a
+point sent again with the same key, step and value is not logged twice. ``rewind(step=S)`` reads the points at
+steps ``>= S`` the same way (the old timeline a resume replays up to its checkpoint is logged once), logs the new
+values next to the old ones and sets the tag ``metricbus.rewind`` to ``S``. ``get_metric_history`` then returns
+both values at each step both timelines wrote, and the run's latest value (``run.data.metrics``, the one with the
+largest (step, timestamp)) is the new one, unless the old timeline reached a larger step than the new one has.
 """
 
 from __future__ import annotations
@@ -126,18 +128,11 @@ def _require_mlflow() -> None:
         raise AdapterNotFoundError(INSTALL_HINT)
 
 
-def _active_run_id_if_imported() -> str | None:
-    """The run ``mlflow.start_run()`` made active in this thread, if the trainer imported mlflow (never imports it)."""
-    active_run = getattr(sys.modules.get("mlflow"), "active_run", None)
-    active = active_run() if callable(active_run) else None
-    return None if active is None else str(active.info.run_id)
-
-
 def _active_run_elsewhere() -> str | None:
     """The one run active in some other thread of this process (the bus opens adapters in worker threads).
 
-    MLflow keeps active runs per thread and has no public way to see another thread's, so this reads its
-    ``fluent._active_run_stack``; None if that changes, or if no run or several are active.
+    MLflow 3.17 keeps active runs per thread and has no public way to see another thread's, so this reads
+    its ``fluent._active_run_stack``; None if that changes, or if no run or several are active.
     """
     from mlflow.tracking import fluent
 
@@ -178,12 +173,13 @@ class MlflowAdapter:
         else:  # an attached run lives where mlflow.start_run() put it: MLflow's own default, not ours
             self._tracking_uri = None if attach else DEFAULT_TRACKING_URI
         self._experiment = experiment
-        self._env_experiment = (os.environ.get("MLFLOW_EXPERIMENT_NAME") or None,
-                                os.environ.get("MLFLOW_EXPERIMENT_ID") or None)
+        self._env_experiment = (
+            os.environ.get("MLFLOW_EXPERIMENT_NAME") or None,
+            os.environ.get("MLFLOW_EXPERIMENT_ID") or None,
+        )
         self._env_run_id = os.environ.get("MLFLOW_RUN_ID") or None
         self._run_name = run_name
         self._attach = attach
-        self._active_at_build = _active_run_id_if_imported() if attach else None
         self._resume_identity: Mapping[str, str] = {}
         self._after_step: int | None = None
         self._names: NameMapper = mlflow_mapper()
@@ -232,15 +228,21 @@ class MlflowAdapter:
         if run_id and found is None and source != "resume identity":
             raise ConfigError(f"mlflow: {source} names run {run_id!r}, which {uri} does not hold (or it is deleted)")
         if found is None and self._attach:
-            raise ConfigError("mlflow option attach=True, but there is no MLflow run to attach to: call "
-                              "mlflow.start_run() before the bus is built, or set MLFLOW_RUN_ID")
+            raise ConfigError(
+                "mlflow option attach=True, but there is no MLflow run to attach to: call "
+                "mlflow.start_run() before the bus is built, or set MLFLOW_RUN_ID"
+            )
         if found is None:
             experiment_id = self._experiment_id(client, run, uri)
             found = self._tagged_run(client, experiment_id, run.id)
         created = found is None
         if created:
-            found = client.create_run(experiment_id, start_time=run.start_time_unix_ns // 1_000_000,
-                                      tags=tags, run_name=self._run_name or run.name)
+            found = client.create_run(
+                experiment_id,
+                start_time=run.start_time_unix_ns // 1_000_000,
+                tags=tags,
+                run_name=self._run_name or run.name,
+            )
         self._check_experiment(client, found, source)
         self._client, self._run_id = client, str(found.info.run_id)
         if not created and not self._attach and found.info.status != "RUNNING":
@@ -257,7 +259,7 @@ class MlflowAdapter:
         fluent_uri = self._tracking_uri or str(mlflow.get_tracking_uri())
         if self._attach:
             active = mlflow.active_run()
-            run_id = active.info.run_id if active else (_active_run_elsewhere() or self._active_at_build)
+            run_id = active.info.run_id if active else _active_run_elsewhere()
             if run_id:
                 return fluent_uri, str(run_id), "the active MLflow run"
         if self._env_run_id:
@@ -285,8 +287,10 @@ class MlflowAdapter:
             try:
                 return str(client.get_experiment(wanted_id).experiment_id)
             except self._mlflow_error as exc:
-                raise ConfigError(f"mlflow: environment variable MLFLOW_EXPERIMENT_ID={wanted_id!r} names no "
-                                  f"experiment in {uri}; unset it or set MLFLOW_EXPERIMENT_NAME") from exc
+                raise ConfigError(
+                    f"mlflow: environment variable MLFLOW_EXPERIMENT_ID={wanted_id!r} names no "
+                    f"experiment in {uri}; unset it or set MLFLOW_EXPERIMENT_NAME"
+                ) from exc
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
             try:
@@ -296,11 +300,15 @@ class MlflowAdapter:
                 if experiment is None:
                     raise
         if wanted_id is not None and experiment.experiment_id != wanted_id:
-            raise ConfigError(f"mlflow: MLFLOW_EXPERIMENT_NAME={name!r} is experiment {experiment.experiment_id} in "
-                              f"{uri}, but MLFLOW_EXPERIMENT_ID={wanted_id!r}; unset one of them")
+            raise ConfigError(
+                f"mlflow: MLFLOW_EXPERIMENT_NAME={name!r} is experiment {experiment.experiment_id} in "
+                f"{uri}, but MLFLOW_EXPERIMENT_ID={wanted_id!r}; unset one of them"
+            )
         if experiment.lifecycle_stage == "deleted":
-            raise ConfigError(f"mlflow: experiment {name!r} in {uri} is deleted; restore it (mlflow experiments "
-                              f"restore --experiment-id {experiment.experiment_id}) or pick another")
+            raise ConfigError(
+                f"mlflow: experiment {name!r} in {uri} is deleted; restore it (mlflow experiments "
+                f"restore --experiment-id {experiment.experiment_id}) or pick another"
+            )
         return str(experiment.experiment_id)
 
     def _tagged_run(self, client: Any, experiment_id: str, metricbus_id: str) -> Any:
@@ -308,8 +316,12 @@ class MlflowAdapter:
         quote = "'" if "'" not in metricbus_id else '"'
         if quote in metricbus_id:
             raise ConfigError(f"run id {metricbus_id!r} holds both quote characters; MLflow cannot search for it")
-        found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = {quote}{metricbus_id}{quote}",
-                                   max_results=1, order_by=["attributes.start_time ASC"])
+        found = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{RUN_ID_TAG}` = {quote}{metricbus_id}{quote}",
+            max_results=1,
+            order_by=["attributes.start_time ASC"],
+        )
         return found[0] if found else None
 
     def _check_experiment(self, client: Any, found: Any, source: str) -> None:
@@ -317,8 +329,10 @@ class MlflowAdapter:
         if self._experiment and source != "resume identity":
             name = client.get_experiment(found.info.experiment_id).name
             if name != self._experiment:
-                raise ConfigError(f"mlflow: {source} names run {found.info.run_id} of experiment {name!r}, but the "
-                                  f"option experiment is {self._experiment!r}; drop one of them")
+                raise ConfigError(
+                    f"mlflow: {source} names run {found.info.run_id} of experiment {name!r}, but the "
+                    f"option experiment is {self._experiment!r}; drop one of them"
+                )
 
     def _new_params(self, found: Any, run: RunInfo, param: Any) -> list[Any]:
         """The config params the run lacks; a differing value already there is kept (MLflow cannot change it)."""
@@ -330,8 +344,11 @@ class MlflowAdapter:
             elif have[name] != value:
                 kept.append(f"{name}={have[name]!r} (new {value!r})")
         if kept:
-            logger.warning("mlflow run %s keeps its params %s: MLflow refuses to change a param's value",
-                           found.info.run_id, ", ".join(kept))
+            logger.warning(
+                "mlflow run %s keeps its params %s: MLflow refuses to change a param's value",
+                found.info.run_id,
+                ", ".join(kept),
+            )
         return params
 
     def _held_points(self, client: Any, found: Any, after: int | None) -> dict[tuple[str, int], set[float]]:
@@ -385,8 +402,11 @@ def _ensure_sqlite_folder(uri: str) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"mlflow tracking URI {uri!r}: cannot create the database folder {str(folder)!r} "
-                          f"({exc.strerror or exc}); use a writable path") from exc
+        raise ConfigError(
+            f"mlflow tracking URI {uri!r}: cannot create the database folder {str(folder)!r} "
+            f"({exc.strerror or exc}); use a writable path"
+        ) from exc
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"mlflow tracking URI {uri!r}: the database folder {str(folder)!r} is not writable; "
-                          f"use a writable path")
+        raise ConfigError(
+            f"mlflow tracking URI {uri!r}: the database folder {str(folder)!r} is not writable; use a writable path"
+        )

@@ -1,30 +1,30 @@
 """The TensorBoard adapter: exact float64 scalars and the run's hyperparameters, written without torch or TensorFlow.
 
-What it writes. Each metric of a step becomes a scalar-shaped ``DT_DOUBLE`` tensor summary carrying the scalars
-plugin's metadata, so the scalars dashboard plots it and
-``EventAccumulator(folder, size_guidance={"tensors": 0}).Tensors(tag)`` returns the committed float64 bit for bit
-(``tensor_util.make_ndarray(event.tensor_proto)``; NaN, ±inf, -0.0 and subnormals included). ``Scalars(tag)`` of
-the legacy reader is empty for these tags: it lists only float32 ``simple_value`` summaries. At open the run's
-project, id, name, tags and config go into a text summary with tag ``metricbus/run`` (Text dashboard), and the
-config, flattened with ``.`` (values bool, int, float or str; anything else as ``str()``), into the hparams plugin's
-session-start summary (trial id = run id). Both sit at step 0.
+What it writes. Each metric of a step becomes a scalar-shaped ``DT_DOUBLE`` tensor summary with the scalars plugin's
+metadata, so ``EventAccumulator(folder, size_guidance={"tensors": 0}).Tensors(tag)`` returns the committed float64
+bit for bit (``tensor_util.make_ndarray(event.tensor_proto).item()``; NaN payloads, ±inf, -0.0, subnormals
+included). ``Scalars(tag)`` has none of them: it lists float32 ``simple_value`` summaries only. TensorBoard's
+multiplexer (``tensorboard --load_fast=false``) plots and serves them as float64; its default fast loader
+(tensorboard-data-server 0.7) reads float32 scalars only and shows none of these tags. At open the run's project,
+id, name, tags and config go into a text summary with tag ``metricbus/run``, and the config, flattened with ``.``
+(bool, int, float and str kept, anything else as ``str()``), into an hparams session start (group = run id), both
+at step 0.
 
 Where. ``log_dir=None`` (the default) means ``runs/<project>/<run id>/tensorboard`` under the working directory at
-open, so two runs never share a folder and every process of one run (a resumed trainer, ``metricbus sync``) finds
-the same one; an explicit ``log_dir`` is used as given. Each ``open()`` starts a new event file whose name sorts
-after every event file already in the folder (TensorBoard reads a folder's files in name order). Records are written
-synchronously; ``flush()`` also ``fsync``s the file.
+open: two runs never share it, and every process of one run (a resumed trainer, ``metricbus sync``) finds the same
+one. An explicit ``log_dir`` is used as given. Each open starts a new event file whose name sorts after every event
+file in the folder (TensorBoard reads a folder's files in name order). Records are written synchronously;
+``flush()`` also ``fsync``s the file.
 
 Resume and rewind. ``resume(after_step=N, identity=...)`` (before open) takes the folder from ``identity`` unless
-``log_dir`` was given. At open, and at ``rewind(step=S)``, the adapter hides the steps about to be sent again in two
-ways. (1) It cuts them out of the event files it wrote itself (files whose first event names ``metricbus`` as
-writer): every event at step ``> N`` (``>= S``; every event when ``N`` is None) and a torn last record go, so every
-reader, the legacy ``EventAccumulator.Tensors`` included (it never purges tensors), sees one value per step. (2) It
-starts the new event file the way ``SummaryWriter(purge_step=P)`` does: a ``file_version`` event and a
-``SessionLog(status=START)`` event at step ``P`` (``N + 1``, ``S``, or the smallest int64 when ``N`` is None), for
-readers that purge on START (TensorBoard's multiplexer, ``--load_fast=false``, also while it runs; the Rust data
-server instead replaces a tag's points from the step it sees again). The run text and hparams are written again
-after a cut removed them. Other writers' files are never modified.
+``log_dir`` was given. At open (resume) and at ``rewind(step=S)``, the steps about to be sent again are hidden twice
+over. (1) They are cut out of the event files this adapter wrote (first event's writer is ``metricbus``): every
+event at a step ``> N`` (``>= S``; every event when ``N`` is None) and a torn last record go, so every reader sees
+one value per step, the legacy ``EventAccumulator`` included (it never purges tensors). Other writers' files are
+never changed. (2) The new event file starts as ``SummaryWriter(purge_step=P)`` starts one: a ``file_version`` and
+a ``SessionLog(status=START)`` event at step ``P`` (``N + 1``, ``S``, or the smallest int64 when ``N`` is None), so
+a running TensorBoard drops what it already loaded and other writers' later steps are hidden. The run text and
+hparams are written again when the cut removed them.
 """
 
 from __future__ import annotations
@@ -260,7 +260,8 @@ class TensorBoardAdapter:
             has_run_text = purge is not None and _cut(folder, before_step=purge, pb=pb)
             self._start_file(folder, purge_step=purge, run_text=not has_run_text)
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot write TensorBoard events under {str(folder)!r}: {exc.strerror}") from exc
+            message = f"cannot write TensorBoard events under {str(folder)!r}: {exc.strerror or exc}"
+            raise (OSError(exc.errno, message) if exc.errno else OSError(message)) from exc
         self._folder = folder
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:

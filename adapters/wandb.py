@@ -7,9 +7,9 @@ its own folder ``<dir>/wandb/offline-run-<time>-<id>/``, all with that run id; `
 **wandb's own settings are respected as** ``wandb.init`` **does**: an adapter option wins, then wandb's settings
 (``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_RUN_ID``, ``WANDB_NAME``, ``WANDB_TAGS``, ``WANDB_RUN_GROUP``,
 ``WANDB_JOB_TYPE``, ``WANDB_NOTES``, ``WANDB_MODE``, ``WANDB_DIR``, and wandb's settings files, as wandb loaded
-them), then metricbus's run (``run.project``, ``run.id``, ``run.name``, ``run.tags``). A resumed adapter keeps the
-run its ``identity`` names (``run_id``, ``project``, ``entity``) over all of these. ``resume`` is always
-``"allow"``: ``WANDB_RESUME`` is overridden.
+them), then metricbus's run (``run.project``, ``run.id``, ``run.name``, ``run.tags``). After ``resume()``, the run id,
+project and entity its ``identity`` names come right after the options, so the same wandb run is reopened even if
+the environment changed. ``resume`` is always ``"allow"`` (``WANDB_RESUME`` is overridden).
 
 **attach=True** logs into the ``wandb.run`` the trainer started: no ``wandb.init``, the run is not finished at close
 (the trainer owns it), and its name, tags and config are left as the trainer set them. Otherwise the adapter's run
@@ -117,7 +117,18 @@ class WandbAdapter:
         notes: str | None = None,
         attach: bool = False,
     ) -> None:
-        _check_options(locals())
+        _check_options(
+            {
+                "project": project,
+                "mode": mode,
+                "dir": dir,
+                "entity": entity,
+                "group": group,
+                "job_type": job_type,
+                "notes": notes,
+                "attach": attach,
+            }
+        )
         if importlib.util.find_spec("wandb") is None:
             raise AdapterNotFoundError("the wandb adapter needs wandb: pip install 'metricbus[wandb]'")
         self._project, self._mode, self._entity = project, mode, entity
@@ -301,11 +312,12 @@ class _RunFile:
         except FileNotFoundError:
             return
         for payload, end in _records(data, self._pos):
-            record = wandb_internal_pb2.Record()
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated at import, no stub
             record.ParseFromString(payload)
             kind = record.WhichOneof("record_type")
             if kind == "history" and record.history.HasField("step"):
-                self.last_step = max(self.last_step or 0, record.history.step.num)
+                step = record.history.step.num
+                self.last_step = step if self.last_step is None else max(self.last_step, step)
             elif kind == "exit":
                 self.exited = True
             self._pos = end
@@ -327,15 +339,16 @@ def _records(data: bytes, start: int) -> Iterator[tuple[bytes, int]]:
     pos, parts = start, []
     while True:
         room = BLOCK_BYTES - pos % BLOCK_BYTES
-        at = pos - start
-        if room < CHUNK.size or data[at : at + CHUNK.size] == bytes(CHUNK.size):  # block trailer, or padding
-            if at + min(room, CHUNK.size) > len(data):
-                return
+        if room < CHUNK.size:  # a block's trailer, too small for a chunk header
             pos += room
             continue
+        at = pos - start
         if at + CHUNK.size > len(data):
             return
         crc, length, kind = CHUNK.unpack_from(data, at)
+        if kind == 0 and length == 0:  # zero padding up to the block's end
+            pos += room
+            continue
         body = data[at + CHUNK.size : at + CHUNK.size + length]
         if len(body) < length or zlib.crc32(bytes([kind]) + body) != crc:
             return  # not written completely yet

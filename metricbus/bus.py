@@ -9,6 +9,8 @@ adapters). ``commit()`` is "take -> exchange -> journal -> reduce -> deliver".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -99,6 +101,9 @@ class MetricBus:
         self._lock = shutdown.BusLock()  # commits, ingests, exports and close run one at a time
         self._ranks: RankTransport = make_transport(dist=opts.dist, group=opts.group, writer_rank=opts.writer_rank)
         built: list[Adapter] = [_resolve(i, a) for i, a in enumerate(opts.adapters)]  # every rank fails alike
+        if self._ranks.collective:  # one run on every rank: the writer's id and start time
+            shared = json.loads(self._ranks.share(json.dumps([self.run.id, self.run.start_time_unix_ns])))
+            self.run = dataclasses.replace(self.run, id=shared[0], start_time_unix_ns=shared[1])
         self._sink = Sink(
             adapters=built if self._ranks.is_writer else [],
             journal=opts.journal, fsync=opts.fsync, rank=self._ranks.rank, run=self.run, rules=self._rules.items(),

@@ -136,6 +136,16 @@ class TorchRanks:
         others = {name: where for name, where in dropped.items() if name not in rejected}
         return Exchange(workers, self._specs, journal, others)
 
+    def share(self, text: str) -> str:
+        """The writer rank's ``text`` on every rank (two collectives; used once, when a bus is built)."""
+        payload = text.encode() if self.is_writer else b""
+        saved, self._names = self._names, []
+        try:
+            lengths = [int(block[_LENGTH]) for block in self._exchange({}, length=len(payload))]
+        finally:
+            self._names = saved
+        return max(self._gather_bytes(payload, lengths), key=len).decode()
+
     def any_pending(self, *, pending: bool) -> bool:
         """True if any rank has uncommitted records (one small all_reduce)."""
         torch = self._torch

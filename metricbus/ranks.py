@@ -54,6 +54,9 @@ class RankTransport(Protocol):
     def any_pending(self, *, pending: bool) -> bool:
         """True if any participant has uncommitted records (used by close)."""
 
+    def share(self, text: str) -> str:
+        """The writer's ``text`` on every participant (the run's identity, agreed when a bus is built)."""
+
     def usable(self) -> bool:
         """True while exchange/any_pending can run (a process group that was destroyed cannot)."""
 
@@ -92,6 +95,10 @@ class LocalRanks:
     def any_pending(self, *, pending: bool) -> bool:
         """Only this process."""
         return pending
+
+    def share(self, text: str) -> str:
+        """This process is the writer."""
+        return text
 
     def usable(self) -> bool:
         """Always."""

@@ -157,3 +157,56 @@ def poll_until(check: Any, *, timeout_s: float = 60.0, what: str = "condition") 
             return
         time.sleep(0.2)
     raise AssertionError(f"{what} not met within {timeout_s} s")
+
+
+def _complete_wandb_payloads(data: bytes) -> list[bytes]:
+    """Like ``_wandb_payloads``, but stops quietly at a record wandb-core has not finished writing."""
+    payloads: list[bytes] = []
+    pending = b""
+    pos = len(WANDB_HEADER)
+    while pos + RECORD_HEADER.size <= len(data):
+        room = BLOCK_BYTES - pos % BLOCK_BYTES
+        if room < RECORD_HEADER.size:
+            pos += room
+            continue
+        crc, length, kind = RECORD_HEADER.unpack_from(data, pos)
+        if kind == 0 and length == 0:
+            pos += room
+            continue
+        body = data[pos + RECORD_HEADER.size : pos + RECORD_HEADER.size + length]
+        if len(body) < length or zlib.crc32(bytes([kind]) + body) & 0xFFFFFFFF != crc:
+            break
+        pos += RECORD_HEADER.size + length
+        if kind == FULL:
+            payloads.append(body)
+        elif kind == FIRST:
+            pending = body
+        elif kind == MIDDLE:
+            pending += body
+        elif kind == LAST:
+            payloads.append(pending + body)
+            pending = b""
+    return payloads
+
+
+def read_wandb_records_now(run_dir: Path) -> list[Any]:
+    """The records already complete in the run's ``.wandb`` file, read once, without waiting for the exit record."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = Path(run_dir).glob("*.wandb")
+    records = []
+    for payload in _complete_wandb_payloads(path.read_bytes()):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        records.append(record)
+    return records
+
+
+def wandb_history_of(records: list[Any]) -> list[dict[str, Any]]:
+    """The history rows among ``records``, each ``{key: decoded value_json}`` (``_step`` included)."""
+    rows = []
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = record.history.item
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
+    return rows

@@ -205,6 +205,31 @@ def review_worker(rank: int, size: int, port: int, scenario: str, out: Any) -> N
             bus.log("t", 5.0)
             got.append(bus.commit())
             bus.close()
+        elif scenario == "samestep":  # eval at the training step; rank 0 logs a train name again: both ranks raise
+            from metricbus import StepError
+
+            bus = MetricBus(dist="torch")
+            bus.log("train/x", float(rank))
+            got.append(bus.commit(1))
+            bus.log("eval/x", float(rank))
+            got.append(bus.commit(1))
+            if rank == 0:
+                bus.log("train/x", 10.0)
+            try:
+                got.append(bus.commit(1))
+            except StepError as exc:
+                got.append(f"StepError: {exc}")
+            got.append(bus.commit(2))  # rank 0's record was kept
+            bus.close()
+        elif scenario.startswith("resume:"):  # 10 steps, then a resume at step 5 with other values, one timeline
+            journal = scenario.split(":", 1)[1]
+            for start, stop, scale in ((0, 10, 1.0), (5, 8, 100.0)):
+                bus = MetricBus(dist="torch", journal=journal, resume=start > 0)
+                for step in range(start, stop):
+                    bus.log("x", scale * step + rank)
+                    bus.commit(step)
+                got.append(bus.run.id)
+                bus.close()
         out.put((rank, got))
     finally:
         tdist.destroy_process_group()

@@ -267,7 +267,9 @@ def test_killed_run_completed_later_is_one_finished_run(sqlite_uri: str, identit
 
 
 def test_identity_of_a_missing_run_falls_back_to_the_tag(sqlite_uri: str) -> None:
-    """An identity naming a run this store lacks is ignored; the run tagged with the run id is reopened."""
+    """An identity naming a run this store lacks is ignored; the run tagged with the run id is reopened, RUNNING."""
+    from mlflow.tracking import MlflowClient
+
     info = RunInfo(project="stale")
     first = MlflowAdapter(tracking_uri=sqlite_uri)
     first.open(run=info)
@@ -275,8 +277,9 @@ def test_identity_of_a_missing_run_falls_back_to_the_tag(sqlite_uri: str) -> Non
     again = MlflowAdapter(tracking_uri=sqlite_uri)
     again.resume(after_step=None, identity={"run_id": "f" * 32, "tracking_uri": "sqlite:///elsewhere.db"})
     again.open(run=info)
-    again.close(status="finished")
     assert again.run_id == first.run_id
+    assert MlflowClient(tracking_uri=sqlite_uri).get_run(first.run_id).info.status == "RUNNING"  # FAILED before
+    again.close(status="finished")
 
 
 def test_resent_steps_after_a_lagging_cursor_are_logged_once(sqlite_uri: str) -> None:
@@ -399,8 +402,11 @@ def test_experiment_id_from_environment(sqlite_uri: str, monkeypatch: pytest.Mon
     run_id = _run(MlflowAdapter(tracking_uri=sqlite_uri), _series(steps=1))
     assert client.get_run(run_id).info.experiment_id == chosen
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "other")
-    with pytest.raises(ConfigError, match=rf"MLFLOW_EXPERIMENT_NAME='other' is experiment {other}.*"
-                                          rf"MLFLOW_EXPERIMENT_ID='{chosen}'"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"MLFLOW_EXPERIMENT_NAME='other' is experiment {other}.*"
+        rf"MLFLOW_EXPERIMENT_ID='{chosen}'",
+    ):
         MlflowAdapter(tracking_uri=sqlite_uri).open(run=RunInfo())
 
 
@@ -425,7 +431,9 @@ def test_mlflow_run_id_from_environment(sqlite_uri: str, monkeypatch: pytest.Mon
 # -- attach to the trainer's own MLflow run ------------------------------------------------------------------------
 
 
-def test_attach_logs_into_the_active_run_and_leaves_it_running(sqlite_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_attach_logs_into_the_active_run_and_leaves_it_running(
+    sqlite_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """attach=True logs into the run of mlflow.start_run() (opened from another thread, as the bus does)."""
     import mlflow
     from mlflow.tracking import MlflowClient

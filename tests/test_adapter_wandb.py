@@ -1,35 +1,88 @@
-"""The wandb adapter, run offline and read back from the run's own ``.wandb`` file."""
+"""The wandb adapter, run offline and read back from the run's own ``.wandb`` files."""
 
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from backend_env import isolate_env, read_wandb_history, read_wandb_records
-from metricbus.adapters.wandb import WandbAdapter
+import wandb
+from backend_env import (
+    isolate_env,
+    read_wandb_history,
+    read_wandb_records,
+    read_wandb_records_now,
+    wandb_history_of,
+)
+from metricbus.adapters.wandb import MODES, WandbAdapter
 
 from metricbus.adapter import RunInfo
+from metricbus.errors import AdapterNotFoundError, ConfigError
 from metricbus.registry import make_adapter
+
+RUN_ID = "20261203-150237-df2645"
 
 
 @pytest.fixture(autouse=True)
-def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """HOME, WANDB_DIR, XDG_CONFIG_HOME inside tmp_path; offline and silent."""
-    return isolate_env(monkeypatch, tmp_path)
+def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """HOME, WANDB_DIR (tmp_path), XDG_CONFIG_HOME inside tmp_path; offline and silent.
+
+    wandb reads its environment once per process (``wandb.setup``), so it is torn down around each test: the
+    WANDB_* variables a test sets take effect, and none leak into the next test.
+    """
+    wandb.teardown()
+    root = isolate_env(monkeypatch, tmp_path)
+    yield root
+    if wandb.run is not None:
+        wandb.run.finish()
+    wandb.teardown()
+
+
+def _run_dir(adapter: WandbAdapter) -> Path:
+    identity = adapter.identity
+    assert identity is not None
+    return Path(identity["dir"])
+
+
+def _record(run_dir: Path, kind: str) -> Any:
+    found = [r for r in read_wandb_records(run_dir) if r.WhichOneof("record_type") == kind]
+    assert found, f"no {kind} record"
+    return getattr(found[-1], kind)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [row["_step"] for row in read_wandb_history(run_dir)]
+
+
+def _user(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if not k.startswith("_")}
 
 
 def _offline_run(tmp_path: Path, rows: list[dict[str, float]], *, status: Any) -> Path:
     """Write ``rows`` at steps 0, 2, 4, ... and return the run folder."""
     adapter = WandbAdapter(mode="offline", dir=tmp_path / "wb", project="proj")
     adapter.open(run=RunInfo(project="ignored", name="run-w", tags=("t1", "t2"), config={"lr": 0.25, "opt": {"b": 2}}))
-    run_dir = Path(adapter.run.dir).parent
     for i, metrics in enumerate(rows):
         adapter.write(step=2 * i, metrics=metrics)
     adapter.flush()
     adapter.close(status=status)
-    return run_dir
+    return _run_dir(adapter)
+
+
+def _open(run: RunInfo | None = None, **options: Any) -> WandbAdapter:
+    adapter = WandbAdapter(**options)
+    adapter.open(run=run or RunInfo(id=RUN_ID))
+    return adapter
+
+
+def _write_close(adapter: WandbAdapter, steps: range, *, offset: float = 0.0) -> Path:
+    for step in steps:
+        adapter.write(step=step, metrics={"x": offset + step})
+    adapter.close(status="finished")
+    return _run_dir(adapter)
 
 
 def test_history_matches_every_point(tmp_path: Path) -> None:
@@ -39,16 +92,10 @@ def test_history_matches_every_point(tmp_path: Path) -> None:
     history = read_wandb_history(_offline_run(tmp_path, rows, status="finished"))
     assert [h["_step"] for h in history] == [2 * i for i in range(len(rows))]
     for got, want in zip(history, rows, strict=True):
-        user = {k: v for k, v in got.items() if not k.startswith("_")}
+        user = _user(got)
         assert user.keys() == want.keys()
         for key, value in want.items():
             assert user[key] == value or (math.isnan(value) and math.isnan(user[key]))
-
-
-def _record(run_dir: Path, kind: str) -> Any:
-    found = [r for r in read_wandb_records(run_dir) if r.WhichOneof("record_type") == kind]
-    assert found, f"no {kind} record"
-    return getattr(found[-1], kind)
 
 
 def test_finished_run_exits_zero_with_metadata(tmp_path: Path) -> None:
@@ -75,3 +122,214 @@ def test_uri_spec_sets_project() -> None:
     assert isinstance(adapter, WandbAdapter)
     assert adapter.project == "my-project"
     assert adapter.run is None
+
+
+def test_run_id_is_the_runs_id(tmp_path: Path) -> None:
+    """The wandb run id is RunInfo.id; identity names it, the project and the run folder (under WANDB_DIR)."""
+    adapter = _open(RunInfo(project="p1", id=RUN_ID))
+    run_dir = _write_close(adapter, range(2))
+    assert adapter.identity == {"run_id": RUN_ID, "project": "p1", "dir": str(run_dir)}
+    assert run_dir.parent == tmp_path / "wandb"
+    assert run_dir.name.startswith("offline-run-")
+    assert run_dir.name.endswith(RUN_ID)
+    assert _record(run_dir, "run").run_id == RUN_ID
+
+
+def test_two_opens_write_one_wandb_run() -> None:
+    """A resumed adapter (same RunInfo.id) writes a second offline folder of the same wandb run id, resume allowed."""
+    first = _open()
+    first_dir = _write_close(first, range(3))
+    second = WandbAdapter()
+    second.resume(after_step=2, identity=first.identity)
+    second.open(run=RunInfo(id=RUN_ID))
+    second_dir = _write_close(second, range(3, 5))
+    assert second_dir != first_dir
+    for run_dir in (first_dir, second_dir):
+        run = _record(run_dir, "run")
+        assert (run.run_id, run.resume) == (RUN_ID, True)
+    assert _steps(first_dir) == [0, 1, 2]
+    assert _steps(second_dir) == [3, 4]
+
+
+def test_resume_keeps_the_identitys_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """resume() with an identity reopens that wandb run and project, even if RunInfo and WANDB_PROJECT differ."""
+    first = _open(RunInfo(project="kept", id=RUN_ID))
+    _write_close(first, range(1))
+    wandb.teardown()  # a new process, with another environment
+    monkeypatch.setenv("WANDB_PROJECT", "env-project")
+    second = WandbAdapter()
+    second.resume(after_step=0, identity=first.identity)
+    second.open(run=RunInfo(project="other", id="20261203-160000-aaaaaa"))
+    run_dir = _write_close(second, range(1, 2))
+    run = _record(run_dir, "run")
+    assert (run.run_id, run.project) == (RUN_ID, "kept")
+
+
+def test_env_project_and_group_used_when_options_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WANDB_PROJECT, WANDB_RUN_GROUP, WANDB_JOB_TYPE and WANDB_NOTES win over metricbus's run."""
+    monkeypatch.setenv("WANDB_PROJECT", "env-project")
+    monkeypatch.setenv("WANDB_RUN_GROUP", "env-group")
+    monkeypatch.setenv("WANDB_JOB_TYPE", "env-job")
+    monkeypatch.setenv("WANDB_NOTES", "env notes")
+    run = _record(_write_close(_open(RunInfo(project="mb-project", id=RUN_ID)), range(1)), "run")
+    assert (run.project, run.run_group, run.job_type, run.notes) == ("env-project", "env-group", "env-job", "env notes")
+
+
+def test_explicit_options_win_over_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """project, group, job_type, notes and dir given to the adapter win over WANDB_* variables."""
+    monkeypatch.setenv("WANDB_PROJECT", "env-project")
+    monkeypatch.setenv("WANDB_RUN_GROUP", "env-group")
+    monkeypatch.setenv("WANDB_JOB_TYPE", "env-job")
+    adapter = _open(project="opt-project", group="opt-group", job_type="eval", notes="opt notes", dir=tmp_path / "d")
+    run_dir = _write_close(adapter, range(1))
+    assert run_dir.parent == tmp_path / "d" / "wandb"
+    run = _record(run_dir, "run")
+    assert (run.project, run.run_group, run.job_type, run.notes) == ("opt-project", "opt-group", "eval", "opt notes")
+
+
+def test_env_run_id_replaces_runs_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With WANDB_RUN_ID set, that id names the wandb run instead of RunInfo.id."""
+    monkeypatch.setenv("WANDB_RUN_ID", "env-run-id")
+    adapter = _open()
+    run_dir = _write_close(adapter, range(1))
+    assert _record(run_dir, "run").run_id == "env-run-id"
+    assert adapter.identity is not None
+    assert adapter.identity["run_id"] == "env-run-id"
+
+
+def test_env_mode_and_dir_respected(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """WANDB_MODE and WANDB_DIR apply when mode and dir are unset; mode="disabled" overrides WANDB_MODE=offline."""
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "env-dir"))
+    run_dir = _write_close(_open(), range(1))
+    assert run_dir.parent == tmp_path / "env-dir" / "wandb"
+    assert run_dir.name.startswith("offline-run-")
+    disabled = _open(mode="disabled")
+    disabled.write(step=0, metrics={"x": 1.0})
+    disabled.flush()
+    disabled.close(status="finished")
+    assert disabled.identity is not None
+    assert "dir" not in disabled.identity
+    assert len(list((tmp_path / "env-dir" / "wandb").glob("*run-*"))) == 1
+
+
+def test_two_writes_at_one_step_share_a_row() -> None:
+    """A second write at a step (after a flush) joins that step's row; the next step opens a new row."""
+    adapter = _open()
+    adapter.write(step=1, metrics={"train/loss": 0.5})
+    adapter.flush()
+    adapter.write(step=1, metrics={"eval/acc": 0.75})
+    adapter.write(step=2, metrics={"train/loss": 0.25})
+    adapter.close(status="finished")
+    history = read_wandb_history(_run_dir(adapter))
+    assert [(row["_step"], _user(row)) for row in history] == [
+        (1, {"train/loss": 0.5, "eval/acc": 0.75}),
+        (2, {"train/loss": 0.25}),
+    ]
+
+
+def test_flush_puts_closed_rows_in_the_file() -> None:
+    """Once flush() returned, every row but the last step's (still open) is in the .wandb file."""
+    adapter = _open()
+    for step in range(5):
+        adapter.write(step=step, metrics={"x": float(step)})
+    adapter.flush()
+    run_dir = _run_dir(adapter)
+    assert [row["_step"] for row in wandb_history_of(read_wandb_records_now(run_dir))] == [0, 1, 2, 3]
+    adapter.close(status="finished")
+    assert _steps(run_dir) == [0, 1, 2, 3, 4]
+
+
+def test_close_returns_after_the_exit_record_is_written() -> None:
+    """close() returns only once the exit record is in the .wandb file."""
+    adapter = _open()
+    run_dir = _write_close(adapter, range(3))
+    kinds = [r.WhichOneof("record_type") for r in read_wandb_records_now(run_dir)]
+    assert "exit" in kinds
+
+
+def test_rewind_reopens_the_run_from_that_step() -> None:
+    """rewind(step=3) ends the folder and opens one more whose branch point is step 2 and whose history restarts."""
+    adapter = _open()
+    for step in range(6):
+        adapter.write(step=step, metrics={"x": float(step)})
+    first_dir = _run_dir(adapter)
+    adapter.rewind(step=3)
+    second_dir = _write_close(adapter, range(3, 5), offset=100.0)
+    assert second_dir != first_dir
+    assert _steps(first_dir) == [0, 1, 2, 3, 4, 5]
+    assert _record(first_dir, "exit").exit_code == 0
+    run = _record(second_dir, "run")
+    assert run.run_id == RUN_ID
+    assert (run.branch_point.run, run.branch_point.metric, run.branch_point.value) == (RUN_ID, "_step", 2.0)
+    assert [(row["_step"], row["x"]) for row in read_wandb_history(second_dir)] == [(3, 103.0), (4, 104.0)]
+
+
+def test_attach_logs_into_the_trainers_run_and_leaves_it_running() -> None:
+    """attach=True logs into wandb.run; close() leaves that run active for the trainer to finish."""
+    trainer = wandb.init(project="trainer", id="trainer-run", settings=wandb.Settings(x_disable_stats=True))
+    adapter = _open(attach=True)
+    assert adapter.run is trainer
+    assert adapter.identity is not None
+    assert adapter.identity["run_id"] == "trainer-run"
+    adapter.write(step=0, metrics={"mb/loss": 1.0})
+    adapter.write(step=1, metrics={"mb/loss": 0.5})
+    adapter.rewind(step=1)  # the trainer's run is not rewound
+    adapter.flush()
+    adapter.close(status="finished")
+    assert wandb.run is trainer
+    trainer.log({"own": 2.0}, step=2)
+    trainer.finish()
+    history = read_wandb_history(Path(trainer.settings.sync_dir))
+    assert [(row["_step"], _user(row)) for row in history] == [
+        (0, {"mb/loss": 1.0}),
+        (1, {"mb/loss": 0.5}),
+        (2, {"own": 2.0}),
+    ]
+
+
+def test_attach_without_an_active_run_fails_at_open() -> None:
+    """attach=True with no wandb.run raises ConfigError at open, saying to call wandb.init() first."""
+    with pytest.raises(ConfigError, match=r"attach=True.*wandb\.init\(\)"):
+        _open(attach=True)
+
+
+def test_own_run_leaves_an_active_trainer_run_alone() -> None:
+    """Without attach, the adapter opens its own run beside an active one; wandb.run stays the trainer's."""
+    trainer = wandb.init(project="trainer", id="trainer-run", settings=wandb.Settings(x_disable_stats=True))
+    adapter = _open()
+    assert adapter.run is not trainer
+    assert adapter.run.id == RUN_ID
+    assert wandb.run is trainer
+    _write_close(adapter, range(2))
+    assert wandb.run is trainer
+    trainer.finish()
+
+
+def test_misspelled_mode_raises_at_construction() -> None:
+    """mode="ofline" raises ConfigError naming the close match and every mode wandb accepts."""
+    with pytest.raises(ConfigError, match=r"'ofline'.*did you mean 'offline'.*" + ", ".join(MODES)):
+        WandbAdapter(mode="ofline")
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"project": 3}, "'project'"),
+        ({"group": ["g"]}, "'group'"),
+        ({"dir": 5}, "'dir'"),
+        ({"attach": "yes"}, "'attach'"),
+        ({"project": "a/b"}, "'a/b'"),
+        ({"attach": True, "project": "p"}, "attach=True.*project"),
+    ],
+)
+def test_invalid_options_raise_at_construction(options: dict[str, Any], named: str) -> None:
+    """A wrongly typed or invalid option raises ConfigError naming it."""
+    with pytest.raises(ConfigError, match=named):
+        WandbAdapter(**options)
+
+
+def test_missing_wandb_raises_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without wandb installed, constructing the adapter says how to install it."""
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(AdapterNotFoundError, match=r"pip install 'metricbus\[wandb\]'"):
+        WandbAdapter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ torch = pytest.importorskip("torch")
 mp = torch.multiprocessing
 
 from metricbus import MetricBus  # noqa: E402
+from metricbus.journal import read_journal  # noqa: E402
+from metricbus.replay import emitted  # noqa: E402
 from tests import dist_workers  # noqa: E402  (after the importorskip)
 
 TIMEOUT_S = 120
@@ -166,3 +169,27 @@ def test_a_metric_one_rank_drops_is_dropped_on_every_rank() -> None:
         assert first.startswith("MetricValueError"), first
         assert "'t'" in first
         assert second == {"t": 5.0}
+
+
+def test_a_name_committed_twice_at_one_step_raises_on_every_rank() -> None:
+    """Training then evaluation at one step works across ranks; a name again at that step (on rank 0 only) raises
+    StepError on both ranks (no hang) and the record is committed with the next step."""
+    results = _spawn(dist_workers.review_worker, 2, "samestep")
+    for rank in range(2):
+        train, evaluation, again, later = results[rank]
+        assert (train, evaluation) == ({"train/x": 0.5}, {"eval/x": 0.5})
+        assert again.startswith("StepError: step 1: 'train/x' already committed"), again
+        assert later == {"train/x": 10.0}
+
+
+def test_a_resume_at_an_earlier_step_is_one_timeline_on_every_rank(tmp_path: Path) -> None:
+    """Two ranks commit 0..9, then resume on the same journal at step 5: one run id, one timeline."""
+    journal = tmp_path / "j"
+    results = _spawn(dist_workers.review_worker, 2, f"resume:{journal}")
+    ids = {run_id for rank in range(2) for run_id in results[rank]}
+    assert len(ids) == 1
+    replayed = read_journal(journal)
+    assert replayed.run.id in ids
+    assert list(emitted(replayed)) == [(s, {"x": 1.0 * s + 0.5}) for s in range(5)] + [
+        (s, {"x": 100.0 * s + 0.5}) for s in range(5, 8)
+    ]
