@@ -59,7 +59,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from metricbus.adapter import RunInfo, Status
-from metricbus.errors import AdapterNotFoundError, ConfigError
+from metricbus.errors import AdapterNotFoundError, ConfigError, MetricValueError
 
 from ._names import NameMapper, mlflow_key, mlflow_mapper
 
@@ -367,6 +367,8 @@ class MlflowAdapter:
             raise RuntimeError("MlflowAdapter.write() before open()")
         now_ms = time.time_ns() // 1_000_000
         metric, names, step = self._metric, self._names, int(step)
+        if not -(2**63) <= step < 2**63:  # sqlite fails with an INTERNAL_ERROR, which would be retried for ever
+            raise MetricValueError(f"step {step} is outside MLflow's int64 step range; MLflow cannot store it")
         batch = [metric(names(key), float(value), now_ms, step) for key, value in metrics.items()]
         if self._held:
             held = self._held

@@ -5,7 +5,7 @@ metadata, so ``EventAccumulator(folder, size_guidance={"tensors": 0}).Tensors(ta
 bit for bit (``tensor_util.make_ndarray(event.tensor_proto).item()``; NaN payloads, ±inf, -0.0, subnormals
 included). ``Scalars(tag)`` has none of them: it lists float32 ``simple_value`` summaries only. TensorBoard's
 multiplexer (``tensorboard --load_fast=false``) plots and serves them as float64; its default fast loader
-(tensorboard-data-server 0.7) reads float32 scalars only and shows none of these tags. At open the run's project,
+(tensorboard-data-server 0.7.2) reads float32 scalars only and shows none of these tags. At open the run's project,
 id, name, tags and config go into a text summary with tag ``metricbus/run``, and the config, flattened with ``.``
 (bool, int, float and str kept, anything else as ``str()``), into an hparams session start (group = run id), both
 at step 0.
@@ -23,8 +23,8 @@ event at a step ``> N`` (``>= S``; every event when ``N`` is None) and a torn la
 one value per step, the legacy ``EventAccumulator`` included (it never purges tensors). Other writers' files are
 never changed. (2) The new event file starts as ``SummaryWriter(purge_step=P)`` starts one: a ``file_version`` and
 a ``SessionLog(status=START)`` event at step ``P`` (``N + 1``, ``S``, or the smallest int64 when ``N`` is None), so
-a running TensorBoard drops what it already loaded and other writers' later steps are hidden. The run text and
-hparams are written again when the cut removed them.
+a running ``tensorboard --load_fast=false`` drops what it already loaded and other writers' later steps are hidden
+from readers that honour START. The run text and hparams are written again when the cut removed them.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def _protos() -> SimpleNamespace:
 
 
 class TensorBoardAdapter:
-    """Writes one event per step under ``log_dir`` (default ``runs/<project>/<run id>/tensorboard``)."""
+    """Writes one event per ``write()`` under ``log_dir`` (default ``runs/<project>/<run id>/tensorboard``)."""
 
     name = "tensorboard"
 
@@ -223,7 +223,7 @@ class TensorBoardAdapter:
         self._resumed_dir: str | None = None
         self._purge_step: int | None = None  # set by resume(): the first step open() hides
         self._folder: Path | None = None
-        self._run = RunInfo()
+        self._run: RunInfo | None = None
         self._pb: Any = None
         self._file: IO[bytes] | None = None
         self._records: Any = None
@@ -241,6 +241,12 @@ class TensorBoardAdapter:
         """``{"log_dir": absolute folder}`` after open, None before."""
         return None if self._folder is None else {"log_dir": str(self._folder)}
 
+    @property
+    def cursor_key(self) -> str:
+        """Names the delivery cursor: the given folder (absolute) or the per-run default; the same before and after
+        open (``log_dir`` is not: None until the default folder is decided)."""
+        return f"tensorboard:{os.path.abspath(self._log_dir) if self._log_dir else 'runs/<project>/<run id>'}"
+
     def resume(self, *, after_step: int | None, identity: Mapping[str, str] | None = None) -> None:
         """Before open: hide the steps after ``after_step`` (None: every step) at open; see the module doc."""
         self._purge_step = _INT64_MIN if after_step is None else int(after_step) + 1
@@ -253,16 +259,16 @@ class TensorBoardAdapter:
         pb = _protos()
         path = self._log_dir or self._resumed_dir or os.path.join("runs", run.project, run.id, "tensorboard")
         folder = Path(os.path.abspath(path))
-        self._pb, self._run = pb, run
+        self._pb = pb
         try:
             folder.mkdir(parents=True, exist_ok=True)
             purge = self._purge_step
             has_run_text = purge is not None and _cut(folder, before_step=purge, pb=pb)
-            self._start_file(folder, purge_step=purge, run_text=not has_run_text)
+            self._start_file(folder, run, purge_step=purge, run_text=not has_run_text)
         except OSError as exc:
             message = f"cannot write TensorBoard events under {str(folder)!r}: {exc.strerror or exc}"
             raise (OSError(exc.errno, message) if exc.errno else OSError(message)) from exc
-        self._folder = folder
+        self._folder, self._run = folder, run
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Write one event holding every metric of ``step`` as a float64 scalar tensor."""
@@ -284,11 +290,11 @@ class TensorBoardAdapter:
 
     def rewind(self, *, step: int) -> None:
         """Hide every event at a step ``>= step`` (cut from metricbus's files, purged by START); start a new file."""
-        if self._records is None or self._folder is None:
+        if self._records is None or self._folder is None or self._run is None:
             raise RuntimeError("TensorBoardAdapter.rewind() before open()")
         self._close_file()
         has_run_text = _cut(self._folder, before_step=int(step), pb=self._pb)
-        self._start_file(self._folder, purge_step=int(step), run_text=not has_run_text)
+        self._start_file(self._folder, self._run, purge_step=int(step), run_text=not has_run_text)
 
     def flush(self) -> None:
         """Make every written event durable (flush, then ``fsync``)."""
@@ -309,8 +315,8 @@ class TensorBoardAdapter:
     def _add(self, **fields: Any) -> None:
         self._records.write(self._pb.Event(wall_time=time.time(), **fields).SerializeToString())
 
-    def _start_file(self, folder: Path, *, purge_step: int | None, run_text: bool) -> None:
-        pb, run = self._pb, self._run
+    def _start_file(self, folder: Path, run: RunInfo, *, purge_step: int | None, run_text: bool) -> None:
+        pb = self._pb
         self._file = _next_event_file(folder).open("xb")
         self._records, self._tags_in_file = pb.RecordWriter(self._file), set()
         self._add(file_version="brain.Event:2", source_metadata=pb.SourceMetadata(writer=WRITER))

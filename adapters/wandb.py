@@ -2,34 +2,36 @@
 
 **One metricbus run is one wandb run.** The run is opened with ``id=run.id`` and ``resume="allow"``, so a trainer
 resumed on the same journal and ``metricbus sync`` write into the same wandb run id. Offline, each process writes
-its own folder ``<dir>/wandb/offline-run-<time>-<id>/``, all with that run id; ``wandb sync`` uploads them.
+its own folder ``<dir>/wandb/offline-run-<time>-<id>/`` (``<dir>``: the ``dir`` option, else ``WANDB_DIR``, else
+the working directory), every one with that run id; ``wandb sync`` uploads them.
 
 **wandb's own settings are respected as** ``wandb.init`` **does**: an adapter option wins, then wandb's settings
 (``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_RUN_ID``, ``WANDB_NAME``, ``WANDB_TAGS``, ``WANDB_RUN_GROUP``,
-``WANDB_JOB_TYPE``, ``WANDB_NOTES``, ``WANDB_MODE``, ``WANDB_DIR``, and wandb's settings files, as wandb loaded
-them), then metricbus's run (``run.project``, ``run.id``, ``run.name``, ``run.tags``). After ``resume()``, the run id,
-project and entity its ``identity`` names come right after the options, so the same wandb run is reopened even if
-the environment changed. ``resume`` is always ``"allow"`` (``WANDB_RESUME`` is overridden).
+``WANDB_JOB_TYPE``, ``WANDB_NOTES``, ``WANDB_MODE``, ``WANDB_DIR`` and wandb's settings files, as ``wandb.setup``
+loaded them), then metricbus's run (``run.project``, ``run.id``, ``run.name``, ``run.tags``). After ``resume()``,
+the run id, project and entity its ``identity`` names come right after the options, so the same wandb run is
+reopened even if the environment changed. ``resume`` is always ``"allow"`` (``WANDB_RESUME`` is overridden).
 
 **attach=True** logs into the ``wandb.run`` the trainer started: no ``wandb.init``, the run is not finished at close
-(the trainer owns it), and its name, tags and config are left as the trainer set them. Otherwise the adapter's run
-is created with ``reinit="create_new"``: a run the trainer has active is left alone (wandb's default would return
-that run, and the adapter would log into it and finish it), and ``wandb.run`` stays the trainer's.
+(the trainer owns it), its name, tags and config stay as the trainer set them, and it is never rewound. Without
+attach the adapter's run is created with ``reinit="create_new"``: a run the trainer has active is left alone
+(wandb's default, ``"return_previous"`` outside notebooks, would hand back that run, and the adapter would log
+into it and finish it), and ``wandb.run`` stays the trainer's.
 
 **Rows.** Writes at one step (training, then evaluation) merge into one history row: wandb keeps a step's row open
-until a later step arrives or the run finishes, and drops a step lower than one it already closed (with only a
-warning). ``flush()`` therefore leaves the last written step's row open, and waits until every closed row is in
-the run's ``.wandb`` file: wandb-core writes that file every ``x_transaction_log_flush_interval`` seconds (15 by
-default; the adapter sets 0.1 unless that setting is set), and a process that dies loses what was not written
-yet. The last step's row reaches the file with the next step or at close; a crash before then loses it. The wait
-is skipped for attached runs, ``shared`` and ``disabled`` modes, ``x_skip_transaction_log`` and an interval over
-1 s. ``close()`` waits (bounded) until the exit record is in the file: ``run.finish()`` can return before it.
+until a later step arrives or the run finishes, and drops, with a warning, a step lower than one it closed.
+``flush()`` therefore leaves the last written step's row open and waits until every closed row is in the run's
+``.wandb`` file. wandb-core writes that file every ``x_transaction_log_flush_interval`` seconds (15 by default;
+the adapter sets 0.1 unless that setting is set), and a process killed before then loses what was not written.
+The last step's row reaches the file with the next step or at close; a crash before then loses it although
+``flush()`` returned. The wait is skipped for attached runs, ``shared`` and ``disabled`` modes,
+``x_skip_transaction_log``, TensorBoard syncing and an interval over 1 s. ``close()`` waits (bounded) until the
+exit record is in the file: ``run.finish()`` can return before it is.
 
-**rewind(step=S)** finishes the run and opens it again with ``resume_from="<id>?_step=<S-1>"`` (wandb's run
-rewind, beta), so every step from S on is written again. Offline this makes one more folder, whose run record
-carries the branch point (run id, ``_step``, S-1) and whose history starts at S; ``wandb sync`` hands that to the
-server, which truncates the run there. Attached runs are not rewound: wandb drops the re-sent steps below its
-current step.
+**rewind(step=S)** finishes the run and opens it again with ``resume_from="<id>?_step=<S-1>"`` (wandb's run rewind,
+beta), so steps from S on are logged again. Offline this makes one more folder, whose run record carries the branch
+point (run id, ``_step``, S-1) and whose history starts at S; by wandb's documentation the server truncates the
+run's history there when it receives it (not checked against a server here).
 
 ``mode`` is checked at construction against what wandb accepts. System-stats sampling is off
 (``x_disable_stats=True``), so no ``wandb-symon`` process is spawned. Metric names are passed through.
@@ -163,8 +165,9 @@ class WandbAdapter:
     def resume(self, *, after_step: int | None, identity: Mapping[str, str] | None = None) -> None:
         """Reopen the run ``identity`` names (else the run's id); config values may change.
 
-        The steps after ``after_step`` are sent again with the values sent before (from the journal): offline they
-        are written again into the new folder; online, wandb drops those the server already holds.
+        The steps after ``after_step`` come again with the values they had (from the journal). Offline they are
+        written again, into the new folder; online, ``resume="allow"`` continues after the run's last step on the
+        server (wandb.init's documentation), so wandb drops those the server holds (not checked against a server).
         """
         del after_step  # resume="allow" continues the run; nothing is cut (see the docstring)
         self._resuming = True
@@ -189,7 +192,7 @@ class WandbAdapter:
                 "the bus opens, or leave attach False so the adapter starts its own run"
             )
         self._run, self._file, self._first_step = active, None, 0
-        self._identity = self._identity_of(active)
+        self._identity = self._identity_of(active, active.settings)
 
     def _start(self, wandb: Any, *, rewind_to: int | None) -> None:
         """``wandb.init`` the run: resume="allow", or rewound so that ``rewind_to`` is its next step."""
@@ -210,7 +213,7 @@ class WandbAdapter:
             name=_pick(None, None, own.run_name, run.name),
             tags=_pick(None, None, own.run_tags, list(run.tags) or None),
             config=dict(run.config),
-            allow_val_change=self._resuming or rewind_to is not None,
+            allow_val_change=True if self._resuming or rewind_to is not None else None,
             group=self._group,
             job_type=self._job_type,
             notes=self._notes,
@@ -220,28 +223,29 @@ class WandbAdapter:
             reinit="create_new",  # leave a run the trainer has active alone (see the module docstring)
             **branch,
         )
-        self._identity = self._identity_of(self._run)
+        current = self._run.settings  # a deep copy: read once
+        self._identity = self._identity_of(self._run, current)
         self._kept = {key: self._identity[key] for key in _IDENTITY_KEYS if key in self._identity}
         self._first_step = int(self._run.starting_step or 0)
         self._open_step = self._closed_step = None
-        current = self._run.settings  # a deep copy: read once
         interval = current.x_transaction_log_flush_interval
         writes_file = current.mode in ("online", "offline", "dryrun", "run") and not current.x_skip_transaction_log
+        writes_file = writes_file and not wandb.patched["tensorboard"]  # TensorBoard syncing drops the given steps
         self._file = _RunFile(current.sync_file) if writes_file and 0 < interval <= WAIT_INTERVAL_MAX_S else None
 
     @staticmethod
-    def _identity_of(run: Any) -> dict[str, str]:
+    def _identity_of(run: Any, settings: Any) -> dict[str, str]:
         identity = {"run_id": str(run.id), "project": str(run.project)}
         if run.entity:
             identity["entity"] = str(run.entity)
-        if not run.disabled:
-            identity["dir"] = str(run.settings.sync_dir)
+        if settings.mode != "disabled":
+            identity["dir"] = str(settings.sync_dir)
         return identity
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Log ``metrics`` into the row of ``step`` (a second write at one step joins the same row)."""
         if self._run is None:
-            raise RuntimeError("WandbAdapter.write() before open()")
+            raise RuntimeError("WandbAdapter.write() without an open run")
         if not metrics:
             return
         names, step = self._names, int(step)
@@ -257,10 +261,19 @@ class WandbAdapter:
         if file is not None and step is not None:
             file.wait(lambda: file.last_step is not None and file.last_step >= step, f"the row of step {step}")
 
+    @property
+    def durable_step(self) -> int | None:
+        """The last step whose row is in the run file after ``flush()``: the last step's row stays open until a
+        later step or ``close()``, so the delivery cursor acknowledges it only then (a kill before loses no
+        acknowledged row). Without a file to follow (attached, disabled), what ``flush()`` covers."""
+        if self._file is None:
+            return self._open_step
+        return self._closed_step
+
     def rewind(self, *, step: int) -> None:
         """Finish the run and reopen it rewound to ``step`` (``resume_from``); attached runs are left as they are."""
         if self._run is None:
-            raise RuntimeError("WandbAdapter.rewind() before open()")
+            raise RuntimeError("WandbAdapter.rewind() without an open run")
         if self._attach:
             return
         import wandb

@@ -29,6 +29,9 @@ Optional, looked up with ``getattr``:
   purges those events, jsonl cuts its file) or do nothing where the backend cannot (MLflow keeps both values).
 * ``permanent_errors``: a tuple of exception types that mean "the backend rejects this step's data for good"
   (the step is skipped and recorded as a gap instead of retried).
+* ``durable_step``: after ``flush()``, the last written step that is durable, when that can be less than the last
+  one written (wandb keeps the last step's row open until a later step arrives); the cursor advances only to it.
+  Everything written counts as durable once ``close()`` returned.
 * ``cursor_key``: a string naming the backend target, when two adapter objects must share one delivery cursor.
 """
 

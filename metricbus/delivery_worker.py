@@ -129,7 +129,8 @@ class Worker:
         if self.open_error is None:
             self._flush()
             final: Status = "failed" if self.gaps or self.stopped is not None else status
-            self._call("close", lambda: self.adapter.close(status=final))
+            if self._call("close", lambda: self.adapter.close(status=final)) and self.last_step is not None:
+                self._acknowledge(self.last_step)  # close made every written step durable
 
     def _next(self) -> _Item | None:
         """The next item; flushes when a flush falls due while waiting. None: abandoned and empty."""
@@ -234,22 +235,41 @@ class Worker:
             return
         finally:
             self.busy_since = None
-        step, self.unacked, self.unacked_count = self.unacked, None, 0
-        on_delivered = self.delivery.on_delivered
-        if step is not None:
-            self.acked = step
-            if on_delivered is not None:
-                self._call("on_delivered", lambda: on_delivered(self.index, self.adapter, step))
+        written, self.unacked, self.unacked_count = self.unacked, None, 0
+        if written is not None:
+            self._acknowledge(self._durable(written))
 
-    def _call(self, verb: str, fn: Callable[[], object]) -> None:
+    def _durable(self, written: int) -> int | None:
+        """The last step durable after a flush: ``written``, or less where the adapter's optional ``durable_step``
+        says so (wandb keeps the last step's row open until a later step or close)."""
+        if not hasattr(self.adapter, "durable_step"):
+            return written
+        try:
+            durable = self.adapter.durable_step
+        except Exception:
+            return None
+        return None if durable is None else min(written, int(durable))
+
+    def _acknowledge(self, step: int | None) -> None:
+        """Advance the cursor to ``step`` (never back)."""
+        on_delivered = self.delivery.on_delivered
+        if step is None or (self.acked is not None and step <= self.acked):
+            return
+        self.acked = step
+        if on_delivered is not None:
+            self._call("on_delivered", lambda: on_delivered(self.index, self.adapter, step))
+
+    def _call(self, verb: str, fn: Callable[[], object]) -> bool:
         try:
             self._busy(verb)
             fn()
         except Exception as exc:
             self.failures += 1
             self._fail(verb, self.last_step, exc, kind=verb)
+            return False
         finally:
             self.busy_since = None
+        return True
 
     def _fail(self, verb: str, step: int | None, exc: BaseException, *, kind: str) -> None:
         self.delivery.report(logging.ERROR, self.label, kind, "adapter %r failed in %s at step %s: %r",

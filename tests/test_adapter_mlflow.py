@@ -190,6 +190,24 @@ def test_two_writes_at_one_step_keep_both_parts(sqlite_uri: str) -> None:
     assert [_history(client, adapter.run_id, key) for key in ("train/loss", "eval/loss")] == [[(5, 1.5)], [(5, 2.5)]]
 
 
+def test_step_outside_int64_is_refused(sqlite_uri: str) -> None:
+    """A step MLflow cannot store raises MetricValueError (a permanent rejection), and later steps still land."""
+    from mlflow.tracking import MlflowClient
+
+    from metricbus.errors_classify import classify
+
+    adapter = MlflowAdapter(tracking_uri=sqlite_uri)
+    adapter.open(run=RunInfo(project="int64"))
+    for step in (2**63, -(2**63) - 1):
+        with pytest.raises(MetricValueError, match=rf"step {step} is outside MLflow's int64 step range") as caught:
+            adapter.write(step=step, metrics={"loss": 1.0})
+        assert classify(caught.value) == "permanent"
+    adapter.write(step=2**63 - 1, metrics={"loss": 2.0})
+    adapter.close(status="finished")
+    assert adapter.run_id is not None
+    assert _history(MlflowClient(tracking_uri=sqlite_uri), adapter.run_id, "loss") == [(2**63 - 1, 2.0)]
+
+
 # -- names ---------------------------------------------------------------------------------------------------------
 
 

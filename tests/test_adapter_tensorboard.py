@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -250,6 +251,18 @@ def test_resume_uses_the_default_folder_of_the_same_run_id(tmp_path: Path) -> No
     assert read_tensors(_folder(first), "x") == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
 
 
+def test_cursor_key_is_the_same_before_and_after_open(tmp_path: Path) -> None:
+    """The journal's cursor file for the adapter does not move when open() decides the default folder."""
+    from metricbus.journal import adapter_key
+
+    for adapter in (TensorBoardAdapter(), TensorBoardAdapter(log_dir="exp")):
+        before = adapter_key(adapter)
+        adapter.open(run=_run())
+        adapter.close(status="finished")
+        assert adapter_key(adapter) == before
+    assert adapter_key(TensorBoardAdapter(log_dir="a")) != adapter_key(TensorBoardAdapter(log_dir="b"))
+
+
 def test_explicit_log_dir_wins_over_identity(tmp_path: Path) -> None:
     """An explicit log_dir is kept even when resume hands back another folder."""
     adapter = TensorBoardAdapter(log_dir=tmp_path / "mine")
@@ -413,6 +426,13 @@ def _get_rows(base: str, tag: str) -> list[list[Any]]:
     return rows
 
 
+def _row_count(base: str, tag: str) -> int:
+    try:
+        return len(_get_rows(base, tag))
+    except urllib.error.HTTPError:  # the tag is not loaded yet
+        return 0
+
+
 def _decode(value: float | str) -> float:
     return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[value] if isinstance(value, str) else value
 
@@ -439,6 +459,8 @@ def test_tensorboard_server_serves_exact_values_and_hparams(tmp_path: Path) -> N
         base = f"http://127.0.0.1:{port}"
         wait_http(f"{base}/data/runs", proc=proc)
         poll_until(lambda: "." in get_json(f"{base}/data/runs"), what="tensorboard lists the run")
+        # The run is listed before it is loaded; the last tag written (in the last file) is complete last.
+        poll_until(lambda: _row_count(base, "hostile") == len(HOSTILE), what="tensorboard loads the run")
         for key, values in series.items():
             rows = _get_rows(base, key)
             assert [int(step) for _, step, _ in rows] == list(range(len(values)))

@@ -90,11 +90,12 @@ def _expected(config: Path) -> Series:
 
 
 def _tensorboard(log_dir: Path) -> Series:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in sorted(acc.Tags()["scalars"])}
+    from tb_reader import legacy_accumulator, tensor_points
+
+    acc = legacy_accumulator(log_dir)
+    tags = [t for t in sorted(acc.Tags()["tensors"]) if acc.SummaryMetadata(t).plugin_data.plugin_name == "scalars"]
+    return {tag: tensor_points(acc, tag) for tag in tags}
 
 
 def _mlflow(db: Path, names: list[str]) -> tuple[Series, str]:
@@ -121,8 +122,12 @@ def _wandb(wandb_dir: Path) -> Series:
     return dict(sorted(series.items()))
 
 
+def _bits(series: Series) -> dict[str, list[tuple[int, bytes]]]:
+    return {name: [(s, np.float64(v).tobytes()) for s, v in points] for name, points in series.items()}
+
+
 def test_three_backends_hold_memory_adapters_values(env: Path) -> None:
-    """TensorBoard (float32), MLflow sqlite and wandb offline each hold exactly the in-process values."""
+    """TensorBoard (float64), MLflow sqlite and wandb offline each hold exactly the in-process values."""
     configs = _configs(env)
     expected = _expected(configs["tensorboard"])
     assert len(expected) == 8
@@ -130,8 +135,7 @@ def test_three_backends_hold_memory_adapters_values(env: Path) -> None:
     for config in configs.values():
         _run_script(config, cwd=env)
 
-    float32 = {name: [(s, float(np.float32(v))) for s, v in points] for name, points in expected.items()}
-    assert _tensorboard(env / "tb") == float32
+    assert _bits(_tensorboard(env / "tb")) == _bits(expected)  # float64, bit for bit
 
     mlflow_series, status = _mlflow(env / "mlflow.db", sorted(expected))
     assert mlflow_series == expected

@@ -231,9 +231,9 @@ def test_tensorboard_out_of_range_step_is_skipped(isolated_env: Path) -> None:
         delivery.submit(step=step, metrics={"x": 0.5})
     assert delivery.flush(timeout_s=60)
     delivery.close(status="finished", timeout_s=60)
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("x")] == [0, 1, 2**63 - 2, 2**63 - 1]
+    assert [e.step for e in acc.Tensors("x")] == [0, 1, 2**63 - 2, 2**63 - 1]
     (gap,) = delivery.gaps
     assert gap.step == 2**63
     assert "Value out of range" in gap.reason

@@ -84,7 +84,7 @@ def test_name_spec_builds_default_adapter() -> None:
     """A bare name builds the adapter with its defaults."""
     adapter = registry.make_adapter("tensorboard")
     assert isinstance(adapter, TensorBoardAdapter)
-    assert adapter.log_dir == "runs/metricbus/tensorboard"
+    assert adapter.log_dir is None  # decided at open: runs/<project>/<run id>/tensorboard
     assert type(registry.make_adapter("console")).__name__ == "ConsoleAdapter"
 
 
