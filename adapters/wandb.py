@@ -28,6 +28,15 @@ The last step's row reaches the file with the next step or at close; a crash bef
 ``x_skip_transaction_log``, TensorBoard syncing and an interval over 1 s. ``close()`` waits (bounded) until the
 exit record is in the file: ``run.finish()`` can return before it is.
 
+**Steps sent again after a resume are written once.** The delivery cursor lags the ``.wandb`` file (a row is
+acknowledged about once a second), so after a kill the steps after ``after_step`` come again although the earlier
+process's file holds most of them. At open after ``resume()``, the complete history records of every earlier folder
+of the run id next to the identity's ``dir`` (``offline-run-*`` and ``run-*``) are read once, in start order, a
+rewound folder hiding the earlier folders' rows after its branch point; a (key, value) sent again at a step after
+``after_step`` that such a row already holds with the same value (bitwise, NaN equal to NaN) is not logged again,
+and a write left with nothing is not logged at all. A different value is logged. ``rewind(step=S)`` forgets what was
+read for the steps ``>= S``.
+
 **rewind(step=S)** finishes the run and opens it again with ``resume_from="<id>?_step=<S-1>"`` (wandb's run rewind,
 beta), so steps from S on are logged again. Offline this makes one more folder, whose run record carries the branch
 point (run id, ``_step``, S-1) and whose history starts at S; by wandb's documentation the server truncates the
@@ -40,12 +49,16 @@ run's history there when it receives it (not checked against a server here).
 from __future__ import annotations
 
 import difflib
+import glob
 import importlib.util
+import json
+import math
 import os
 import struct
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from metricbus.adapter import RunInfo, Status
@@ -141,7 +154,10 @@ class WandbAdapter:
         self._info: RunInfo | None = None
         self._kept: dict[str, str] = {}  # run_id, project, entity of the run to reopen (resume, rewind)
         self._resuming = False
+        self._after_step: int | None = None  # resume()'s cursor
+        self._written: dict[int, dict[str, Any]] = {}  # step -> {wandb key: value} earlier folders already hold
         self._identity: dict[str, str] | None = None
+        self._kept_dir: str | None = None  # the resumed identity's run folder
         self._file: _RunFile | None = None  # the run's .wandb file, when flush() waits for it
         self._first_step = 0  # wandb drops the steps below this one (a resumed or rewound run)
         self._open_step: int | None = None  # the last step written: wandb keeps its row open
@@ -169,9 +185,10 @@ class WandbAdapter:
         written again, into the new folder; online, ``resume="allow"`` continues after the run's last step on the
         server (wandb.init's documentation), so wandb drops those the server holds (not checked against a server).
         """
-        del after_step  # resume="allow" continues the run; nothing is cut (see the docstring)
-        self._resuming = True
+        self._resuming = True  # resume="allow" continues the run; nothing is cut, steps held are skipped at write
+        self._after_step = None if after_step is None else int(after_step)
         self._kept = {key: str(identity[key]) for key in _IDENTITY_KEYS if identity and identity.get(key)}
+        self._kept_dir = str(identity["dir"]) if identity and identity.get("dir") else None
 
     def open(self, *, run: RunInfo) -> None:
         """Start (or, with attach=True, take) the wandb run."""
@@ -184,6 +201,7 @@ class WandbAdapter:
         self._info = run
         if not self._attach:
             self._start(wandb, rewind_to=None)
+            self._written = {}
             return
         active = wandb.run
         if active is None:
@@ -233,6 +251,27 @@ class WandbAdapter:
         writes_file = writes_file and not wandb.patched["tensorboard"]  # TensorBoard syncing drops the given steps
         self._file = _RunFile(current.sync_file) if writes_file and 0 < interval <= WAIT_INTERVAL_MAX_S else None
 
+    def _read_written(self) -> dict[int, dict[str, Any]]:
+        """The rows after the resume cursor that earlier folders of this run id (next to the resumed ``dir``) hold."""
+        current, old = self._identity or {}, self._kept_dir
+        run_id = current.get("run_id")
+        if not old or not run_id:
+            return {}
+        folders = []
+        for path in Path(old).parent.glob("*/" + glob.escape(f"run-{run_id}.wandb")):
+            name = path.parent.name
+            if name.startswith(("offline-run-", "run-")) and str(path.parent) != current.get("dir"):
+                folders.append(_history_of(str(path)))
+        written: dict[int, dict[str, Any]] = {}
+        after = self._after_step
+        for _, branch, rows in sorted(folders, key=lambda folder: folder[0]):
+            if branch is not None:  # a rewound folder: the earlier folders' rows after its branch point are gone
+                written = {step: row for step, row in written.items() if step <= branch}
+            for step, row in rows.items():
+                if after is None or step > after:
+                    written.setdefault(step, {}).update(row)
+        return written
+
     @staticmethod
     def _identity_of(run: Any, settings: Any) -> dict[str, str]:
         identity = {"run_id": str(run.id), "project": str(run.project)}
@@ -249,7 +288,13 @@ class WandbAdapter:
         if not metrics:
             return
         names, step = self._names, int(step)
-        self._run.log({names(key): value for key, value in metrics.items()}, step=step)
+        row = {names(key): value for key, value in metrics.items()}
+        held = self._written.get(step) if self._written else None
+        if held:  # drop what an earlier folder of the run already holds at this step (see the module docstring)
+            row = {key: value for key, value in row.items() if key not in held or not _same(held[key], value)}
+            if not row:
+                return
+        self._run.log(row, step=step)
         if self._open_step is None or step > self._open_step:
             if self._open_step is not None and self._open_step >= self._first_step:
                 self._closed_step = self._open_step  # wandb closed that row when this later step arrived
@@ -278,6 +323,7 @@ class WandbAdapter:
             return
         import wandb
 
+        self._written = {held: row for held, row in self._written.items() if held < step}
         self._finish(exit_code=0)
         self._start(wandb, rewind_to=int(step))
 
@@ -345,6 +391,44 @@ class _RunFile:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"wandb did not write {what} to {self.path} within {FILE_WAIT_S:g} s")
             time.sleep(0.005)
+
+
+def _same(held: Any, value: Any) -> bool:
+    """Whether two metric values are the same float, bit for bit (every NaN equal to every NaN)."""
+    try:
+        a, b = float(held), float(value)
+    except (TypeError, ValueError):
+        return False
+    return (math.isnan(a) and math.isnan(b)) or struct.pack("<d", a) == struct.pack("<d", b)
+
+
+def _history_of(path: str) -> tuple[tuple[int, int], int | None, dict[int, dict[str, Any]]]:
+    """A ``.wandb`` file's (start time, rewind branch ``_step`` or None, {step: {key: value}}), complete records only
+    (a killed process's file ends without an exit record, maybe inside a record)."""
+    from wandb.proto import wandb_internal_pb2
+
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError:
+        return (0, 0), None, {}
+    start, branch = (0, 0), None
+    rows: dict[int, dict[str, Any]] = {}
+    for payload, _ in _records(data[HEADER_BYTES:], HEADER_BYTES):
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated at import, no stub
+        record.ParseFromString(payload)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            start = (record.run.start_time.seconds, record.run.start_time.nanos)
+            if record.run.branch_point.metric == "_step":
+                branch = int(record.run.branch_point.value)
+        elif kind == "history" and record.history.HasField("step"):
+            row = rows.setdefault(record.history.step.num, {})
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if not key.startswith("_"):
+                    row[key] = json.loads(item.value_json, parse_int=float)  # "-0" is -0.0
+    return start, branch, rows
 
 
 def _records(data: bytes, start: int) -> Iterator[tuple[bytes, int]]:

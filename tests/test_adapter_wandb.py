@@ -333,3 +333,76 @@ def test_missing_wandb_raises_at_construction(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(AdapterNotFoundError, match=r"pip install 'metricbus\[wandb\]'"):
         WandbAdapter()
+
+
+def _metrics(step: int, *, x: float | None = None) -> dict[str, float]:
+    return {"x": step + 0.1 if x is None else x, "nan": math.nan, "neg": -0.0}
+
+
+def _killed(adapter: WandbAdapter, steps: range) -> Path:
+    """Write ``steps`` and flush, then leave the run folder as a SIGKILL right then would: the closed rows only, no
+    exit record, a torn last record. (The run is finished to release wandb's state, then its file is put back.)"""
+    for step in steps:
+        adapter.write(step=step, metrics=_metrics(step))
+    adapter.flush()
+    run_dir = _run_dir(adapter)
+    (path,) = run_dir.glob("*.wandb")
+    data = path.read_bytes()
+    adapter.close(status="finished")
+    path.write_bytes(data + b"\x00\x00\x00\x00\x20\x00\x01partial")  # a record cut short by the kill
+    return run_dir
+
+
+def _rows_of_run(root: Path) -> list[dict[str, Any]]:
+    """The history rows of every folder of run RUN_ID under ``root`` (complete records only)."""
+    folders = sorted(root.glob(f"*run-*-{RUN_ID}*"))
+    return [row for folder in folders for row in wandb_history_of(read_wandb_records_now(folder))]
+
+
+def _same_row(got: dict[str, Any], want: dict[str, float]) -> bool:
+    user = _user(got)
+    return user.keys() == want.keys() and all(
+        math.isnan(v) and math.isnan(user[k]) or user[k] == v for k, v in want.items()
+    )
+
+
+def test_resume_after_a_kill_writes_each_step_once(tmp_path: Path) -> None:
+    """A killed process's file holds rows past the cursor; the resumed adapter writes only the steps it lacks."""
+    first = _open()
+    first_dir = _killed(first, range(10))
+    assert [row["_step"] for row in wandb_history_of(read_wandb_records_now(first_dir))] == list(range(9))
+    second = WandbAdapter()
+    second.resume(after_step=3, identity=first.identity)
+    second.open(run=RunInfo(id=RUN_ID))
+    for step in range(4, 15):
+        second.write(step=step, metrics=_metrics(step))
+        second.flush()
+    second.close(status="finished")
+    assert _steps(_run_dir(second)) == list(range(9, 15))
+    rows = _rows_of_run(tmp_path / "wandb")
+    assert sorted(row["_step"] for row in rows) == list(range(15))
+    for row in rows:
+        assert _same_row(row, _metrics(row["_step"])), row
+
+
+def test_resent_step_with_another_value_is_written(tmp_path: Path) -> None:
+    """After a resume, a step sent again with a changed value or a key not held is written (only that); after
+    rewind(step=S) the steps >= S are written again whatever the earlier folders hold."""
+    _killed(first := _open(), range(8))  # its file holds rows 0..6
+    second = WandbAdapter()
+    second.resume(after_step=1, identity=first.identity)
+    second.open(run=RunInfo(id=RUN_ID))
+    for step in range(2, 5):
+        second.write(step=step, metrics=_metrics(step, x=-1.0 if step == 3 else None))
+    second.write(step=4, metrics={"eval": 0.5})
+    second_dir = _run_dir(second)
+    second.rewind(step=5)
+    rewound_dir = _run_dir(second)
+    for step in (5, 6):
+        second.write(step=step, metrics=_metrics(step))
+    second.close(status="finished")
+    assert [(row["_step"], _user(row)) for row in read_wandb_history(second_dir)] == [
+        (3, {"x": -1}),
+        (4, {"eval": 0.5}),
+    ]
+    assert [row["_step"] for row in read_wandb_history(rewound_dir)] == [5, 6]

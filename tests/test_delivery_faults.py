@@ -187,7 +187,8 @@ def test_adapter_thread_dying_of_system_exit(caplog: pytest.LogCaptureFixture) -
 
 
 def test_permanent_mlflow_rejection_skips_the_step(isolated_env: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """MLflow rejects metric '...' at step 3: the other 9 steps reach MLflow, the gap is recorded, the run FAILED."""
+    """Step 3 holds two names that map to one MLflow key: that step is rejected for good, the other 9 steps reach
+    MLflow, the gap is recorded, the run FAILED."""
     from metricbus.adapters.mlflow import MlflowAdapter
     from mlflow.tracking import MlflowClient
 
@@ -199,7 +200,7 @@ def test_permanent_mlflow_rejection_skips_the_step(isolated_env: Path, caplog: p
     with caplog.at_level(logging.ERROR, logger="metricbus.delivery"):
         delivery.open(run=RunInfo(project="faults"))
         for step in range(10):
-            metrics = {"loss": float(step), **({"...": 1.0} if step == 3 else {})}
+            metrics = {"loss": float(step), **({"a//b": 1.0, "a/b": 2.0} if step == 3 else {})}
             delivery.submit(step=step, metrics=metrics)
         assert delivery.flush(timeout_s=120)
         delivery.close(status="finished", timeout_s=120)
@@ -210,12 +211,12 @@ def test_permanent_mlflow_rejection_skips_the_step(isolated_env: Path, caplog: p
     assert client.get_run(adapter.run_id).info.status == "FAILED"
     assert _steps(mem) == list(range(10))
     (gap,) = delivery.gaps
-    assert (gap.adapter, gap.step, gap.metric) == ("mlflow", 3, "...")
-    assert gap.reason.startswith("MlflowException")
+    assert (gap.adapter, gap.step) == ("mlflow", 3)
+    assert gap.reason.startswith("MetricValueError: metric names 'a//b' and 'a/b' both map to MLflow name 'a/b'")
     assert [(i, name, step) for i, name, step, _ in seen] == [(0, "mlflow", 3)]
     reports = [r.getMessage() for r in caplog.records if "'mlflow' rejected step" in r.getMessage()]
     assert len(reports) == 1
-    assert "'mlflow' rejected step 3 (metric '...')" in reports[0]
+    assert "'mlflow' rejected step 3" in reports[0]
 
 
 def test_tensorboard_out_of_range_step_is_skipped(isolated_env: Path) -> None:
