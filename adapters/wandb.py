@@ -201,7 +201,7 @@ class WandbAdapter:
         self._info = run
         if not self._attach:
             self._start(wandb, rewind_to=None)
-            self._written = {}
+            self._written = self._read_written() if self._resuming else {}
             return
         active = wandb.run
         if active is None:

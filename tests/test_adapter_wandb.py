@@ -362,7 +362,7 @@ def _rows_of_run(root: Path) -> list[dict[str, Any]]:
 def _same_row(got: dict[str, Any], want: dict[str, float]) -> bool:
     user = _user(got)
     return user.keys() == want.keys() and all(
-        math.isnan(v) and math.isnan(user[k]) or user[k] == v for k, v in want.items()
+        (math.isnan(v) and math.isnan(user[k])) or user[k] == v for k, v in want.items()
     )
 
 

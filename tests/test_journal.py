@@ -127,7 +127,7 @@ def test_restarted_writer_appends_a_new_segment(tmp_path: Path) -> None:
     """A second bus on the same journal with resume=True appends; both runs' commits are read, one run id."""
     write_run(tmp_path / "j", steps=3)
     first = read_journal(tmp_path / "j").run.id
-    with pytest.raises(JournalError, match="already holds run .*resume=True"):
+    with pytest.raises(JournalError, match=r"already holds run .*resume=True"):
         MetricBus(dist=None, rules=RULES, journal=str(tmp_path / "j"))
     with MetricBus(dist=None, rules=RULES, journal=str(tmp_path / "j"), resume=True) as bus:
         assert bus.run.id == first

@@ -73,7 +73,9 @@ def _bits(points: list[tuple[int, float]]) -> list[tuple[int, bytes]]:
     return [(s, np.float64(v).tobytes()) for s, v in points]
 
 
-def _check_backends(env: Path, expected: dict[int, dict[str, float]], *, run_id: str, rewound: int | None = None) -> None:
+def _check_backends(
+    env: Path, expected: dict[int, dict[str, float]], *, run_id: str, rewound: int | None = None
+) -> None:
     """Every backend holds ``expected``, each step once, in one run. ``rewound``: a resume went back to that step;
     MLflow then keeps the old points beside the new ones (the newest wins) and wandb's rewound folder replaces
     the earlier folders' rows from that step on (as wandb's server does with ``resume_from``)."""
@@ -84,7 +86,7 @@ def _check_backends(env: Path, expected: dict[int, dict[str, float]], *, run_id:
     for name in NAMES:
         assert _bits(read_tensors(tb, name)) == _series(expected, name), name
     (jsonl,) = (env / "runs" / "ident").glob("*/metrics.jsonl")
-    assert {s: m for s, m in read_jsonl(jsonl)} == expected
+    assert dict(read_jsonl(jsonl)) == expected
     assert len(read_jsonl(jsonl)) == len(expected)
     client = MlflowClient(tracking_uri=f"sqlite:///{env}/mlflow.db")
     experiment = client.get_experiment_by_name("ident")
@@ -109,7 +111,8 @@ def _check_backends(env: Path, expected: dict[int, dict[str, float]], *, run_id:
         assert folder.name.endswith(f"-{run_id}")
         rows = wandb_history_of(read_wandb_records_now(folder))
         if rows and wandb_rows and int(rows[0]["_step"]) <= max(wandb_rows):
-            assert rewound is not None and int(rows[0]["_step"]) == rewound, folder
+            assert rewound is not None, folder
+            assert int(rows[0]["_step"]) == rewound, folder
             wandb_rows = {s: m for s, m in wandb_rows.items() if s < rewound}
         for row in rows:
             step = int(row["_step"])
