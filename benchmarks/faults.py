@@ -116,7 +116,7 @@ def child_second(journal: str) -> None:
     from metricbus import MetricBus
 
     try:
-        bus = MetricBus(dist=None, journal=journal)
+        bus = MetricBus(dist=None, journal=journal, resume=True)  # resume: the journal holds the first one's run
     except Exception as exc:
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         return
@@ -182,7 +182,7 @@ def child_stuck(kind: str, journal: str, stuck: str, other: str) -> None:
 
 
 def child_mlflow(journal: str, uri: str) -> None:
-    """10 steps to MLflow; step 3 also logs the metric "..." that MLflow rejects for good."""
+    """10 steps to MLflow; step 3 also logs "a//b" and "a/b", which map to one MLflow key: rejected for good."""
     from metricbus.adapters.mlflow import MlflowAdapter
 
     from metricbus import MetricBus
@@ -191,7 +191,7 @@ def child_mlflow(journal: str, uri: str) -> None:
     for step in range(10):
         bus.log("loss", float(step))
         if step == 3:
-            bus.log("...", 1.0)
+            bus.log({"a//b": 1.0, "a/b": 2.0})
         bus.commit(step)
         print(step, flush=True)
     bus.close()
@@ -707,7 +707,7 @@ def mlflow_history(uri: str) -> list[tuple[str, str, list[int]]]:
 
 
 def mlflow_scenario(lab: Lab) -> Row:
-    """MLflow (sqlite) rejects the metric "..." at step 3 of 10; then sync to the same store (it retries the gap)."""
+    """MLflow (sqlite) rejects step 3 of 10 ("a//b" and "a/b" map to one key); then sync to the same store (it retries the gap)."""
     row = Row("MLflow rejects step 3 for good")
     folder = lab.dir("mlflow")
     journal = folder / "journal"
