@@ -707,7 +707,7 @@ def mlflow_history(uri: str) -> list[tuple[str, str, list[int]]]:
 
 
 def mlflow_scenario(lab: Lab) -> Row:
-    """MLflow (sqlite) rejects step 3 of 10 ("a//b" and "a/b" map to one key); then sync to the same store (it retries the gap)."""
+    """MLflow (sqlite) rejects step 3 of 10 ("a//b" and "a/b" map to one key); then sync to the same store."""
     row = Row("MLflow rejects step 3 for good")
     folder = lab.dir("mlflow")
     journal = folder / "journal"
