@@ -14,8 +14,12 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+VERL_SRC := $(VENV)/verl-src
+
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
+	# verl's sources only (its dependencies are a GPU training stack): the tests load its modules by path
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VERL_SRC) verl==0.9.1
 	touch $(STAMP)
 
 install: $(STAMP)
