@@ -15,8 +15,8 @@ empty meanwhile), at :meth:`Delivery.flush` and at close. A crash loses at most 
 After ``retry_tries`` consecutive failures the adapter is *degraded*: reported through ``logging`` (logger
 ``metricbus.delivery``: adapter name, step, exception; each kind of report at most once per adapter per minute)
 while the other adapters go on. It keeps retrying, so a backend that is down for a while and comes back receives
-every step, in order; meanwhile a full queue drops the newest step at once instead of blocking the loop. A
-*permanent* error (the backend rejects this step's data: HTTP 4xx, MLflow ``INVALID_PARAMETER_VALUE``, protobuf's
+every step, in order; meanwhile a full queue drops the newest step at once instead of blocking the loop (kept as
+a gap next to the journal, so ``metricbus sync`` delivers it). A *permanent* error (the backend rejects this step's data: HTTP 4xx, MLflow ``INVALID_PARAMETER_VALUE``, protobuf's
 ``Value out of range``, a ValueError/TypeError of the adapter's own conversion, or a type in the adapter's
 ``permanent_errors``) skips the step for that adapter: it is reported (adapter, step, metric if known, reason),
 kept in :attr:`Delivery.gaps` and passed to ``on_gap(index, adapter, step, reason)``. **An adapter that skipped a
@@ -313,8 +313,18 @@ class Delivery:
             worker.dropped += 1
             why = "degraded" if worker.degraded else self._policy
             self.report(logging.WARNING, worker.label, "drop",
-                        "adapter %r: queue full, dropped step %d (%s); drops are counted and reported at close",
-                        worker.label, step, why)
+                        "adapter %r: queue full, dropped step %d (%s); drops are counted and reported at close, "
+                        "and `metricbus sync` delivers them from the journal", worker.label, step, why)
+            self._record_drop(worker, step, why)
+
+    def _record_drop(self, worker: Worker, step: int, why: str) -> None:
+        """Keep a dropped step as a gap next to the journal: the cursor passes it, so only the gap brings it back."""
+        if self.on_gap is None:
+            return
+        try:
+            self.on_gap(worker.index, worker.adapter, step, f"dropped at a full queue ({why})")
+        except Exception:
+            logger.exception("on_gap failed for adapter %r at dropped step %d", worker.label, step)
 
     def flush(self, *, timeout_s: float) -> bool:
         """Wait until every adapter still running wrote, flushed and acknowledged every step submitted so far.

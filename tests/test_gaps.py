@@ -73,3 +73,38 @@ def test_a_gap_that_is_still_rejected_stays_for_the_next_sync(tmp_path: Path) ->
     fixed = Picky(reject=set())
     sync(journal, [fixed])
     assert fixed.rows == [(1, {"x": 1.0})]
+
+
+class Gate(Picky):
+    """A Picky whose write waits until ``gate`` is set (a backend that stalls while steps arrive)."""
+
+    def __init__(self, *, gate: Any) -> None:
+        super().__init__(reject=set())
+        self.gate = gate
+
+    def write(self, *, step: int, metrics: Any) -> None:
+        """Wait for the gate, then keep the row."""
+        self.gate.wait(30)
+        super().write(step=step, metrics=metrics)
+
+
+def test_steps_dropped_at_a_full_queue_are_delivered_by_sync(tmp_path: Path) -> None:
+    """queue_policy="drop": steps dropped while the backend stalled are kept as gaps (the cursor passes them),
+    and sync delivers exactly those."""
+    import threading
+
+    journal, gate = str(tmp_path / "j"), threading.Event()
+    live = Gate(gate=gate)
+    bus = MetricBus(dist=None, adapters=[live], journal=journal, queue_size=1, queue_policy="drop")
+    for step in range(6):
+        bus.log("x", float(step))
+        bus.commit(step=step)
+    gate.set()
+    bus.close()
+    delivered = [s for s, _ in live.rows]
+    dropped = sorted(set(range(6)) - set(delivered))
+    assert dropped  # the stalled write holds step 0, the queue one more: the rest were dropped
+    assert delivered[-1] == 5 or 5 in dropped
+    fixed = Picky(reject=set())
+    assert sync(journal, [fixed]) == {"picky": len(dropped)}
+    assert [s for s, _ in fixed.rows] == dropped
