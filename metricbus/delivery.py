@@ -16,8 +16,9 @@ After ``retry_tries`` consecutive failures the adapter is *degraded*: reported t
 ``metricbus.delivery``: adapter name, step, exception; each kind of report at most once per adapter per minute)
 while the other adapters go on. It keeps retrying, so a backend that is down for a while and comes back receives
 every step, in order; meanwhile a full queue drops the newest step at once instead of blocking the loop (kept as
-a gap next to the journal, so ``metricbus sync`` delivers it). A *permanent* error (the backend rejects this step's data: HTTP 4xx, MLflow ``INVALID_PARAMETER_VALUE``, protobuf's
-``Value out of range``, a ValueError/TypeError of the adapter's own conversion, or a type in the adapter's
+a gap next to the journal, so ``metricbus sync`` delivers it). A *permanent* error (the backend rejects this
+step's data: HTTP 4xx, MLflow ``INVALID_PARAMETER_VALUE``, protobuf's ``Value out of range``, a ValueError/TypeError
+of the adapter's own conversion, or a type in the adapter's
 ``permanent_errors``) skips the step for that adapter: it is reported (adapter, step, metric if known, reason),
 kept in :attr:`Delivery.gaps` and passed to ``on_gap(index, adapter, step, reason)``. **An adapter that skipped a
 step is closed with status "failed"** (MLflow ``FAILED``, wandb exit code 1), never left running as if complete.
