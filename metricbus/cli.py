@@ -12,29 +12,28 @@ that stops early (``metricbus show J | head``) is not an error: no message, exit
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import os
 import re
-import signal
 import sys
 import threading
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from fnmatch import fnmatchcase
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from metricbus._version import __version__
+from metricbus.cli_progress import first_sigint_sets as _first_sigint_sets
+from metricbus.cli_progress import interrupted as _interrupted
+from metricbus.cli_progress import replay_progress as _progress
+from metricbus.cli_progress import sync_progress as _sync_progress
+from metricbus.cli_views import UsageError as _UsageError
+from metricbus.cli_views import inspect as _inspect
+from metricbus.cli_views import show as _show
+from metricbus.cli_views import span as _span
 from metricbus.errors import MetricBusError
-from metricbus.journal import Journal, JournalWarning, read_journal
+from metricbus.journal import JournalWarning, read_journal
 from metricbus.replay import (
-    Progress,
     SyncInterrupted,
-    SyncProgress,
-    emitted,
     parse_rule,
     parse_steps,
-    record_counts,
     replay,
     sync,
 )
@@ -42,10 +41,6 @@ from metricbus.replay import (
 EXIT_ERROR = 2  # a usage or input mistake
 EXIT_FAILED = 1  # a backend failed while receiving steps
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as a shell reports it
-
-
-class _UsageError(Exception):
-    """An error reported as one line."""
 
 
 class _BackendError(Exception):
@@ -210,162 +205,6 @@ def _label(adapter: Any) -> str:
     if isinstance(identity, Mapping) and identity:
         return f"{name} ({', '.join(str(v) for v in identity.values())})"
     return name
-
-
-def _span(steps: Iterable[int]) -> str:
-    ordered = sorted(set(steps))  # never empty here
-    return f"step {ordered[0]}" if len(ordered) == 1 else f"steps {ordered[0]}..{ordered[-1]}"
-
-
-def _progress(stream: TextIO) -> Progress | None:
-    if not stream.isatty():
-        return None
-
-    def show(done: int, total: int) -> None:
-        if done == total or done % 256 == 0:
-            width = 30
-            filled = width * done // max(total, 1)
-            stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} commits")
-            if done == total:
-                stream.write("\n")
-            stream.flush()
-
-    return show
-
-
-def _sync_progress(stream: TextIO, *, every_s: float = 0.2) -> SyncProgress | None:
-    """``sync: N steps sent  R steps/s  C/T commits  ETA S s`` on one redrawn line; None off a terminal."""
-    if not stream.isatty():
-        return None
-    start = time.monotonic()
-    shown = [-every_s]
-
-    def show(done: int, total: int, sent: int) -> None:
-        now = time.monotonic() - start
-        if done < total and now - shown[0] < every_s:
-            return
-        shown[0] = now
-        rate = sent / now if now > 0 else 0.0
-        eta = f"{(total - done) * now / done:.0f} s" if done > 0 else "?"
-        stream.write(f"\rsync: {sent:,} steps sent  {rate:,.0f} steps/s  {done:,}/{total:,} commits  ETA {eta}\x1b[K")
-        if done >= total:
-            stream.write("\n")
-        stream.flush()
-
-    return show
-
-
-@contextlib.contextmanager
-def _first_sigint_sets(stop: threading.Event) -> Iterator[None]:
-    """While inside: a first Ctrl-C sets ``stop`` (sync ends after the current step), a second one interrupts."""
-
-    def handler(signum: int, frame: object) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-
-    try:
-        previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread: KeyboardInterrupt cannot arrive here anyway
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _interrupted(sent: dict[str, int]) -> str:
-    parts = [f"{count} steps to {label}" for label, count in sent.items()]
-    return f"interrupted: sent {', '.join(parts) or 'nothing'}; run sync again to resume"
-
-
-def _fmt(value: float) -> str:
-    if math.isnan(value) or math.isinf(value):
-        return str(value)
-    return f"{value:.6g}"
-
-
-def _natural(name: str) -> tuple[tuple[int | str, ...], str]:
-    """Sort key putting ``m/2`` before ``m/10``: digit runs compare as numbers (``re.split`` puts them at odd
-    positions, so equal positions always hold equal types)."""
-    parts = re.split(r"(\d+)", name)
-    return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name
-
-
-def _table(rows: list[list[str]]) -> Iterator[str]:
-    """The aligned lines of ``rows``, each ending in a newline (written one by one: a reader may stop early)."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        line = "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        yield line.rstrip() + "\n"
-
-
-def _by_step(points: Iterable[tuple[int, dict[str, float]]]) -> dict[int, dict[str, float]]:
-    """One row per step: two writes at one step (training, then evaluation) merge; a step lower than the last
-    one (a resumed run went back to a checkpoint) replaces every row from there on, as a backend's rewind does."""
-    rows: dict[int, dict[str, float]] = {}
-    last: int | None = None
-    for step, metrics in points:
-        if last is not None and step < last:
-            for stale in [s for s in rows if s >= step]:
-                del rows[stale]
-        rows.setdefault(step, {}).update(metrics)
-        last = step
-    return rows
-
-
-def _show(journal: Journal, patterns: Sequence[str], last: int | None, out: TextIO) -> None:
-    rows = _by_step(emitted(journal))
-    if not rows:
-        raise _UsageError(f"no emitted steps to show: the journal has {len(journal.commits)} commits")
-    every = sorted({n for m in rows.values() for n in m}, key=_natural)
-    for pattern in patterns:
-        if not any(fnmatchcase(n, pattern) for n in every):
-            few = ", ".join(every[:8]) + (f", ... ({len(every)} in all)" if len(every) > 8 else "")
-            raise _UsageError(f"--metric {pattern!r} matches no metric; the journal has {few}")
-    steps = list(rows)[-last:] if last is not None else list(rows)
-    present = {n for s in steps for n in rows[s]}
-    names = [n for n in every if n in present and (not patterns or any(fnmatchcase(n, p) for p in patterns))]
-    if not names:
-        raise _UsageError(f"no values of {', '.join(map(repr, patterns))} in the last {last} steps ({_span(steps)})")
-    table = [["step", *names]]
-    table += [[str(step), *(_fmt(rows[step][n]) if n in rows[step] else "-" for n in names)] for step in steps]
-    out.writelines(_table(table))
-
-
-def _inspect(journal: Journal, out: TextIO) -> None:
-    run = journal.run
-    summaries, records = record_counts(journal)
-    steps = [s for s, _ in journal.commits]
-    h = journal.header
-    lines = [
-        f"journal     {journal.directory}",
-        f"format      {h.get('format')} (metricbus {h.get('metricbus')})",
-        f"run         project={run.project} name={run.name} tags={','.join(run.tags) or '-'}",
-        f"files       {len(journal.files)}",
-        f"ranks       {len(journal.ranks)} ({', '.join(map(str, journal.ranks)) or '-'})",
-        f"commits     {len(steps)}" + (f" (steps {steps[0]}..{steps[-1]})" if steps else ""),
-        f"log_every   {journal.log_every}",
-        f"summaries   {summaries} ({records} records)",
-    ]
-    damaged = sum(f.damaged for f in journal.files)
-    if damaged:
-        lines.append(f"damaged     {damaged} records skipped")
-    for gap in journal.gaps:
-        steps_text = str(gap.first_step) if gap.first_step == gap.last_step else f"{gap.first_step}..{gap.last_step}"
-        lines.append(f"gap         rank {gap.rank}: step {steps_text} not journaled (a write failed)")
-    for path, why in journal.skipped:
-        lines.append(f"skipped     {path.name}: {why}")
-    if journal.rules:
-        lines.append("rules")
-        lines += [f"  {pattern} = {spec}" for pattern, spec in journal.rules]
-    known = journal.metrics()
-    metrics = {n: known[n] for n in sorted(known, key=_natural)}
-    lines.append(f"metrics     {len(metrics)}")
-    out.write("\n".join(lines) + "\n")
-    if metrics:
-        out.writelines(_table([["  name", "spec"], *[[f"  {n}", str(s)] for n, s in metrics.items()]]))
 
 
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:

@@ -340,7 +340,7 @@ def test_show_merges_two_writes_at_one_step_and_follows_a_rewind(
 ) -> None:
     """Train then eval at one step is one row; a step lower than the last one replaces the rows from there on."""
     points = [(1, {"train": 1.0}), (1, {"eval": 2.0}), (2, {"train": 3.0}), (3, {"train": 4.0}), (2, {"train": 5.0})]
-    monkeypatch.setattr("metricbus.cli.emitted", lambda _journal: iter(points))
+    monkeypatch.setattr("metricbus.cli_views.emitted", lambda _journal: iter(points))
     assert main(["show", str(journal[0])]) == 0
     assert [line.split() for line in capsys.readouterr().out.splitlines()] == [
         ["step", "eval", "train"], ["1", "2", "1"], ["2", "-", "5"]
