@@ -166,14 +166,48 @@ def test_journal_shows_the_same_values(compare_run: tuple[Path, str]) -> None:
     assert [int(ln.split()[0]) for ln in shown.splitlines() if re.match(r"\d+\s", ln)] == [s for s, _ in ref]
 
 
-def test_single_controller_example(env: Path) -> None:
-    """Workers' exported partials reduced by the driver equal the directly computed global token means."""
-    stdout = _run([str(EXAMPLES / "single_controller.py"), "--workers", "2", "--micro", "2", "--steps", "2",
-                   "--backend", "mp"], cwd=env)  # fmt: skip
+SINGLE_CONTROLLER = ("--workers", "2", "--micro", "4", "--updates", "3", "--steps", "2", "--compare")
+
+
+def _single_controller(env: Path, backend: str) -> tuple[dict[str, str], list[tuple[str, float, str]]]:
+    """Run single_controller.py; its last step's exact values (as printed, repr) and its naive rows."""
+    stdout = _run([str(EXAMPLES / "single_controller.py"), *SINGLE_CONTROLLER, "--backend", backend], cwd=env)
     match = re.search(r"max relative deviation from the directly computed global token means: (\S+)", stdout)
     assert match is not None, stdout
     assert float(match.group(1)) <= 1e-12
-    assert "actor/pg_loss" in stdout
+    exact = dict(re.findall(r"^  ((?:actor|perf|response_length)/\S+) +(\S+)$", stdout, flags=re.MULTILINE))
+    naive = [(name, float(ratio), factor) for name, ratio, factor in
+             re.findall(r"^  (\S+) +\S+ +(\d+\.\d{4}) +(\S+)  ", stdout, flags=re.MULTILINE)]  # fmt: skip
+    return exact, naive
+
+
+def test_single_controller_example(env: Path) -> None:
+    """Without Ray (multiprocessing workers): the driver's values are the direct global token means; --compare
+    shows verl's naive pg_loss reductions off by exactly 1/M, R and K."""
+    exact, naive = _single_controller(env, "mp")
+    assert set(exact) == {"actor/pg_loss", "actor/pg_clipfrac", "perf/tokens", "response_length/mean",
+                          "response_length/max", "response_length/min"}  # fmt: skip
+    factors = {factor: ratio for name, ratio, factor in naive if name == "actor/pg_loss"}
+    assert factors == {"1/M": 0.25, "R": 2.0, "K": 3.0}
+    ((_, clip_ratio, _),) = [row for row in naive if row[0] == "actor/pg_clipfrac"]
+    assert clip_ratio != 1.0  # unequal token counts: the mean of micro-batch fractions is off
+
+
+def test_single_controller_example_on_ray(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray actor workers (a local Ray): the same printed values, digit for digit, as the multiprocessing run."""
+    import shutil
+    import tempfile
+
+    pytest.importorskip("ray")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="mbray-"))  # short: Ray's socket paths live under it
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    try:
+        on_ray = _single_controller(env, "ray")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert on_ray == _single_controller(env, "mp")
 
 
 def test_one_layout_with_adapters_from_the_environment(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,135 @@
+"""Ray single-controller systems (verl's shape): gather the workers' exported partials for the driver's bus.
+
+Each worker actor logs into its own ``MetricBus(dist=None)`` and returns ``bus.export()`` from its remote method,
+directly or inside its result (``{"metrics": part}``, or a verl ``DataProto`` whose ``meta_info["metrics"]`` is the
+partial). The driver passes the result refs here, in worker order, and ingests what comes back::
+
+    refs = {f"actor_{r}": w.update_actor.remote(shard) for r, (w, shard) in enumerate(zip(workers, shards))}
+    driver.ingest(gather_partials(refs, timeout_s=600))
+    driver.commit(step=step)
+
+A worker that died, raised, timed out or returned no partial makes :func:`gather_partials` raise
+:class:`~metricbus.errors.DistributedError` naming every such worker; nothing of that step is returned, so the
+driver ingests a step from all of its workers or not at all, and everything it committed before is untouched.
+
+Ray is never imported here: an ``ObjectRef`` can only exist once the caller has imported ``ray``, so the module is
+looked up in ``sys.modules`` (results that are already values, e.g. from a multiprocessing fallback, need no Ray).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from metricbus.errors import DistributedError
+from metricbus.partial import Partial
+
+__all__ = ["gather_partials", "partial_of"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_MAX_REASON = 300  # characters of a Ray error kept in the message; the whole error is the exception's __cause__
+
+
+def gather_partials(
+    results: Mapping[str, Any] | Sequence[Any], *, timeout_s: float | None = None, key: str = "metrics"
+) -> list[Partial]:
+    """The workers' partials, in the order of ``results``, ready for ``driver.ingest()``.
+
+    ``results`` maps worker names to what each worker's remote call returned (Ray ``ObjectRef``s, or values), or
+    lists them in worker order (named ``worker 0``, ``worker 1``, ...). Each result is a
+    :class:`~metricbus.partial.Partial`, a mapping holding one under ``key``, or an object whose ``meta_info``
+    mapping holds one there (verl's ``DataProto``). ``timeout_s`` bounds the whole wait (``None``: no bound; a
+    dead actor is reported as soon as Ray knows, without a timeout).
+
+    Raises :class:`~metricbus.errors.DistributedError` naming each worker that died, raised, did not finish
+    within ``timeout_s`` or returned no partial, with Ray's reason; then nothing is returned, so the step is
+    ingested from all of its workers or not at all.
+    """
+    if timeout_s is not None and not timeout_s >= 0:
+        raise ValueError(f"gather_partials: timeout_s={timeout_s!r}; use a number of seconds >= 0, or None")
+    if isinstance(results, Mapping):
+        names = [f"worker {name!r} (index {i})" for i, name in enumerate(results)]
+        items = list(results.values())
+    else:
+        items = list(results)
+        names = [f"worker {i}" for i in range(len(items))]
+    values, failed, causes = _fetch(items, timeout_s=timeout_s)
+    out: list[Partial] = []
+    for i, value in enumerate(values):
+        if i in failed:
+            continue
+        part = partial_of(value, key=key)
+        if part is None:
+            failed[i] = f"returned no Partial: got {_shape(value)}; return bus.export(), or {{{key!r}: bus.export()}}"
+        else:
+            out.append(part)
+    if failed:
+        lines = "\n".join(f"  {names[i]}: {failed[i]}" for i in sorted(failed))
+        error = DistributedError(
+            f"gather_partials: {len(failed)} of {len(items)} workers gave no metrics for this step; none of the "
+            f"step's partials were returned (the driver's committed steps are untouched):\n{lines}"
+        )
+        raise error from (causes[min(causes)] if causes else None)
+    return out
+
+
+def partial_of(result: Any, *, key: str = "metrics") -> Partial | None:
+    """The partial in one worker's result: the result itself, ``result[key]``, or ``result.meta_info[key]``."""
+    if isinstance(result, Partial):
+        return result
+    meta = getattr(result, "meta_info", None)
+    if isinstance(meta, Mapping):  # verl's DataProto(meta_info={"metrics": ...})
+        result = meta
+    if isinstance(result, Mapping):
+        found = result.get(key)
+        if isinstance(found, Partial):
+            return found
+    return None
+
+
+def _fetch(
+    items: list[Any], *, timeout_s: float | None
+) -> tuple[list[Any], dict[int, str], dict[int, BaseException]]:
+    """Each item's value (ObjectRefs resolved), and why each failed item failed, by index."""
+    ray: Any = sys.modules.get("ray")  # see the module docstring: no ObjectRef exists unless ray was imported
+    values = list(items)
+    failed: dict[int, str] = {}
+    causes: dict[int, BaseException] = {}
+    refs = {i: item for i, item in enumerate(items) if ray is not None and isinstance(item, ray.ObjectRef)}
+    if not refs:
+        return values, failed, causes
+    unique = list(dict.fromkeys(refs.values()))  # ray.wait refuses a ref listed twice
+    ready, _ = ray.wait(unique, num_returns=len(unique), timeout=timeout_s)
+    done = set(ready)
+    for i, ref in refs.items():
+        if ref not in done:
+            failed[i] = f"did not finish within timeout_s={timeout_s} s (still running, hung, or not scheduled)"
+            continue
+        try:
+            values[i] = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            failed[i] = _reason(exc, ray.exceptions)
+            causes[i] = exc
+    return values, failed, causes
+
+
+def _reason(exc: BaseException, errors: Any) -> str:
+    """One line saying what Ray reported: the worker's own exception, or how its actor died."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, errors.RayTaskError) else None
+    if isinstance(cause, BaseException):
+        text = f"raised {type(cause).__name__}: {cause}"
+    else:
+        lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+        pid = next((line for line in lines if line.startswith("pid:")), None)
+        text = " ".join(dict.fromkeys([*lines[:1], *([pid] if pid else []), *lines[-1:]]))  # first, pid, last
+        verb = "died" if isinstance(exc, errors.RayActorError) else "failed"
+        text = f"{verb} ({type(exc).__name__}): {text}"
+    return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return f"{type(value).__name__} with keys {sorted(map(str, value))[:8]}"
+    return type(value).__name__
