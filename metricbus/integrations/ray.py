@@ -62,7 +62,7 @@ def gather_partials(
             continue
         part = partial_of(value, key=key)
         if part is None:
-            failed[i] = f"returned no Partial: got {_shape(value)}; return bus.export(), or {{{key!r}: bus.export()}}"
+            failed[i] = _no_partial(value, key=key)
         else:
             out.append(part)
     if failed:
@@ -129,7 +129,14 @@ def _reason(exc: BaseException, errors: Any) -> str:
     return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
 
 
-def _shape(value: Any) -> str:
-    if isinstance(value, Mapping):
-        return f"{type(value).__name__} with keys {sorted(map(str, value))[:8]}"
-    return type(value).__name__
+def _no_partial(value: Any, *, key: str) -> str:
+    """What a result without a partial held instead, and what to return."""
+    meta = getattr(value, "meta_info", None)
+    where = meta if isinstance(meta, Mapping) else value
+    if isinstance(where, Mapping) and key in where:
+        got = f"its {key!r} is a {type(where[key]).__name__}"  # e.g. verl's per-micro-batch lists
+    elif isinstance(where, Mapping):
+        got = f"a {type(where).__name__} without {key!r} (keys: {', '.join(sorted(map(str, where))[:8])})"
+    else:
+        got = f"a {type(value).__name__}"
+    return f"returned no Partial: {got}; return bus.export(), or {{{key!r}: bus.export()}}"
