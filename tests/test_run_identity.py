@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,21 @@ def _check_backends(
     assert {s: m for s, m in wandb_rows.items() if m} == expected
 
 
+def _settled(folder: Path, *, quiet_s: float = 1.0, timeout_s: float = 60.0) -> None:
+    """Wait until no file under ``folder`` has changed size for ``quiet_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: list[tuple[str, int]] = []
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        sizes = sorted((str(p), p.stat().st_size) for p in folder.rglob("*.wandb"))
+        if sizes != last:
+            last, quiet_since = sizes, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"files under {folder} kept changing for {timeout_s} s")
+
+
 def _sync(env: Path) -> str:
     done = subprocess.run([sys.executable, "-m", "metricbus", "sync", str(env / "journal"), "--config",
                            str(env / "c.json")], cwd=env, capture_output=True, text=True, check=False,
@@ -140,6 +156,7 @@ def test_a_sigkilled_run_completed_by_sync_is_one_run_everywhere(env: Path) -> N
             break
     child.send_signal(signal.SIGKILL)
     child.wait(timeout=60)
+    _settled(env / "wandb")  # the dead trainer's wandb-core writes out what it had received, then stops
     journal = read_journal(env / "journal")
     last = journal.commits[-1][0]
     assert last >= 60
