@@ -11,14 +11,16 @@ what is left of ``exit_timeout_s`` (counted from when the exit began, shared by 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from metricbus import shutdown
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.delivery import Delivery
-from metricbus.journal.reader import Journal
 from metricbus.partial import Partial
 from metricbus.spec import Spec
+
+if TYPE_CHECKING:
+    from metricbus.journal.reader import Journal
 
 
 class Sink:
