@@ -1,0 +1,209 @@
+"""Hugging Face Transformers ``Trainer``: the exact token-mean loss over each logging window, across gradient
+accumulation and ranks.
+
+Importing this module imports ``transformers`` (its ``TrainerCallback`` is the base class); ``import metricbus``
+never does.
+
+* :class:`MetricBusCallback` owns the bus. ``on_train_begin`` builds it (on every process: under DDP ``dist="auto"``
+  uses the process group the Trainer initialized), ``on_optimizer_step`` ends an update, ``on_log`` of a training
+  log commits at ``state.global_step`` (the Trainer's own logging decision, so ``logging_steps``,
+  ``logging_first_step`` and ``logging_strategy`` apply as configured), ``on_train_end`` commits what is left and
+  closes. The other numbers of the Trainer's logs (``grad_norm``, ``learning_rate``, ``epoch``, eval metrics) are
+  forwarded as logged.
+* :class:`MetricBusTrainerMixin` (``class MyTrainer(MetricBusTrainerMixin, Trainer)``) logs, for every training
+  micro-batch, its per-token losses (float32, recomputed from the logits as the model's ``ForCausalLMLoss`` does:
+  labels shifted, ``-100`` ignored) with the label mask as weight, under ``train/loss`` (spec ``"mean"``), and
+  its label-token count under ``train/tokens`` (spec ``"sum"``). A ``mean`` state keeps Σw·x and Σw through the
+  micro, update, rank and step levels, so the emitted ``train/loss`` is Σ token losses / Σ tokens over every
+  micro-batch of the window on every rank. The Trainer's ``loss`` is a float32 sum of per-update means averaged
+  over the steps of the window (a mean of means when ``logging_steps > 1``).
+
+Callbacks never see micro-batch losses (the Trainer only hands them its running float32 sum), hence the mixin.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Any
+
+from transformers import TrainerCallback
+
+from metricbus.bus import MetricBus
+from metricbus.config import load_source
+from metricbus.errors import MetricBusError
+
+IGNORE_INDEX = -100
+_REPLACED = frozenset({"loss", "train_loss"})  # the Trainer's float32 means of update means
+_log = logging.getLogger("metricbus.hf")
+
+
+class HFIntegrationError(MetricBusError, RuntimeError):
+    """The Trainer is not set up the way this integration needs (e.g. the mixin without the callback)."""
+
+
+def token_losses(logits: Any, labels: Any, *, shift: bool, ignore_index: int = IGNORE_INDEX) -> tuple[Any, Any]:
+    """Per-token cross-entropy (float32, detached) and the mask of counted tokens, as ``ForCausalLMLoss`` has them.
+
+    ``shift=True`` predicts ``labels[..., 1:]`` from ``logits[..., :-1, :]`` (causal LM); the last position and every
+    ``ignore_index`` label have loss 0 and mask False. ``labels`` may already be shifted (``shift=False``).
+    """
+    import torch
+    from torch.nn import functional
+
+    with torch.no_grad():
+        if shift:
+            labels = functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        flat = logits.detach().float().reshape(-1, logits.shape[-1])
+        target = labels.reshape(-1).to(flat.device)
+        losses = functional.cross_entropy(flat, target, ignore_index=ignore_index, reduction="none")
+    return losses, target != ignore_index
+
+
+class MetricBusCallback(TrainerCallback):
+    """Owns the bus of a ``Trainer`` run: update boundaries, commits at the Trainer's logging steps, close at the end.
+
+    ``bus``: a bus you built (built on every process, before training); else one is built at ``on_train_begin``
+    from ``config`` (a path, a mapping, or None for ``$METRICBUS_CONFIG``/``$METRICBUS_ADAPTERS``) with the
+    Trainer's ``run_name`` and sanitized arguments as the run, unless the config has a ``run``.
+    ``prefix`` starts every name this integration logs (``train/loss``, ``train/tokens``, ``train/grad_norm``).
+    """
+
+    def __init__(self, bus: MetricBus | None = None, *, config: Any = None, prefix: str = "train/") -> None:
+        self.bus = bus
+        self.config = config
+        self.prefix = prefix
+        self.loss_name = f"{prefix}loss"
+        self.tokens_name = f"{prefix}tokens"
+        self._reported: set[str] = set()
+        if bus is not None:
+            self._declare(bus)
+
+    def _declare(self, bus: MetricBus) -> None:
+        bus.define(self.loss_name, "mean")  # weighted by the label mask: the exact token mean
+        bus.define(self.tokens_name, "sum")
+
+    def ensure_bus(self, args: Any) -> MetricBus:
+        """The bus, built from the config on first use."""
+        if self.bus is None:
+            given, _ = load_source(self.config)
+            overrides: dict[str, Any] = {}
+            if "run" not in given:
+                overrides["run"] = {"name": args.run_name, "config": args.to_sanitized_dict()}
+            self.bus = MetricBus.from_config(self.config, **overrides)
+            self._declare(self.bus)
+        return self.bus
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Build the bus (every process: a collective bus needs every rank)."""
+        self.ensure_bus(args)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The micro-batches since the last optimizer step are one update."""
+        if self.bus is not None and not self.bus.closed:
+            self.bus.end_update()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        """A training log commits the window at ``state.global_step``; other logs are committed there too."""
+        bus = self.bus
+        if bus is None or bus.closed or not logs:
+            return
+        training = "loss" in logs  # the Trainer's periodic training log (eval logs have eval_*)
+        step = state.global_step
+        for key, value in logs.items():
+            if key in _REPLACED or isinstance(value, bool) or not isinstance(value, numbers.Real):
+                continue  # the Trainer's losses are replaced by the exact one; strings are not metrics
+            bus.log(f"{self.prefix}{key}" if training else key, float(value))
+        last = bus.last_step
+        if last is not None and step < last:
+            self._report("step", f"a log at step {step} below the last committed step {last} is left out")
+            return
+        try:
+            bus.commit(step=step)
+        except MetricBusError as exc:  # e.g. one name logged twice at one step: report, keep training
+            self._report(type(exc).__name__, f"commit at step {step}: {exc}")
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Commit the micro-batches after the last logging step at the final step, then close the bus."""
+        bus = self.bus
+        if bus is None or bus.closed:
+            return
+        last = bus.last_step
+        if last is None or state.global_step > last:
+            bus.commit(step=state.global_step)
+        bus.close()
+
+    def _report(self, kind: str, message: str) -> None:
+        if kind not in self._reported:
+            self._reported.add(kind)
+            _log.warning("metricbus Trainer callback: %s (reported once)", message)
+
+
+class MetricBusTrainerMixin:
+    """Put before ``Trainer``: ``class MyTrainer(MetricBusTrainerMixin, Trainer)``, with a
+    :class:`MetricBusCallback` in ``callbacks``. Logs each training micro-batch's token losses (see the module).
+
+    The per-token losses are recomputed from ``outputs.logits`` under ``no_grad`` (one extra cross-entropy over
+    the logits: memory of one ``[tokens, vocab]`` float32 tensor). Override :meth:`metricbus_token_losses` for a
+    model whose loss is not a cross-entropy over ``labels``.
+    """
+
+    _metricbus_callback: MetricBusCallback | None = None
+    _metricbus_shift: bool | None = None
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """``Trainer.compute_loss``, plus the micro-batch's token losses logged while training."""
+        labels = inputs.get("labels")  # Trainer.compute_loss may pop it
+        shift_labels = inputs.get("shift_labels")
+        loss, outputs = super().compute_loss(  # type: ignore[misc]
+            model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
+        if model.training and (labels is not None or shift_labels is not None):
+            callback = self.metricbus_callback()
+            bus = callback.ensure_bus(self.args)  # type: ignore[attr-defined]
+            losses, mask = self.metricbus_token_losses(outputs, labels, shift_labels)
+            bus.log(callback.loss_name, losses, weight=mask)
+            bus.log(callback.tokens_name, mask.sum())
+        return (loss, outputs) if return_outputs else loss
+
+    def metricbus_token_losses(self, outputs: Any, labels: Any, shift_labels: Any) -> tuple[Any, Any]:
+        """(per-token losses, mask of counted tokens) of one micro-batch, as the model's loss counts them."""
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+        if shift_labels is not None:
+            return token_losses(logits, shift_labels, shift=False)
+        return token_losses(logits, labels, shift=self._metricbus_shifts())
+
+    def _metricbus_shifts(self) -> bool:
+        """Whether the model's loss shifts labels: its ``loss_function`` is ``ForCausalLMLoss`` (decoder only).
+
+        Not the Trainer's ``_loss_shifts_labels``: it looks the model's ``loss_type`` up, which is None for
+        ``GPT2LMHeadModel`` (the name holds no ``ForCausalLM``), while its ``loss_function`` falls back to
+        ``ForCausalLMLoss`` all the same.
+        """
+        if self._metricbus_shift is None:
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
+            model = getattr(self, "model", None)
+            config = getattr(model, "config", None)
+            try:
+                loss_function = getattr(model, "loss_function", None)
+            except (AttributeError, KeyError):  # a model without the loss mapping
+                loss_function = None
+            decoder_only = not getattr(config, "is_encoder_decoder", False)
+            self._metricbus_shift = loss_function is ForCausalLMLoss and decoder_only
+        return self._metricbus_shift
+
+    def metricbus_callback(self) -> MetricBusCallback:
+        """The :class:`MetricBusCallback` among the Trainer's callbacks."""
+        if self._metricbus_callback is None:
+            handler = getattr(self, "callback_handler", None)
+            found = [cb for cb in getattr(handler, "callbacks", ()) if isinstance(cb, MetricBusCallback)]
+            if len(found) != 1:
+                raise HFIntegrationError(
+                    f"MetricBusTrainerMixin needs exactly one MetricBusCallback in the Trainer's callbacks, found "
+                    f"{len(found)}: pass Trainer(..., callbacks=[MetricBusCallback(...)])"
+                )
+            self._metricbus_callback = found[0]
+        return self._metricbus_callback

@@ -1,0 +1,259 @@
+"""PyTorch Lightning: a callback that owns the reduction, and a ``Logger`` that routes Lightning's own metrics.
+
+This module imports ``pytorch_lightning`` when it is imported (its classes subclass Lightning's); ``import
+metricbus`` never imports it.
+
+* :class:`MetricBusCallback` builds (or takes) a bus on every rank. The module logs raw per-micro-batch records in
+  ``training_step`` (:func:`metricbus_log`, or ``callback.bus.log``; Lightning replaces a callback's ``log`` with
+  the module's, so the callback has none); the callback ends an update at each optimizer
+  step and commits on every rank (a collective under DDP) at the steps where Lightning logs: ``global_step %
+  trainer.log_every_n_steps == 0``. One commit therefore covers the ``log_every_n_steps`` optimizer steps since the
+  last one (each one update), so a logged ``"mean"`` is the exact weighted mean over all of them, not a sample of
+  the last micro-batch. Commits are labelled with Lightning's step (``global_step - 1``, what Lightning's loggers
+  receive for that optimizer step), so both series line up. ``log_every_n_steps=0`` commits once, at the end.
+* :class:`MetricBusLogger` is a ``Logger`` (rank 0 only, like Lightning's loggers) for the values Lightning has
+  already reduced: they go through a ``MetricBus(dist=None)`` to its adapters and journal. Lightning logs one step
+  several times: validation at the step of the training log before it, and (manual optimization, Lightning < 2.x)
+  every micro-batch of an accumulating step. The logger merges the calls of one step, the last value of a name
+  winning (what Lightning's own loggers end up showing), and commits a step once Lightning logs a later one (or at
+  ``finalize``). The bus is built at the first ``log_metrics`` so that ``log_hyperparams`` (called first by
+  Lightning) becomes the run config: MLflow params, wandb config, TensorBoard hparams.
+"""
+
+from __future__ import annotations
+
+import warnings
+from argparse import Namespace
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+from lightning_fabric.utilities.logger import _convert_params, _sanitize_callable_params
+from pytorch_lightning.loggers.logger import Logger
+from pytorch_lightning.utilities import rank_zero_only
+
+from metricbus.adapter import Adapter, RunInfo, Status
+from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus
+from metricbus.errors import ConfigError, MetricBusError, MetricBusWarning
+from metricbus.options import BusOptions
+from metricbus.spec import SpecLike
+
+__all__ = ["MetricBusCallback", "MetricBusLogger", "metricbus_log"]
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+class MetricBusCallback(pl.Callback):
+    """Reduces what ``training_step`` logs per micro-batch exactly, over micro-batches, optimizer steps and ranks.
+
+    ``MetricBusCallback(adapters=[...], rules={...})`` builds ``MetricBus(**options)`` at ``setup("fit")`` on every
+    rank (after Lightning created the process group, so ``dist="auto"`` finds it); ``MetricBusCallback(bus)`` uses
+    a bus you built (single process, or one built after ``torch.distributed`` was initialized). The callback closes
+    the bus when ``fit`` ends (``failed`` on an exception, on that rank alone). ``log_every`` is not an option: the
+    window is ``trainer.log_every_n_steps``. Log training records through it: records logged in ``validation_step``
+    would join the next training commit (use Lightning's ``self.log`` and :class:`MetricBusLogger` for those).
+    """
+
+    def __init__(self, bus: MetricBus | None = None, **options: Any) -> None:
+        if bus is not None and options:
+            raise ConfigError(f"MetricBusCallback: pass a bus or bus options, not both (got {sorted(options)})")
+        if "log_every" in options:
+            raise ConfigError("MetricBusCallback: log_every: the commit window is trainer.log_every_n_steps")
+        try:
+            BusOptions.build(**options)  # validate now, with the bus's own messages, not at setup on every rank
+        except TypeError as exc:
+            raise ConfigError(f"MetricBusCallback: {exc}") from exc
+        self._bus = bus
+        self._options = options
+        self._seen_step = 0  # trainer.global_step at the last update boundary
+        self._updates = 0  # updates ended since the last commit (the same count on every rank)
+
+    @property
+    def bus(self) -> MetricBus:
+        """The bus the module logs into (built at ``setup("fit")`` unless one was passed)."""
+        if self._bus is None:
+            raise MetricBusError("MetricBusCallback: the bus is built at setup('fit'); log from training_step")
+        return self._bus
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Build the bus for ``fit`` on every rank (the process group exists by now)."""
+        if stage == "fit" and (self._bus is None or (self._options and self._bus.closed)):
+            self._bus = MetricBus(**self._options, log_every=1)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start counting optimizer steps from where training starts (a restored checkpoint included)."""
+        self._seen_step = trainer.global_step
+        self._updates = 0
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """An optimizer step happened in this batch: end the update; commit at Lightning's logging steps."""
+        step = trainer.global_step
+        if step == self._seen_step:  # still accumulating
+            return
+        self._seen_step = step
+        self.bus.end_update()
+        self._updates += 1
+        every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning at init
+        if every > 0 and step % every == 0:
+            self._commit(step - 1)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Commit the optimizer steps of an unfinished window (every rank decides alike from ``global_step``)."""
+        if self._updates:
+            self._commit(trainer.global_step - 1)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Close the bus when ``fit`` ends (a collective under DDP: every rank gets here)."""
+        if stage == "fit" and self._bus is not None:
+            self._bus.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Close this rank's bus as failed, without a collective (the other ranks may be anywhere)."""
+        if self._bus is not None:
+            self._bus.close(status="failed")
+
+    def _commit(self, step: int) -> None:
+        self._updates = 0
+        self.bus.commit(step=step)
+
+
+def metricbus_log(
+    module: pl.LightningModule, name: str, value: Any, *, weight: Any = None, agg: SpecLike | None = None
+) -> None:
+    """Log one micro-batch's record(s) through the trainer's :class:`MetricBusCallback` (from ``training_step``)."""
+    for callback in module.trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, MetricBusCallback):
+            callback.bus.log(name, value, weight=weight, agg=agg)
+            return
+    raise MetricBusError(f"metricbus_log({name!r}): the trainer has no MetricBusCallback; add one to callbacks=")
+
+
+class MetricBusLogger(Logger):
+    """A Lightning ``Logger`` that delivers Lightning's already-reduced metrics through metricbus's adapters.
+
+    Runs on rank 0 only. ``version`` is the metricbus run id (``version=`` sets it). ``save()`` waits up to
+    ``save_timeout_s`` for delivery (default 0: adapters already write and flush each step from their threads;
+    Lightning calls ``save()`` after every ``log_metrics``); ``finalize(status)`` commits the last step and closes
+    the bus, ``"failed"`` as failed, anything else as finished. A later ``log_metrics`` (``trainer.test`` after
+    ``fit``) opens a bus on the same run id again.
+    """
+
+    def __init__(
+        self,
+        *,
+        adapters: Sequence[Adapter | str | Mapping[str, Any]] = ("console",),
+        project: str = "lightning",
+        name: str | None = None,
+        version: str | None = None,
+        tags: Sequence[str] = (),
+        journal: str | None = None,
+        strict: bool = False,
+        on_open_error: str = "raise",
+        save_timeout_s: float = 0.0,
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
+    ) -> None:
+        super().__init__()
+        self._run = RunInfo(project=project, name=name, tags=tuple(tags), id=version or "")
+        self._options: dict[str, Any] = {
+            "adapters": list(adapters), "journal": journal, "strict": strict, "on_open_error": on_open_error,
+        }  # fmt: skip
+        BusOptions.build(**self._options, run=self._run, dist=None)  # fail at construction, not at the first log
+        self._config: dict[str, Any] = {}
+        self._bus: MetricBus | None = None
+        self._finalized = False
+        self._pending_step: int | None = None
+        self._pending: dict[str, float] = {}
+        self._save_timeout_s = save_timeout_s
+        self._close_timeout_s = close_timeout_s
+        self._warned: set[str] = set()
+
+    @property
+    def name(self) -> str:
+        """The run name, else the project."""
+        return self._run.name or self._run.project
+
+    @property
+    def version(self) -> str:
+        """The metricbus run id (the journal's, when a bus resumed one)."""
+        return self._bus.run.id if self._bus is not None else self._run.id
+
+    @property
+    def bus(self) -> MetricBus:
+        """The bus (built now if it is not yet: hyperparameters logged after this are not in the run config)."""
+        if self._bus is None:
+            journal = self._options["journal"]
+            run = RunInfo(
+                project=self._run.project, name=self._run.name, tags=self._run.tags, config=self._config,
+                start_time_unix_ns=self._run.start_time_unix_ns, id=self._run.id,
+            )  # fmt: skip
+            # A bus closed by finalize() and opened again continues the same run (and journal).
+            resume = self._finalized and journal is not None
+            self._bus = MetricBus(**self._options, run=run, dist=None, resume=resume)
+        return self._bus
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        """Keep ``params`` as the run config (nested mappings kept; other values as ``str``)."""
+        if self._bus is not None:
+            self._warn_once("hparams", "log_hyperparams after the first log_metrics: the run config is fixed")
+            return
+        self._config.update(_plain(_sanitize_callable_params(_convert_params(params))))
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Buffer ``metrics`` at ``step`` (last value per name wins); commit the previous step first."""
+        pending = self._pending_step
+        if step is None:
+            step = 0 if pending is None else pending
+        if pending is not None and step < pending:
+            self._warn_once("back", f"log_metrics(step={step}) after step {pending}: logged at step {pending}")
+            step = pending
+        if pending is not None and step > pending:
+            self._commit_pending()
+        self._pending_step = step
+        self._pending.update(metrics)
+
+    @rank_zero_only
+    def save(self) -> None:
+        """Wait up to ``save_timeout_s`` for every committed step to be delivered."""
+        if self._bus is not None and self._save_timeout_s > 0:
+            self._bus.flush(timeout_s=self._save_timeout_s)
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        """Commit the last step and close the bus (``"failed"`` as failed, else finished)."""
+        if self._bus is None and not self._pending and not self._config:
+            return  # nothing was ever logged: open no backend run
+        if self._pending:
+            self._commit_pending()
+        closed: Status = "failed" if status == "failed" else "finished"
+        self.bus.close(status=closed, timeout_s=self._close_timeout_s)
+        self._bus = None
+        self._finalized = True
+
+    def _commit_pending(self) -> None:
+        metrics, self._pending = self._pending, {}
+        step, self._pending_step = self._pending_step, None
+        bus = self.bus
+        bus.log(metrics)
+        bus.commit(step=step)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"MetricBusLogger: {message}", MetricBusWarning, stacklevel=3)
+
+
+def _plain(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Hyperparameters as JSON-like data: mappings and lists kept, scalars kept, anything else as ``str``."""
+    return {str(key): _plain_value(value) for key, value in params.items()}
+
+
+def _plain_value(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return _plain(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain_value(v) for v in value]
+    return value if isinstance(value, _SCALARS) else str(value)
