@@ -82,8 +82,11 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=15)
 
 
-def _wandb_payloads(data: bytes) -> list[bytes]:
-    """Split a LevelDB-log-framed wandb file into record payloads, checking every CRC."""
+def _wandb_payloads(data: bytes, *, complete_only: bool = False) -> list[bytes]:
+    """Split a LevelDB-log-framed wandb file into record payloads, checking every CRC.
+
+    ``complete_only``: stop quietly at a record wandb-core has not finished writing (instead of failing).
+    """
     if not data.startswith(WANDB_HEADER):
         raise AssertionError(f"not a wandb run file: header {data[:7]!r}")
     payloads: list[bytes] = []
@@ -99,7 +102,9 @@ def _wandb_payloads(data: bytes) -> list[bytes]:
             pos += room
             continue
         body = data[pos + RECORD_HEADER.size : pos + RECORD_HEADER.size + length]
-        if zlib.crc32(bytes([kind]) + body) & 0xFFFFFFFF != crc:
+        if len(body) < length or zlib.crc32(bytes([kind]) + body) & 0xFFFFFFFF != crc:
+            if complete_only:
+                break
             raise AssertionError(f"bad CRC at offset {pos}")
         pos += RECORD_HEADER.size + length
         if kind == FULL:
@@ -159,43 +164,13 @@ def poll_until(check: Any, *, timeout_s: float = 60.0, what: str = "condition") 
     raise AssertionError(f"{what} not met within {timeout_s} s")
 
 
-def _complete_wandb_payloads(data: bytes) -> list[bytes]:
-    """Like ``_wandb_payloads``, but stops quietly at a record wandb-core has not finished writing."""
-    payloads: list[bytes] = []
-    pending = b""
-    pos = len(WANDB_HEADER)
-    while pos + RECORD_HEADER.size <= len(data):
-        room = BLOCK_BYTES - pos % BLOCK_BYTES
-        if room < RECORD_HEADER.size:
-            pos += room
-            continue
-        crc, length, kind = RECORD_HEADER.unpack_from(data, pos)
-        if kind == 0 and length == 0:
-            pos += room
-            continue
-        body = data[pos + RECORD_HEADER.size : pos + RECORD_HEADER.size + length]
-        if len(body) < length or zlib.crc32(bytes([kind]) + body) & 0xFFFFFFFF != crc:
-            break
-        pos += RECORD_HEADER.size + length
-        if kind == FULL:
-            payloads.append(body)
-        elif kind == FIRST:
-            pending = body
-        elif kind == MIDDLE:
-            pending += body
-        elif kind == LAST:
-            payloads.append(pending + body)
-            pending = b""
-    return payloads
-
-
 def read_wandb_records_now(run_dir: Path) -> list[Any]:
     """The records already complete in the run's ``.wandb`` file, read once, without waiting for the exit record."""
     from wandb.proto import wandb_internal_pb2
 
     (path,) = Path(run_dir).glob("*.wandb")
     records = []
-    for payload in _complete_wandb_payloads(path.read_bytes()):
+    for payload in _wandb_payloads(path.read_bytes(), complete_only=True):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(payload)
         records.append(record)
