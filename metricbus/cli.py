@@ -30,6 +30,7 @@ from metricbus.cli_views import show as _show
 from metricbus.cli_views import span as _span
 from metricbus.errors import MetricBusError
 from metricbus.journal import JournalWarning, read_journal
+from metricbus.journal.cursors import identity_of
 from metricbus.replay import (
     SyncInterrupted,
     parse_rule,
@@ -199,11 +200,11 @@ def _label(adapter: Any) -> str:
     """The adapter's name, and where it wrote when it says so (its optional ``identity``)."""
     name = str(getattr(adapter, "name", type(adapter).__name__))
     try:
-        identity = getattr(adapter, "identity", None)
+        identity = identity_of(adapter)
     except Exception:  # an optional verb: a failing one only costs the detail
         identity = None
-    if isinstance(identity, Mapping) and identity:
-        return f"{name} ({', '.join(str(v) for v in identity.values())})"
+    if identity:
+        return f"{name} ({', '.join(identity.values())})"
     return name
 
 

@@ -139,11 +139,7 @@ class TorchRanks:
     def share(self, text: str) -> str:
         """The writer rank's ``text`` on every rank (two collectives; used once, when a bus is built)."""
         payload = text.encode() if self.is_writer else b""
-        saved, self._names = self._names, []
-        try:
-            lengths = [int(block[_LENGTH]) for block in self._exchange({}, length=len(payload))]
-        finally:
-            self._names = saved
+        lengths = [int(block[_LENGTH]) for block in self._exchange({}, length=len(payload))]
         return max(self._gather_bytes(payload, lengths), key=len).decode()
 
     def any_pending(self, *, pending: bool) -> bool:

@@ -11,7 +11,8 @@ from metricbus import Agg, MetricBus
 from metricbus.errors import DistributedError
 
 
-def _init(rank: int, size: int, port: int) -> None:
+def init_gloo(rank: int, size: int, port: int) -> None:
+    """Join the gloo process group of ``size`` ranks on 127.0.0.1:``port`` as ``rank``."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
 
@@ -20,7 +21,7 @@ def split_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
     rank: int, size: int, port: int, micro: int, records: dict[str, list[float]], out: Any
 ) -> None:
     """Log this rank's contiguous share of every metric's records in ``micro`` batches; commit once."""
-    _init(rank, size, port)
+    init_gloo(rank, size, port)
     try:
         bus = MetricBus(dist="torch")
         for name in sorted(records, reverse=rank % 2 == 1):  # different logging orders per rank
@@ -39,7 +40,7 @@ def split_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
 
 def conflict_worker(rank: int, size: int, port: int, out: Any) -> None:
     """Rank 1 uses another spec for 'x': every rank must raise DistributedError."""
-    _init(rank, size, port)
+    init_gloo(rank, size, port)
     try:
         bus = MetricBus(dist="torch")
         bus.log("x", 1.0, agg="sum" if rank == 1 else "mean")
@@ -55,7 +56,7 @@ def conflict_worker(rank: int, size: int, port: int, out: Any) -> None:
 
 def pg_loss_worker(rank: int, size: int, port: int, tokens: list[list[list[float]]], out: Any) -> None:
     """Seed case: pre-scaled per-micro loss sums with Agg(micro='sum', rank='mean')."""
-    _init(rank, size, port)
+    init_gloo(rank, size, port)
     try:
         bus = MetricBus(dist="torch")
         mine = tokens[rank]
@@ -70,7 +71,7 @@ def pg_loss_worker(rank: int, size: int, port: int, tokens: list[list[list[float
 
 def count_worker(rank: int, size: int, port: int, out: Any) -> None:
     """Count torch.distributed calls per steady-state commit for 10 and 1000 metrics."""
-    _init(rank, size, port)
+    init_gloo(rank, size, port)
     try:
         names = ("all_gather_single", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast",
                  "barrier",
@@ -106,7 +107,7 @@ def updates_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
     """Log this rank's share of ``plan`` (steps x updates x micro-batches of (name, value, weight)); commit."""
     from tests.update_plan import log_rank
 
-    _init(rank, size, port)
+    init_gloo(rank, size, port)
     try:
         bus = MetricBus(dist="torch", journal=journal, rules=plan["rules"])
         rows = []
@@ -128,7 +129,7 @@ def review_worker(rank: int, size: int, port: int, scenario: str, out: Any) -> N
 
     from metricbus import AdapterError, MetricValueError
 
-    _init(rank, size, port)
+    init_gloo(rank, size, port)
     got: list[Any] = []
     try:
         if scenario == "collision":  # rank 0's x as [mean, max] emits x/mean; rank 1 logs a plain x/mean

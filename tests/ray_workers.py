@@ -142,8 +142,9 @@ def gloo_worker(rank: int, size: int, port: int, plan: Plan, out: Any) -> None:
     """torch.distributed rank ``rank`` of ``size`` (gloo): log this rank's share of every step, commit each."""
     import torch.distributed as tdist
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    from tests.dist_workers import init_gloo
+
+    init_gloo(rank, size, port)
     try:
         bus = MetricBus(dist="torch", strict=True, rules=RULES)
         rows = []

@@ -87,7 +87,7 @@ class CursorStore:
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory) / "cursors"
-        self._last: dict[str, int | None] = {}
+        self._held: dict[str, tuple[int | None, dict[str, str] | None]] = {}  # key -> (step, identity) last known
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
@@ -128,34 +128,36 @@ class CursorStore:
         record = {"adapter": name, "key": key, "step": step, "identity": None if identity is None else dict(identity)}
         tmp.write_text(json.dumps(record), encoding="utf-8")
         os.replace(tmp, target)
-        self._last[key] = step
+        self._held[key] = (step, None if identity is None else dict(identity))
 
-    def _current(self, adapter: Any) -> int | None:
+    def _current(self, adapter: Any) -> tuple[int | None, dict[str, str] | None]:
+        """``(step, identity)`` of ``adapter``'s record: read once, then kept as this store writes it."""
         key = adapter_key(adapter)
-        if key not in self._last:
-            self._last[key] = self.get(adapter)
-        return self._last[key]
+        if key not in self._held:
+            self._held[key] = (self.get(adapter), self.identity(adapter))
+        return self._held[key]
 
     def advance(self, adapter: Any, step: int) -> None:
         """Record ``step`` as acknowledged; never moves backwards (see :meth:`rewind`)."""
-        last = self._current(adapter)
+        last, identity = self._current(adapter)
         if last is not None and step <= last:
             return
-        self._write(adapter, step=int(step), identity=self.identity(adapter))
+        self._write(adapter, step=int(step), identity=identity)
 
     def rewind(self, adapter: Any, step: int | None) -> None:
         """Move the cursor back to ``step`` (None: nothing acknowledged) if it is past it: the steps after it are
         about to be sent again (a resume from a checkpoint, or a second commit at an acknowledged step)."""
-        last = self._current(adapter)
+        last, identity = self._current(adapter)
         if last is None or (step is not None and last <= step):
             return
-        self._write(adapter, step=None if step is None else int(step), identity=self.identity(adapter))
+        self._write(adapter, step=None if step is None else int(step), identity=identity)
 
     def set_identity(self, adapter: Any, identity: Mapping[str, str] | None) -> None:
         """Keep what names ``adapter``'s backend run (after it opened), so a later process opens the same run."""
-        if identity is None or identity == self.identity(adapter):
+        step, held = self._current(adapter)
+        if identity is None or identity == held:
             return
-        self._write(adapter, step=self._current(adapter), identity=identity)
+        self._write(adapter, step=step, identity=identity)
 
     def _gaps_path(self, adapter: Any) -> Path:
         return self.directory / f"{adapter_key(adapter)}.gaps.jsonl"
