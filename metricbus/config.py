@@ -40,15 +40,15 @@ def _error(where: str, what: str, origin: str) -> ConfigError:
 # -- reading sources ---------------------------------------------------------------------------------------------
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """Convert OmegaConf containers (at any depth) to dicts and lists, resolving interpolations."""
     omegaconf = sys.modules.get("omegaconf")  # only present if the caller uses OmegaConf; never imported here
     if omegaconf is not None and isinstance(value, (omegaconf.DictConfig, omegaconf.ListConfig)):
         return omegaconf.OmegaConf.to_container(value, resolve=True)
     if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
+        return {key: plain(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_plain(item) for item in value]
+        return [plain(item) for item in value]
     return value
 
 
@@ -103,13 +103,13 @@ def load_source(source: Any) -> tuple[dict[str, Any], str]:
         return read_file(path, origin=origin), origin
     if isinstance(source, (str, os.PathLike)):
         return read_file(source), os.fspath(source)
-    plain = _plain(source)
-    if not isinstance(plain, Mapping):
+    data = plain(source)
+    if not isinstance(data, Mapping):
         raise ConfigError(
             f"from_config() takes a file path, a mapping (dict or OmegaConf DictConfig) or None, "
             f"not {type(source).__name__}"
         )
-    return dict(plain), "config"
+    return dict(data), "config"
 
 
 # -- converting file forms ---------------------------------------------------------------------------------------

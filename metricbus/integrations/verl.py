@@ -21,12 +21,11 @@ import logging
 import math
 import operator
 import os
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from metricbus.bus import MetricBus
-from metricbus.config import ENV_ADAPTERS, ENV_CONFIG, load_source
+from metricbus.config import ENV_ADAPTERS, ENV_CONFIG, load_source, plain
 from metricbus.errors import ConfigError, MetricBusError, MetricTypeError, MetricValueError, SpecError
 from metricbus.spec import Agg, Spec, SpecLike, parse_spec
 
@@ -185,9 +184,7 @@ def _section(config: Any) -> Any:
 
 def _plain(config: Any) -> dict[str, Any]:
     """verl's config as a dict of plain values, without the metricbus section (the run's hyperparameters)."""
-    omegaconf = sys.modules.get("omegaconf")  # present when the config is an OmegaConf object
-    if omegaconf is not None and isinstance(config, omegaconf.DictConfig):
-        config = omegaconf.OmegaConf.to_container(config, resolve=True)
+    config = plain(config)
     if not isinstance(config, Mapping):
         return {}
     return {str(key): value for key, value in config.items() if key != SECTION}
