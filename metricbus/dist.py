@@ -1,17 +1,25 @@
-"""The rank level over torch.distributed: one packed ``all_gather`` of every metric's states per commit.
+"""The rank level over torch.distributed: two collectives of O(K) values per commit, whatever the number of ranks.
 
-The reduction itself stays the local code in :mod:`metricbus.reduce` (so live equals journal replay bitwise);
-this module only moves each rank's update-level states (:func:`metricbus.reduce.StepReducer.worker`, computed by
-the rank itself). All ranks keep an identical *agreed table* of metric names and spec claims. Each commit packs,
-for every agreed metric, the 12 Summary fields of each of its state keys into one float64 buffer, plus one leading
-slot holding the byte length of this rank's pickled ``(new claims, partial)`` when it has names the table lacks
-(or sums too wide for the 12 fields), else 0. One ``all_gather_single`` then gives every rank every rank's states.
-When any length is set, one more ``all_gather_single`` of bytes carries those ranks' claims and partials (the other
-ranks' states are complete in the first gather), and every rank decides the new specs with the same
-:func:`metricbus.spec_table.decide` the single-process and ``ingest()`` paths use: a changed key set costs exactly
-one extra collective; the steady state costs exactly one, whatever the number of metrics. Conflicting declared
-specs, and two metrics that would emit the same output name, raise :class:`~metricbus.errors.DistributedError` on
-every rank (all ranks see the same gathered claims, so all raise; nothing hangs).
+All ranks keep an identical *agreed table* of metric names and spec claims, hence the same *columns* (each agreed
+metric's rank-level inputs, :func:`metricbus.reduce.columns_of`). Each rank reduces its own records to its
+update-level states (:meth:`metricbus.reduce.StepReducer.worker`) and lifts them to its columns; then
+
+1. one ``all_reduce(MAX)`` of float64 :func:`metricbus.rank_level.maxima` (``NM`` per column), led by one slot
+   holding the byte length of this rank's pickled ``(new claims, partial, dropped names)`` when it has names the
+   table lacks or dropped a metric, else 0;
+2. one ``all_reduce(SUM)`` of int64 :func:`metricbus.rank_level.sums` (``NS`` per column plus the fixed-point limbs
+   of its exact sums), laid out by the agreed maxima;
+
+and :func:`metricbus.rank_level.finish` gives every rank the same merged states, bit for bit what a single process,
+the driver's ``ingest()`` and journal replay compute from the same records. Nothing of size R is sent or received.
+
+When the length slot is set, one ``all_gather`` of bytes (padded to the longest, each prefixed with its length)
+carries those ranks' claims and partials, and every rank decides the new specs with the same
+:func:`metricbus.spec_table.decide` the single-process and ``ingest()`` paths use; the new metrics of this commit
+are merged from the gathered partials by the same :func:`metricbus.rank_level.merge`. So a changed key set costs
+exactly one extra collective. Conflicting declared specs, and two metrics that would emit the same output name,
+raise :class:`~metricbus.errors.DistributedError` on every rank (all ranks see the same gathered claims, so all
+raise; nothing hangs).
 
 Exit safety. A backend's worker thread (Gloo's ``runLoop``, NCCL's watchdog) drops its reference to a collective's
 tensors *after* the collective returns, and for a tensor that has a Python object that last drop takes the GIL
@@ -23,28 +31,32 @@ GIL released. On the CPU (Gloo) that happens right after each collective (the wo
 once it can take the GIL); on CUDA (NCCL, whose watchdog polls) the tensors are kept and settled at ``close()``
 and at interpreter exit, so the hot path never waits for the watchdog.
 
-Cost per commit with R ranks and K agreed metric states: each rank receives R*K*12*8 bytes (the all_gather is O(R)).
+Cost per commit with K agreed columns: 8·(1 + NM·K) bytes all-reduced by MAX and 8·(NS·K + limbs) by SUM per rank
+(limbs: (E - Q)//32 + 3 per exact sum, 3-4 for typical data; see :mod:`metricbus.fixed`), independent of R.
 """
 
 from __future__ import annotations
 
 import pickle
+import struct
 import time
 import warnings
 from typing import Any
 
+import numpy as np
+
+from metricbus import rank_level
 from metricbus.errors import DistributedError, MetricBusWarning, SpecError
 from metricbus.partial import Partial
 from metricbus.ranks import Commit, Exchange, with_specs
-from metricbus.reduce import WorkerStates, state_keys
+from metricbus.reduce import Column, Ranked, StepReducer, WorkerStates, lift_columns
 from metricbus.spec import Spec
 from metricbus.spec_table import Claim, SpecTable, decide, output_keys
-from metricbus.summary import N_FIELDS, Summary
+from metricbus.summary import Summary
 
-_LENGTH = 0  # slot 0 of each rank's block: the byte length of its pickled (new specs, partial), 0 if none
 SETTLE_S = 2.0  # the longest close() waits for a backend thread to let go of a collective's tensors
 _SETTLE_MAX_SLEEP_S = 1e-3
-_EMPTY = Summary().as_tuple()
+_LENGTH = struct.Struct("<Q")  # the prefix of each rank's bytes in the byte gather
 
 
 def make_torch_transport(*, required: bool, group: Any, writer_rank: int) -> TorchRanks | None:
@@ -86,7 +98,9 @@ class TorchRanks:
         self._agreed: dict[str, Claim] = {}  # the agreed table, identical on every rank
         self._specs: dict[str, Spec] = {}
         self._names: list[str] = []  # sorted
-        self._keys: dict[str, tuple[str, ...]] = {}  # each name's worker-level state keys, in block order
+        self._lifts: dict[str, tuple[Column, ...]] = {}  # each name's columns (rank-level inputs)
+        self._columns: list[tuple[int, int]] = []  # each name's (first column, number of columns)
+        self._width = 0  # the number of columns
         self._held: list[tuple[Any, int]] = []  # (tensor, its use count before the collective): not yet let go
         backend = str(tdist.get_backend(group)).lower()
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
@@ -95,7 +109,7 @@ class TorchRanks:
     # -- the protocol ------------------------------------------------------------------------------------------
 
     def exchange(self, commit: Commit) -> Exchange:
-        """Every rank's update-level states of this commit, in rank order; a collective every rank calls."""
+        """The rank-level results of this commit, identical on every rank; a collective every rank calls."""
         own, table, reducer, rejected = commit.own, commit.table, commit.reducer, commit.rejected
         if commit.ingested:
             # Ingested partials are workers of their own at the rank level; folding them into one rank's
@@ -110,37 +124,38 @@ class TorchRanks:
             held = self._agreed.get(name)
             if claim is not None and (held is None or held.spec != claim.spec):
                 claims[name] = claim
-        mine = {} if claims else reducer.worker(commit.own_updates, self._specs)
-        if claims or rejected or any(s.rest for states in mine.values() for s in states):
-            # New names, dropped metrics, or sums too wide for the packed block: the partial itself travels in the
-            # byte gather.
+        if claims or rejected:  # new names or dropped metrics: the partial itself travels in the byte gather
             payload = pickle.dumps((claims, own, list(rejected)), protocol=pickle.HIGHEST_PROTOCOL)
         else:
             payload = b""
-        blocks = self._exchange(mine, length=len(payload))
-        lengths = [int(block[_LENGTH]) for block in blocks]
+        specs = self._specs
+        known = [{name: s for name, s in update.items() if name in specs} for update in commit.own_updates]
+        block = self._block([reducer.worker(known, specs)])
+        agreed = self._all_reduce(np.concatenate(([float(len(payload))], rank_level.maxima(block).ravel())), "max")
+        longest, agreed = int(agreed[0]), agreed[1:].reshape(-1, rank_level.NM)
+        columns, names = self._columns, self._names  # the layout of this commit (the agreement may extend it)
         dropped: dict[str, str] = {}
-        if any(lengths):
-            # The key set changed: one byte gather carries the new claims and partials of the ranks that have
-            # them, so the commit costs the data gather plus exactly one more collective.
-            partials, dropped = self._agree(blocks, lengths, payload, table)
-            workers = [
-                reducer.worker(p.updates(), self._specs) if isinstance(p, Partial) else p for p in partials
-            ]
-            for states in workers:  # a metric one rank had to drop is dropped on every rank, never half-reduced
-                for name in dropped:
-                    states.pop(name, None)
-        else:
-            workers = [self._states(block) for block in blocks]
+        fresh: Ranked = {}
+        if longest:
+            fresh, dropped = self._agree(payload, longest, table, reducer)
+        summed = self._all_reduce(rank_level.sums(block, agreed), "sum")
+        merged = rank_level.finish(agreed, summed)
+        ranked: Ranked = {}
+        for name, (base, width) in zip(names, columns, strict=True):
+            if merged[base] is not None or any(m is not None for m in merged[base : base + width]):
+                ranked[name] = tuple(merged[base : base + width])
+        ranked.update(fresh)
+        for name in dropped:  # a metric one rank had to drop is dropped on every rank, never half-reduced
+            ranked.pop(name, None)
         journal = [(self.rank, with_specs(own, self._specs, dropped))] if commit.journaled else []
         others = {name: where for name, where in dropped.items() if name not in rejected}
-        return Exchange(workers, self._specs, journal, others)
+        return Exchange([], self._specs, journal, others, ranked)
 
     def share(self, text: str) -> str:
         """The writer rank's ``text`` on every rank (two collectives; used once, when a bus is built)."""
         payload = text.encode() if self.is_writer else b""
-        lengths = [int(block[_LENGTH]) for block in self._exchange({}, length=len(payload))]
-        return max(self._gather_bytes(payload, lengths), key=len).decode()
+        longest = int(self._all_reduce(np.array([float(len(payload))]), "max")[0])
+        return max(self._gather_bytes(payload, longest), key=len).decode()
 
     def any_pending(self, *, pending: bool) -> bool:
         """True if any rank has uncommitted records (one small all_reduce)."""
@@ -199,51 +214,55 @@ class TorchRanks:
         all_gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
         self._collective(all_gather, out, local)
 
-    def _exchange(self, mine: WorkerStates, *, length: int) -> list[list[float]]:
-        """One all_gather of ``[length, *fields of each agreed metric's states]``; per-rank blocks as floats."""
+    def _all_reduce(self, values: Any, op: str) -> Any:
+        """One all_reduce of a float64 (``op="max"``) or int64 (``"sum"``) numpy vector; the result as numpy."""
         torch = self._torch
-        row = [float(length)]
-        for name in self._names:
-            held = mine.get(name)
-            if held is None:
-                row.extend(_EMPTY * len(self._keys[name]))
-            else:
-                for state in held:
-                    row.extend(state.as_tuple())
-        width = len(row)
-        local = torch.tensor(row, dtype=torch.float64).to(self._device)
-        out = torch.empty(width * self._size, dtype=torch.float64, device=self._device)
-        self._all_gather(out, local)
-        flat: list[float] = out.cpu().tolist()
-        return [flat[r * width : (r + 1) * width] for r in range(self._size)]
+        tensor = torch.from_numpy(values).to(self._device)
+        reduce_op = self._dist.ReduceOp.MAX if op == "max" else self._dist.ReduceOp.SUM
+        self._collective(self._dist.all_reduce, tensor, op=reduce_op)
+        return tensor.cpu().numpy() if tensor.device.type != "cpu" else tensor.numpy()
 
-    def _gather_bytes(self, payload: bytes, lengths: list[int]) -> list[bytes]:
-        """One all_gather of every rank's ``payload``, padded to the longest (whose length every rank knows)."""
+    def _block(self, workers: list[WorkerStates]) -> rank_level.Block:
+        """These workers' (one per rank) rows over the agreed columns."""
+        rows = []
+        for states in workers:
+            row: list[Summary | None] = [None] * self._width
+            for name, (base, width) in zip(self._names, self._columns, strict=True):
+                held = states.get(name)
+                if held is not None:
+                    row[base : base + width] = lift_columns(held, self._lifts[name])
+            rows.append(row)
+        return rank_level.block_of(rows, [self.rank] * len(workers))
+
+    def _gather_bytes(self, payload: bytes, longest: int) -> list[bytes]:
+        """One all_gather of every rank's ``payload``, each prefixed with its length and padded to the longest."""
         torch = self._torch
-        width = max(lengths)
+        width = _LENGTH.size + longest
         local = torch.zeros(width, dtype=torch.uint8)
-        if payload:
-            local[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        local[: _LENGTH.size + len(payload)] = torch.frombuffer(
+            bytearray(_LENGTH.pack(len(payload)) + payload), dtype=torch.uint8
+        )
         local = local.to(self._device)
         out = torch.empty(width * self._size, dtype=torch.uint8, device=self._device)
         self._all_gather(out, local)
         data = out.cpu().numpy().tobytes()
-        return [data[r * width : r * width + lengths[r]] for r in range(self._size)]
+        blocks = [data[r * width : (r + 1) * width] for r in range(self._size)]
+        return [block[_LENGTH.size : _LENGTH.size + _LENGTH.unpack_from(block)[0]] for block in blocks]
 
     def _agree(
-        self, blocks: list[list[float]], lengths: list[int], payload: bytes, table: SpecTable
-    ) -> tuple[list[Partial | WorkerStates], dict[str, str]]:
+        self, payload: bytes, longest: int, table: SpecTable, reducer: StepReducer
+    ) -> tuple[Ranked, dict[str, str]]:
         """Gather the new claims and partials of the ranks that have them; extend the agreed table identically on
-        every rank (or raise on every rank: all ranks see the same claims) and return every rank's partial (or,
-        for a rank that sent none, its states)."""
-        payloads = self._gather_bytes(payload, lengths)
-        gathered: list[tuple[dict[str, Claim], Partial | WorkerStates, list[str]]] = [
-            pickle.loads(data) if length else ({}, self._states(block), [])  # pickled by the group's own ranks
-            for data, length, block in zip(payloads, lengths, blocks, strict=True)
+        every rank (or raise on every rank: all ranks see the same claims); return the rank-level results of the
+        metrics new to the table, merged from the gathered partials, and the metrics some rank dropped."""
+        gathered: list[tuple[int, tuple[dict[str, Claim], Partial, list[str]]]] = [
+            (rank, pickle.loads(data))  # pickled by the group's own ranks
+            for rank, data in enumerate(self._gather_bytes(payload, longest))
+            if data
         ]
-        dropped = {name: f"rank {rank}" for rank, (_, _, names) in enumerate(gathered) for name in names}
+        dropped = {name: f"rank {rank}" for rank, (_, _, names) in gathered for name in names}
         offers: dict[str, list[Claim]] = {}
-        for rank, (claims, _, _) in enumerate(gathered):
+        for rank, (claims, _, _) in gathered:
             for name, claim in sorted(claims.items()):
                 offers.setdefault(name, []).append(Claim(claim.spec, claim.origin, f"rank {rank} ({claim.where})"))
         decided: dict[str, Claim] = {}
@@ -262,6 +281,7 @@ class TorchRanks:
                         )
         except SpecError as exc:
             raise DistributedError(f"rank {self.rank}: the ranks disagree: {exc}") from None
+        new = {name for name in decided if name not in self._agreed}
         for name, claim in decided.items():
             self._agreed[name] = claim
             if claim.declared or table.claim(name) is not None:
@@ -269,19 +289,23 @@ class TorchRanks:
                 # its declaration reaches the agreement and is refused there, as ingest() refuses it.
                 table.fix(name, claim)
         table.seal(decided)
+        self._layout(reducer)
+        specs = self._specs
+        workers = []  # the ranks that sent a partial, in rank order: every rank that has a new metric did
+        for _, (_, partial, _) in gathered:
+            updates = [{name: s for name, s in update.items() if name in new} for update in partial.updates()]
+            workers.append(reducer.worker(updates, specs))
+        fresh = reducer.rank_level(workers, specs) if new and workers else {}
+        return {name: merged for name, merged in fresh.items() if name in new}, dropped
+
+    def _layout(self, reducer: StepReducer) -> None:
+        """The columns of the agreed table, in name order (identical on every rank)."""
         self._specs = {name: claim.spec for name, claim in self._agreed.items()}
         self._names = sorted(self._agreed)
-        self._keys = {name: tuple(state_keys(self._specs[name])) for name in self._names}
-        return [part for _, part, _ in gathered], dropped
-
-    def _states(self, block: list[float]) -> WorkerStates:
-        out: WorkerStates = {}
-        pos = 1
+        self._lifts = {name: reducer.columns(name, self._specs[name]) for name in self._names}
+        self._columns = []
+        width = 0
         for name in self._names:
-            n = len(self._keys[name])
-            if block[pos] > 0:  # a rank that has the metric has records in every one of its states
-                out[name] = tuple(
-                    Summary.from_tuple(block[pos + i * N_FIELDS : pos + (i + 1) * N_FIELDS]) for i in range(n)
-                )
-            pos += n * N_FIELDS
-        return out
+            self._columns.append((width, len(self._lifts[name])))
+            width += len(self._lifts[name])
+        self._width = width

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from metricbus.partial import Partial, Updates
-from metricbus.reduce import StepReducer, WorkerStates
+from metricbus.reduce import Ranked, StepReducer, WorkerStates
 from metricbus.spec import Spec
 from metricbus.spec_table import SpecTable
 
@@ -33,12 +33,26 @@ class Commit:
 
 @dataclass(frozen=True, slots=True)
 class Exchange:
-    """One commit's rank level input: workers' states in rank order, their specs, and the journal's entries."""
+    """One commit's rank level: workers' states in rank order (or, from a collective transport, the rank-level
+    results themselves), their specs, and the journal's entries."""
 
-    workers: list[WorkerStates]
+    workers: list[WorkerStates]  # [] when ``ranked`` is given
     specs: dict[str, Spec]  # read only
     journal: list[tuple[int, Partial]]  # (worker rank, its partial with the agreed specs); [] if not journaled
     rejected: dict[str, str] = field(default_factory=dict)  # metric -> which other rank dropped its records
+    ranked: Ranked | None = None  # the rank level already merged (torch.distributed)
+
+    def names(self) -> set[str]:
+        """The metrics this commit holds."""
+        if self.ranked is not None:
+            return set(self.ranked)
+        return {name for states in self.workers for name in states}
+
+    def commit_to(self, reducer: StepReducer) -> dict[str, float] | None:
+        """Add this commit to ``reducer``; the emitted values when its window completes."""
+        if self.ranked is not None:
+            return reducer.commit_ranked(self.ranked, self.specs)
+        return reducer.commit(self.workers, self.specs)
 
 
 class RankTransport(Protocol):

@@ -8,8 +8,10 @@ of the next level.
 * **worker** (:func:`worker_states`): a worker's per-update micro summaries of a metric become its update-level
   states, one per distinct ``state key``: ``""`` (the updates' summaries merged: every chain whose update kind
   equals its micro kind) or a micro kind (each update's result lifted to one record, then merged).
-* **rank** (:meth:`StepReducer.commit`): each chain merges the workers' update-level states, lifted by the update
-  kind where it differs from the rank kind, in rank order; a worker without the metric does not count.
+* **rank** (:meth:`StepReducer.rank_level`): a metric's *columns* are its distinct rank-level inputs (a
+  worker-level state, lifted by the update kind where it differs from the rank kind); each column merges across
+  workers exactly and order-free (:mod:`metricbus.rank_level`); a worker without the metric does not count. Under
+  torch.distributed the same merge runs as two collectives (:mod:`metricbus.dist`).
 * **step**: the rank-level results of the last ``log_every`` commits merge (lifted where the step kind differs).
 """
 
@@ -17,12 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from metricbus import rank_level
 from metricbus.kinds import KINDS
 from metricbus.spec import Spec
 from metricbus.summary import Summary
 
 WorkerStates = dict[str, tuple[Summary, ...]]  # metric -> its update-level states, in state_keys(spec) order
+Ranked = dict[str, tuple[Summary | None, ...]]  # metric -> each column's rank-level result, in columns_of order
+Column = tuple[int, str | None]  # (the worker-level state it reads, the update kind it is lifted by, or None)
 _of_value = Summary.of_value
 _MERGED = ("",)  # the state keys of a spec whose chains all keep the micro kind at the update level
 
@@ -34,6 +40,7 @@ class Plan:
     key: str  # the emitted name
     state: int  # the worker-level state it reads: its index in state_keys(spec) ("" or the micro kind)
     rank_lift: Callable[[Summary], float] | None  # the update kind, where the rank kind differs
+    column: int  # its rank-level input: the index in columns_of(spec)
     step_lift: Callable[[Summary], float] | None  # the rank kind, where the step kind differs
     emit: Callable[[Summary], float]  # the step kind
 
@@ -41,15 +48,36 @@ class Plan:
 def plans_of(name: str, spec: Spec) -> tuple[Plan, ...]:
     """The plans of ``name``'s chains."""
     keys = state_keys(spec)
+    columns = columns_of(spec)
     return tuple(
         Plan(
             key=f"{name}/{c.suffix}" if c.suffix else name,
             state=keys.index("" if c.micro == c.update else c.micro),
             rank_lift=None if c.update == c.rank else KINDS[c.update],
+            column=columns.index(_column(c, keys)),
             step_lift=None if c.rank == c.step else KINDS[c.rank],
             emit=KINDS[c.step],
         )
         for c in spec.chains
+    )
+
+
+def _column(chain: Any, keys: list[str]) -> Column:
+    return keys.index("" if chain.micro == chain.update else chain.micro), (
+        None if chain.update == chain.rank else chain.update
+    )
+
+
+def columns_of(spec: Spec) -> list[Column]:
+    """The distinct rank-level inputs of ``spec``'s chains, in a fixed order."""
+    keys = state_keys(spec)
+    return sorted({_column(c, keys) for c in spec.chains}, key=lambda col: (col[0], col[1] or ""))
+
+
+def lift_columns(states: tuple[Summary, ...], columns: Sequence[Column]) -> tuple[Summary, ...]:
+    """One worker's rank-level inputs of a metric: each column's state, lifted where it says."""
+    return tuple(
+        states[state] if lift is None else _of_value(KINDS[lift](states[state])) for state, lift in columns
     )
 
 
@@ -84,18 +112,23 @@ class StepReducer:
         self._log_every = log_every
         self._commits = 0
         self._window: dict[str, tuple[Plan, Summary]] = {}
-        self._plans: dict[str, tuple[Spec, tuple[Plan, ...], tuple[str, ...]]] = {}
+        self._plans: dict[str, tuple[Spec, tuple[Plan, ...], tuple[str, ...], tuple[Column, ...]]] = {}
 
     @property
     def pending(self) -> int:
         """Commits in the window that have not been emitted yet."""
         return self._commits
 
-    def _plan(self, name: str, spec: Spec) -> tuple[Spec, tuple[Plan, ...], tuple[str, ...]]:
+    def _plan(self, name: str, spec: Spec) -> tuple[Spec, tuple[Plan, ...], tuple[str, ...], tuple[Column, ...]]:
         held = self._plans.get(name)
         if held is None or (held[0] is not spec and held[0] != spec):
-            held = self._plans[name] = (spec, plans_of(name, spec), tuple(state_keys(spec)))
+            held = (spec, plans_of(name, spec), tuple(state_keys(spec)), tuple(columns_of(spec)))
+            self._plans[name] = held
         return held
+
+    def columns(self, name: str, spec: Spec) -> tuple[Column, ...]:
+        """``name``'s rank-level inputs under ``spec`` (see :func:`columns_of`)."""
+        return self._plan(name, spec)[3]
 
     def worker(self, updates: Sequence[Mapping[str, Summary]], specs: Mapping[str, Spec]) -> WorkerStates:
         """A worker's update-level states of every metric it logged (``updates``: per optimizer update, in order,
@@ -119,30 +152,45 @@ class StepReducer:
             out[name] = worker_state(self._plan(name, specs[name])[2], parts)
         return out
 
+    def rank_level(self, workers: Sequence[WorkerStates], specs: Mapping[str, Spec]) -> Ranked:
+        """Each metric's columns merged across ``workers`` (in rank order) exactly: :mod:`metricbus.rank_level`."""
+        if len(workers) == 1:  # the merge of one worker is the identity
+            return {name: lift_columns(states, self._plan(name, specs[name])[3]) for name, states in workers[0].items()}
+        names = sorted({name for states in workers for name in states})
+        where: dict[str, tuple[int, tuple[Column, ...]]] = {}
+        width = 0
+        for name in names:
+            columns = self._plan(name, specs[name])[3]
+            where[name] = (width, columns)
+            width += len(columns)
+        rows: list[list[Summary | None]] = []
+        for states in workers:
+            row: list[Summary | None] = [None] * width
+            for name, by_key in states.items():
+                base, columns = where[name]
+                row[base : base + len(columns)] = lift_columns(by_key, columns)
+            rows.append(row)
+        merged = rank_level.merge(rank_level.block_of(rows, range(len(workers))))
+        return {name: tuple(merged[base : base + len(columns)]) for name, (base, columns) in where.items()}
+
     def commit(self, workers: Sequence[WorkerStates], specs: Mapping[str, Spec]) -> dict[str, float] | None:
         """Add one commit (every worker's states, in rank order); the emitted values when the window completes."""
-        plans = self._plans
         if len(workers) == 1 and self._log_every == 1:
             return self._single(workers[0], specs)
-        ranked: dict[str, tuple[Plan, Summary]] = {}
-        for states in workers:
-            for name, by_key in states.items():
-                spec = specs[name]
-                held = plans.get(name)
-                for plan in held[1] if held is not None and held[0] is spec else self._plan(name, spec)[1]:
-                    state = by_key[plan.state]
-                    if plan.rank_lift is not None:
-                        state = _of_value(plan.rank_lift(state))
-                    seen = ranked.get(plan.key)
-                    if seen is None:
-                        ranked[plan.key] = (plan, state)
-                    else:  # across workers, first *and* last come from the lowest-ranked worker that has it
-                        ranked[plan.key] = (plan, seen[1].merge(state)._replace(last=seen[1].last))
+        return self.commit_ranked(self.rank_level(workers, specs), specs)
+
+    def commit_ranked(self, ranked: Ranked, specs: Mapping[str, Spec]) -> dict[str, float] | None:
+        """Add one commit's rank-level results (see :meth:`rank_level`); the emitted values when the window
+        completes."""
         window = self._window
-        for key, (plan, result) in ranked.items():
-            state = result if plan.step_lift is None else _of_value(plan.step_lift(result))
-            seen = window.get(key)
-            window[key] = (plan, state if seen is None else seen[1].merge(state))
+        for name, merged in ranked.items():
+            for plan in self._plan(name, specs[name])[1]:
+                result = merged[plan.column]
+                if result is None:
+                    continue
+                state = result if plan.step_lift is None else _of_value(plan.step_lift(result))
+                seen = window.get(plan.key)
+                window[plan.key] = (plan, state if seen is None else seen[1].merge(state))
         self._commits += 1
         if self._commits < self._log_every:
             return None

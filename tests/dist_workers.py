@@ -77,12 +77,15 @@ def count_worker(rank: int, size: int, port: int, out: Any) -> None:
                  "barrier",
                  "all_gather", "gather", "reduce", "broadcast_object_list", "reduce_scatter")
         calls: dict[str, int] = {}
+        sent: dict[str, int] = {}  # bytes of the tensors handed to each kind of call
         import metricbus.dist as mdist
 
         real = {n: getattr(tdist, n) for n in names if hasattr(tdist, n)}
         for n, fn in real.items():
             def wrap(*a: Any, _n: str = n, _fn: Any = fn, **k: Any) -> Any:
                 calls[_n] = calls.get(_n, 0) + 1
+                tensors = [t for t in a if hasattr(t, "element_size")]
+                sent[_n] = sent.get(_n, 0) + sum(t.numel() * t.element_size() for t in tensors[-1:])
                 return _fn(*a, **k)
             setattr(tdist, n, wrap)
         assert mdist  # the transport looks functions up on torch.distributed at call time
@@ -93,8 +96,9 @@ def count_worker(rank: int, size: int, port: int, out: Any) -> None:
                 for i in range(k):
                     bus.log(f"m{i}", float(i + rank + step))
                 calls.clear()
+                sent.clear()
                 got = bus.commit(step=step)
-                result[(k, step)] = (dict(calls), got[f"m{k - 1}"])
+                result[(k, step)] = (dict(calls), got[f"m{k - 1}"], dict(sent))
             bus.close()
         out.put((rank, result))
     finally:

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 mp = torch.multiprocessing
 
-from metricbus import MetricBus  # noqa: E402
+from metricbus import MetricBus, rank_level  # noqa: E402
 from metricbus.journal import read_journal  # noqa: E402
 from metricbus.replay import emitted  # noqa: E402
 from tests import dist_workers  # noqa: E402  (after the importorskip)
@@ -122,15 +122,21 @@ def test_prescaled_pg_loss_is_global_token_mean() -> None:
         assert math.isclose(results[rank]["pg_loss"], math.fsum(flat) / len(flat), rel_tol=1e-12)
 
 
-def test_collective_count_is_flat_in_metrics() -> None:
-    """A steady-state commit makes the same collective calls for 10 and 1,000 metrics: one all_gather."""
-    results = _spawn(dist_workers.count_worker, 2)
-    for rank in range(2):
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_steady_commit_is_two_collectives_of_o_k_bytes_whatever_r(size: int) -> None:
+    """A steady-state commit makes two all_reduces (MAX, then SUM) for 10 and 1,000 metrics, at 2 and 4 ranks; the
+    bytes each rank hands them are bounded per metric (O(K)), with no term in R; new keys add one byte gather."""
+    results = _spawn(dist_workers.count_worker, size)
+    for rank in range(size):
         got = results[rank]
-        assert got[(10, 2)][0] == got[(1000, 2)][0] == {"all_gather_single": 1}
-        assert got[(10, 1)][0] == {"all_gather_single": 1}
-        assert got[(1000, 0)][0] == {"all_gather_single": 2}  # new keys: +1 byte gather
-        assert got[(1000, 2)][1] == 999 + 2 + 0.5
+        assert got[(10, 2)][0] == got[(1000, 2)][0] == got[(10, 1)][0] == {"all_reduce": 2}
+        assert got[(1000, 0)][0] == {"all_reduce": 2, "all_gather_single": 1}  # new keys: +1 byte gather
+        assert got[(1000, 2)][1] == 999 + (size - 1) / 2 + 2
+        small, large = got[(10, 2)][2]["all_reduce"], got[(1000, 2)][2]["all_reduce"]
+        # per metric: NM maxima, NS fixed sums and the limbs of four exact sums (a few each for these values)
+        per_metric = 8 * (rank_level.NM + rank_level.NS + 4 * 6)
+        assert 8 * (rank_level.NM + rank_level.NS) * 1000 < large <= per_metric * 1000 + 8
+        assert small <= per_metric * 10 + 8
 
 
 def test_a_strict_adapter_failure_on_the_writer_keeps_the_ranks_in_step() -> None:
