@@ -8,11 +8,13 @@ adapters). ``commit()`` is "take -> exchange -> journal -> reduce -> deliver".
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
+import operator
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -35,7 +37,7 @@ from metricbus.errors import (
 from metricbus.options import BusOptions
 from metricbus.partial import Partial, Updates
 from metricbus.ranks import Commit, RankTransport, make_transport
-from metricbus.reduce import StepReducer, WorkerStates
+from metricbus.reduce import StepReducer
 from metricbus.registry import resolve_adapter
 from metricbus.rules import Rules
 from metricbus.shutdown import EXIT_TIMEOUT_S
@@ -44,6 +46,9 @@ from metricbus.spec import NanPolicy, Spec, SpecLike, check_nan, parse_spec
 from metricbus.spec_table import SpecTable
 
 _NOTHING = Partial()
+_MAX_GETTERS = 256  # dict shapes with a cached fast-path lookup; more shapes take the validated path
+_append = list.append
+_consume = collections.deque(maxlen=0).extend  # runs an iterator in C, keeping nothing
 CLOSE_TIMEOUT_S = 30.0  # how long close() (and the close at interpreter exit) gives the adapters to drain
 
 
@@ -92,11 +97,12 @@ class MetricBus:
         self._table = SpecTable(self._rules)
         self._collector = Collector(table=self._table, nan=opts.nan)
         self._fast = self._collector.fast
+        self._getters: dict[tuple[str, ...], Callable[[dict[str, list[float]]], Any]] = {}  # log(dict) fast path
         self._reducer = StepReducer(log_every=opts.log_every)
         self._ingested: list[Partial] = []
         self._last_step: int | None = None
         self._resumed_after = None if previous is None else previous.last_step  # commit() without a step: next one
-        self._step_workers: list[WorkerStates] = []  # what the last step's commits held
+        self._step_names: set[str] = set()  # the metrics the last step's commits held
         self._closed = False
         self._lock = shutdown.BusLock()  # commits, ingests, exports and close run one at a time
         self._ranks: RankTransport = make_transport(dist=opts.dist, group=opts.group, writer_rank=opts.writer_rank)
@@ -149,12 +155,15 @@ class MetricBus:
 
         Safe from several threads; records of one thread keep their order.
         """
-        if weight is None and agg is None and type(value) is float:
-            buffer = self._fast.get(name)  # type: ignore[arg-type]
-            if buffer is not None:
-                buffer.append(value)  # atomic under the GIL; see metricbus.accumulate
-                if len(buffer) >= FOLD_AT:
-                    self._collector.fold(name)  # type: ignore[arg-type]
+        if weight is None and agg is None:
+            if type(value) is float:
+                buffer = self._fast.get(name)  # type: ignore[arg-type]
+                if buffer is not None:
+                    buffer.append(value)  # atomic under the GIL; see metricbus.accumulate
+                    if len(buffer) >= FOLD_AT:
+                        self._collector.fold(name)  # type: ignore[arg-type]
+                    return
+            elif value is None and type(name) is dict and self._log_dict(name):
                 return
         if self._closed:
             raise ClosedError(f"cannot log {name!r}: the bus is closed")
@@ -263,8 +272,9 @@ class MetricBus:
                 self._collector.restore(updates)
                 self._ingested = ingested + self._ingested
             raise
+        names = exchange.names()
         if step == self._last_step:
-            again = _names(exchange.workers) & _names(self._step_workers)
+            again = names & self._step_names
             if again:  # every rank sees the same states, so every rank raises here, and nothing is lost
                 self._collector.restore(updates)
                 self._ingested = ingested + self._ingested
@@ -273,9 +283,9 @@ class MetricBus:
                     f"step {step}: {shown} already committed at this step; a step may hold several commits "
                     "(training, then evaluation) only with different metric names. The records stay buffered"
                 )
-            self._step_workers = [*self._step_workers, *exchange.workers]
+            self._step_names = self._step_names | names
         else:
-            self._step_workers = list(exchange.workers)
+            self._step_names = names
         journal_error = None
         try:
             self._sink.record(step=step, entries=exchange.journal)
@@ -284,7 +294,7 @@ class MetricBus:
         self._table.seal()
         self._collector.respec()  # specs adopted from workers or ranks (their nan policy) apply from now on
         self._last_step = step
-        out = self._reducer.commit(exchange.workers, exchange.specs)
+        out = exchange.commit_to(self._reducer)
         emitted = {} if out is None else self._emit(step, out)
         if journal_error is not None:
             raise journal_error
@@ -412,6 +422,31 @@ class MetricBus:
         self.close(status="failed" if exc_type is not None else "finished")
 
 
+    def _log_dict(self, metrics: dict[str, Any]) -> bool:
+        """The fast path of ``log(dict)``: when every name has a fast buffer and every value is a plain float,
+        append them all (no lock, as ``log(name, float)``) and return True; else record nothing and return False.
+        """
+        keys = tuple(metrics)
+        getter = self._getters.get(keys)
+        if getter is None:  # decided once per dict shape (the buffers are looked up per call: they can go)
+            if len(keys) < 2 or len(self._getters) >= _MAX_GETTERS:
+                return False
+            getter = self._getters[keys] = operator.itemgetter(*keys)
+        try:
+            buffers = getter(self._fast)
+        except KeyError:  # a new name, or one whose nan policy keeps it off the fast path
+            return False
+        values = [*metrics.values()]  # one snapshot: what is checked is what is appended
+        if [*map(type, values)].count(float) != len(values):
+            return False
+        _consume(map(_append, buffers, values))
+        if max(map(len, buffers)) >= FOLD_AT:
+            for name, buffer in zip(keys, buffers, strict=True):
+                if len(buffer) >= FOLD_AT:
+                    self._collector.fold(name)
+        return True
+
+
 def _resolve(index: int, adapter: Any) -> Any:
     """The adapter object for ``adapters[index]``; a bad spec's error says which entry it is."""
     try:
@@ -420,11 +455,6 @@ def _resolve(index: int, adapter: Any) -> Any:
         if str(exc).startswith("adapters["):
             raise
         raise type(exc)(f"adapters[{index}]: {exc}") from exc
-
-
-def _names(workers: Sequence[Mapping[str, Any]]) -> set[str]:
-    """The metric names in these workers' states."""
-    return {name for states in workers for name in states}
 
 
 def _rejected(errors: Mapping[str, MetricValueError], *, what: str, kept: str) -> MetricValueError:
