@@ -8,13 +8,11 @@ adapters). ``commit()`` is "take -> exchange -> journal -> reduce -> deliver".
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
-import operator
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -46,9 +44,6 @@ from metricbus.spec import NanPolicy, Spec, SpecLike, check_nan, parse_spec
 from metricbus.spec_table import SpecTable
 
 _NOTHING = Partial()
-_MAX_GETTERS = 256  # dict shapes with a cached fast-path lookup; more shapes take the validated path
-_append = list.append
-_consume = collections.deque(maxlen=0).extend  # runs an iterator in C, keeping nothing
 CLOSE_TIMEOUT_S = 30.0  # how long close() (and the close at interpreter exit) gives the adapters to drain
 
 
@@ -97,7 +92,6 @@ class MetricBus:
         self._table = SpecTable(self._rules)
         self._collector = Collector(table=self._table, nan=opts.nan)
         self._fast = self._collector.fast
-        self._getters: dict[tuple[str, ...], Callable[[dict[str, list[float]]], Any]] = {}  # log(dict) fast path
         self._reducer = StepReducer(log_every=opts.log_every)
         self._ingested: list[Partial] = []
         self._last_step: int | None = None
@@ -163,7 +157,7 @@ class MetricBus:
                     if len(buffer) >= FOLD_AT:
                         self._collector.fold(name)  # type: ignore[arg-type]
                     return
-            elif value is None and type(name) is dict and self._log_dict(name):
+            elif value is None and type(name) is dict and self._collector.log_floats(name):
                 return
         if self._closed:
             raise ClosedError(f"cannot log {name!r}: the bus is closed")
@@ -196,7 +190,9 @@ class MetricBus:
             if errors:
                 self._collector.restore(updates)  # keep the good metrics for the next export
                 raise _rejected(errors, what="export()", kept="kept for the next export()")
-            return self._collector.partial(updates)
+            partial = self._collector.partial(updates)
+            partial.packed  # noqa: B018  (packed here, on the worker: the driver reduces it column-wise)
+            return partial
 
     def ingest(self, partials: Iterable[Partial]) -> None:
         """Add workers' partials; they rank in ingest order (before this bus's own records) at the next commit.
@@ -420,31 +416,6 @@ class MetricBus:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close(status="failed" if exc_type is not None else "finished")
-
-
-    def _log_dict(self, metrics: dict[str, Any]) -> bool:
-        """The fast path of ``log(dict)``: when every name has a fast buffer and every value is a plain float,
-        append them all (no lock, as ``log(name, float)``) and return True; else record nothing and return False.
-        """
-        keys = tuple(metrics)
-        getter = self._getters.get(keys)
-        if getter is None:  # decided once per dict shape (the buffers are looked up per call: they can go)
-            if len(keys) < 2 or len(self._getters) >= _MAX_GETTERS:
-                return False
-            getter = self._getters[keys] = operator.itemgetter(*keys)
-        try:
-            buffers = getter(self._fast)
-        except KeyError:  # a new name, or one whose nan policy keeps it off the fast path
-            return False
-        values = [*metrics.values()]  # one snapshot: what is checked is what is appended
-        if [*map(type, values)].count(float) != len(values):
-            return False
-        _consume(map(_append, buffers, values))
-        if max(map(len, buffers)) >= FOLD_AT:
-            for name, buffer in zip(keys, buffers, strict=True):
-                if len(buffer) >= FOLD_AT:
-                    self._collector.fold(name)
-        return True
 
 
 def _resolve(index: int, adapter: Any) -> Any:

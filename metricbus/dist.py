@@ -101,6 +101,7 @@ class TorchRanks:
         self._lifts: dict[str, tuple[Column, ...]] = {}  # each name's columns (rank-level inputs)
         self._columns: list[tuple[int, int]] = []  # each name's (first column, number of columns)
         self._width = 0  # the number of columns
+        self._moments: list[bool] = []  # per column: whether its merged m2 is read
         self._held: list[tuple[Any, int]] = []  # (tensor, its use count before the collective): not yet let go
         backend = str(tdist.get_backend(group)).lower()
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
@@ -130,16 +131,16 @@ class TorchRanks:
             payload = b""
         specs = self._specs
         known = [{name: s for name, s in update.items() if name in specs} for update in commit.own_updates]
-        block = self._block([reducer.worker(known, specs)])
-        agreed = self._all_reduce(np.concatenate(([float(len(payload))], rank_level.maxima(block).ravel())), "max")
+        prep = rank_level.prepare(self._block(reducer.worker(known, specs)))
+        agreed = self._all_reduce(np.concatenate(([float(len(payload))], rank_level.maxima(prep).ravel())), "max")
         longest, agreed = int(agreed[0]), agreed[1:].reshape(-1, rank_level.NM)
         columns, names = self._columns, self._names  # the layout of this commit (the agreement may extend it)
         dropped: dict[str, str] = {}
         fresh: Ranked = {}
         if longest:
             fresh, dropped = self._agree(payload, longest, table, reducer)
-        summed = self._all_reduce(rank_level.sums(block, agreed), "sum")
-        merged = rank_level.finish(agreed, summed)
+        summed = self._all_reduce(rank_level.sums(prep, agreed), "sum")
+        merged = rank_level.finish(agreed, summed, prep.block.moments)
         ranked: Ranked = {}
         for name, (base, width) in zip(names, columns, strict=True):
             if merged[base] is not None or any(m is not None for m in merged[base : base + width]):
@@ -222,17 +223,14 @@ class TorchRanks:
         self._collective(self._dist.all_reduce, tensor, op=reduce_op)
         return tensor.cpu().numpy() if tensor.device.type != "cpu" else tensor.numpy()
 
-    def _block(self, workers: list[WorkerStates]) -> rank_level.Block:
-        """These workers' (one per rank) rows over the agreed columns."""
-        rows = []
-        for states in workers:
-            row: list[Summary | None] = [None] * self._width
-            for name, (base, width) in zip(self._names, self._columns, strict=True):
-                held = states.get(name)
-                if held is not None:
-                    row[base : base + width] = lift_columns(held, self._lifts[name])
-            rows.append(row)
-        return rank_level.block_of(rows, [self.rank] * len(workers))
+    def _block(self, states: WorkerStates) -> rank_level.Block:
+        """This rank's row over the agreed columns."""
+        row: list[Summary | None] = [None] * self._width
+        for name, (base, width) in zip(self._names, self._columns, strict=True):
+            held = states.get(name)
+            if held is not None:
+                row[base : base + width] = lift_columns(held, self._lifts[name])
+        return rank_level.block_of([row], [self.rank], self._moments)
 
     def _gather_bytes(self, payload: bytes, longest: int) -> list[bytes]:
         """One all_gather of every rank's ``payload``, each prefixed with its length and padded to the longest."""
@@ -304,8 +302,10 @@ class TorchRanks:
         self._names = sorted(self._agreed)
         self._lifts = {name: reducer.columns(name, self._specs[name]) for name in self._names}
         self._columns = []
+        self._moments = []
         width = 0
         for name in self._names:
             self._columns.append((width, len(self._lifts[name])))
+            self._moments.extend(moment for _, _, moment in self._lifts[name])
             width += len(self._lifts[name])
         self._width = width

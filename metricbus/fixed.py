@@ -15,6 +15,7 @@ Zeros and non-finite values contribute nothing here (non-finite data is counted 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,32 +25,67 @@ from metricbus import exact
 NONE = -4096  # E and -Q of a slot with no finite nonzero value: no limbs
 LIMB_BITS = 32
 _MASK = (1 << LIMB_BITS) - 1
-_CHUNK = 1 << 19  # components per bincount: a bin's float64 total stays below 2**52 (exact)
+_CHUNK = 1 << 18  # terms per bincount: a bin gets at most 2 parts per term (< 2**33), its float64 total < 2**52
 Array = Any  # numpy arrays (numpy's own stubs are too loose to help here)
 
 
-def decompose(values: Array) -> tuple[Array, Array, Array, Array]:
-    """``(ok, m, q, top)`` of float64 ``values``: finite nonzero mask; odd |mantissa|, signed; exponent of the
-    lowest set bit; frexp exponent (``m``, ``q``, ``top`` are 0 where not ``ok``)."""
-    ok = np.isfinite(values) & (values != 0.0)
-    frac, top = np.frexp(np.where(ok, values, 1.0))
+@dataclass(frozen=True, slots=True)
+class Terms:
+    """Finite nonzero values, decomposed: ``value = m · 2**q`` (``m`` odd, signed) in ``slot``, with ``top`` its
+    frexp exponent. Zeros and non-finite values are left out (non-finite data is counted by the caller)."""
+
+    slot: Array  # int64
+    m: Array  # int64
+    q: Array  # int64
+    top: Array  # int64
+
+    def where(self, keep: Array) -> Terms:
+        """The terms where ``keep`` (a bool per term) is True."""
+        return Terms(self.slot[keep], self.m[keep], self.q[keep], self.top[keep])
+
+
+def _split(v: Array) -> tuple[Array, Array, Array]:
+    """``(m, q, top)`` of finite nonzero float64 ``v`` (any shape)."""
+    frac, top = np.frexp(v)
     m53 = (frac * 9007199254740992.0).astype(np.int64)  # frac · 2**53: exact
-    low = np.abs(m53) & -np.abs(m53)  # the lowest set bit of |m53|, a power of two
-    ctz = np.frexp(low.astype(np.float64))[1] - 1
-    m = np.where(ok, m53 >> ctz, 0)
-    q = np.where(ok, top - 53 + ctz, 0)
-    return ok, m, q, np.where(ok, top, 0)
+    magnitude = np.abs(m53)
+    ctz = np.frexp((magnitude & -magnitude).astype(np.float64))[1] - 1  # the lowest set bit's position
+    top = top.astype(np.int64)
+    return m53 >> ctz, top - 53 + ctz, top
 
 
-def scan(values: Array, slots: Array, n_slots: int) -> tuple[Array, Array]:
-    """Per slot ``(E, -Q)`` of ``values`` (``slots``: each value's slot index), as float64; NONE where empty."""
-    ok, _, q, top = decompose(values)
+def decompose(values: Array, slots: Array) -> Terms:
+    """The :class:`Terms` of float64 ``values`` (``slots``: each value's slot index)."""
+    keep = np.flatnonzero(np.isfinite(values) & (values != 0.0))
+    m, q, top = _split(values[keep])
+    return Terms(slots[keep], m, q, top)
+
+
+def terms_of(values: Array, slots: Array) -> Terms:
+    """The :class:`Terms` of an (n, C) float64 matrix whose column ``c`` belongs to slot ``slots[c]``."""
+    flat = values.ravel()
+    keep = np.flatnonzero(np.isfinite(flat) & (flat != 0.0))
+    m, q, top = _split(flat[keep])
+    return Terms(slots[keep % values.shape[1]], m, q, top)
+
+
+def bounds(values: Array) -> tuple[Array, Array]:
+    """Per column of an (n, C) float64 matrix: ``(E, Q)`` as float64 (``NONE``, ``-NONE`` where it has no finite
+    nonzero value)."""
+    ok = np.isfinite(values) & (values != 0.0)
+    _, q, top = _split(np.where(ok, values, 1.0))
+    e_max = np.where(ok, top, NONE).max(axis=0, initial=NONE).astype(np.float64)
+    q_min = np.where(ok, q, -NONE).min(axis=0, initial=-NONE).astype(np.float64)
+    return e_max, q_min
+
+
+def scan(terms: Terms, n_slots: int) -> tuple[Array, Array]:
+    """Per slot ``(E, -Q)`` of ``terms``, as float64; NONE where a slot has none."""
     e_max = np.full(n_slots, float(NONE))
     nq_max = np.full(n_slots, float(NONE))
-    if ok.any():
-        idx = slots[ok]
-        np.maximum.at(e_max, idx, top[ok].astype(np.float64))
-        np.maximum.at(nq_max, idx, (-q[ok]).astype(np.float64))
+    if len(terms.m):
+        np.maximum.at(e_max, terms.slot, terms.top.astype(np.float64))
+        np.maximum.at(nq_max, terms.slot, (-terms.q).astype(np.float64))
     return e_max, nq_max
 
 
@@ -60,31 +96,32 @@ def widths(e_max: Array, nq_max: Array) -> Array:
     return np.where(e == NONE, 0, (e - q) // LIMB_BITS + 3)
 
 
-def limbs(values: Array, slots: Array, nq_max: Array, offsets: Array, total: int) -> Array:
-    """The int64 limb vector (``total`` long) of ``values``: slot ``s``'s limbs start at ``offsets[s]``, aligned to
-    the agreed ``Q = -nq_max[s]``."""
-    out = np.zeros(total, dtype=np.int64)
-    ok, m, q, _ = decompose(values)
-    if not ok.any():
-        return out
-    idx = slots[ok]
-    m, q = m[ok], q[ok]
-    shift = q + nq_max.astype(np.int64)[idx]  # q - Q >= 0
-    sign = np.where(m < 0, -1, 1)
+def add_limbs(out: Array, terms: Terms, nq_max: Array, offsets: Array) -> None:
+    """Add ``terms`` to the int64 limb vector ``out``: slot ``s``'s limbs start at ``offsets[s]``, aligned to the
+    agreed ``Q = -nq_max[s]``."""
+    if not len(terms.m):
+        return
+    m, idx = terms.m, terms.slot
+    shift = terms.q + nq_max.astype(np.int64)[idx]  # q - Q >= 0
     am = np.abs(m)
     k0 = offsets[idx] + (shift >> 5)
     r = shift & 31
     low = (am & _MASK) << r  # < 2**63
     high = (am >> LIMB_BITS) << r  # < 2**52
-    parts = (
-        (k0, sign * (low & _MASK)),
-        (k0 + 1, sign * ((low >> LIMB_BITS) + (high & _MASK))),
-        (k0 + 2, sign * (high >> LIMB_BITS)),
-    )
+    sign = np.where(m < 0, -1.0, 1.0)
+    parts = (low & _MASK, (low >> LIMB_BITS) + (high & _MASK), high >> LIMB_BITS)
+    total = len(out)
     for start in range(0, len(m), _CHUNK):
-        for where, what in parts:
-            binned = np.bincount(where[start : start + _CHUNK], weights=what[start : start + _CHUNK], minlength=total)
-            out += binned.astype(np.int64)
+        stop = start + _CHUNK
+        where = np.concatenate([k0[start:stop] + i for i in range(3)])
+        what = np.concatenate([sign[start:stop] * part[start:stop] for part in parts])
+        out += np.bincount(where, weights=what, minlength=total).astype(np.int64)
+
+
+def limbs(terms: Terms, nq_max: Array, offsets: Array, total: int) -> Array:
+    """The int64 limb vector (``total`` long) of ``terms`` (see :func:`add_limbs`)."""
+    out = np.zeros(total, dtype=np.int64)
+    add_limbs(out, terms, nq_max, offsets)
     return out
 
 

@@ -1,33 +1,104 @@
-"""``Partial``: the picklable micro-level state of one worker's uncommitted records."""
+"""``Partial``: the picklable micro-level state of one worker's uncommitted records.
+
+A Partial has two equivalent forms, each built from the other on first use: ``entries`` (``(name, spec,
+Summary)`` tuples, what the journal and the spec table read) and :class:`Packed` (the Summaries' fields as one
+float64 array, what a driver's ``ingest()`` of many partials reduces without building a Python object per
+entry). ``export()`` packs on the worker, and a pickled Partial carries only the packed form, so the driver pays
+nothing per entry until something asks for ``entries``.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from metricbus.spec import Spec
-from metricbus.summary import Summary
+from metricbus.summary import N_FIELDS, Rest, Summary
 
 Updates = list[dict[str, Summary]]  # per optimizer update, in order: metric -> micro-level Summary
+Entry = tuple[str, Spec, Summary]
 
 
 @dataclass(frozen=True, slots=True)
+class Packed:
+    """The entries of a Partial as arrays: ``fields[:, i]`` is entry ``i``'s ``Summary.as_tuple()`` (field-major).
+
+    ``layout`` is a digest of the names, specs and ``undeclared`` (equal layouts: equal names and specs in the same
+    order), so a receiver can reuse what it decided for a layout it has seen; ``single`` is True when no name
+    repeats (one optimizer update).
+    """
+
+    names: tuple[str, ...]
+    specs: tuple[Spec, ...]
+    fields: Any  # (N_FIELDS, n) float64 numpy array
+    rests: tuple[tuple[int, Rest], ...]  # (entry index, its Summary's rest) where not ()
+    layout: bytes
+    single: bool
+
+
 class Partial:
     """What one worker logged since its last commit: per metric and optimizer update, its spec and Summary.
 
     ``entries`` are ``(name, spec, summary)`` in update order: a name appears once per update in which it was
     logged (once when no update boundary was marked). ``undeclared`` names the metrics whose spec is only the
     worker's default (no ``agg=``, no rule): the receiving bus's own rules or another worker's declaration win.
+    Immutable.
     """
 
-    entries: tuple[tuple[str, Spec, Summary], ...] = ()
-    undeclared: frozenset[str] = field(default_factory=frozenset)
+    __slots__ = ("_entries", "_packed", "undeclared")
+    _entries: tuple[Entry, ...] | None
+    _packed: Packed | None
+    undeclared: frozenset[str]
 
-    def __iter__(self) -> Iterator[tuple[str, Spec, Summary]]:
+    def __init__(self, entries: tuple[Entry, ...] = (), undeclared: frozenset[str] = frozenset()) -> None:
+        object.__setattr__(self, "_entries", tuple(entries))
+        object.__setattr__(self, "_packed", None)
+        object.__setattr__(self, "undeclared", frozenset(undeclared))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a Partial is immutable; cannot set {name!r}")
+
+    @property
+    def entries(self) -> tuple[Entry, ...]:
+        """The entries, in update order."""
+        held: tuple[Entry, ...] | None = self._entries
+        if held is None:
+            held = _unpack(self._packed)
+            object.__setattr__(self, "_entries", held)
+        return held
+
+    @property
+    def packed(self) -> Packed:
+        """The entries as arrays (built on first use, then kept)."""
+        held: Packed | None = self._packed
+        if held is None:
+            held = pack(self.entries, self.undeclared)
+            object.__setattr__(self, "_packed", held)
+        return held
+
+    def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries)
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.entries) if self._packed is None else len(self._packed.names)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Partial):
+            return NotImplemented
+        return self.entries == other.entries and self.undeclared == other.undeclared
+
+    def __hash__(self) -> int:
+        return hash((self.entries, self.undeclared))
+
+    def __repr__(self) -> str:
+        return f"Partial(entries={self.entries!r}, undeclared={set(self.undeclared) or '{}'})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _from_packed, (self.packed, self.undeclared)
 
     def updates(self) -> Updates:
         """The entries as updates: a new update starts where a name repeats (each name's order is kept, which is
@@ -38,3 +109,68 @@ class Partial:
                 out.append({})
             out[-1][name] = summary
         return out if out[0] else []
+
+
+def _from_packed(packed: Packed, undeclared: frozenset[str]) -> Partial:
+    partial = Partial((), undeclared)
+    object.__setattr__(partial, "_entries", None)
+    object.__setattr__(partial, "_packed", packed)
+    return partial
+
+
+def layout_of(names: tuple[str, ...], specs: tuple[Spec, ...], undeclared: frozenset[str]) -> bytes:
+    """The digest of a layout (see :class:`Packed`), remembered for the same names and spec objects."""
+    key = (names, tuple(map(id, specs)), undeclared)
+    held = _LAYOUTS.get(key)
+    if held is not None:
+        return held[0]
+    if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+        _LAYOUTS.clear()
+    digest = _digest(names, specs, undeclared)
+    _LAYOUTS[key] = (digest, specs)  # the specs are kept so their ids stay theirs
+    return digest
+
+
+_LAYOUTS: dict[tuple[tuple[str, ...], tuple[int, ...], frozenset[str]], tuple[bytes, tuple[Spec, ...]]] = {}
+_LAYOUTS_KEPT = 256
+
+
+def _digest(names: tuple[str, ...], specs: tuple[Spec, ...], undeclared: frozenset[str]) -> bytes:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update("\0".join(names).encode())
+    digest.update(b"\1" + "\0".join(map(repr, specs)).encode())
+    digest.update(b"\1" + "\0".join(sorted(undeclared)).encode())
+    return digest.digest()
+
+
+def pack(entries: tuple[Entry, ...], undeclared: frozenset[str], *, layout: bytes | None = None) -> Packed:
+    """The packed form of ``entries`` (``layout``: its digest when the caller already knows it)."""
+    names = tuple(name for name, _, _ in entries)
+    specs = tuple(spec for _, spec, _ in entries)
+    flat: list[float] = []
+    rests = []
+    for i, (_, _, summary) in enumerate(entries):
+        flat.extend(summary.as_tuple())
+        if summary.rest:
+            rests.append((i, summary.rest))
+    fields = np.array(flat, dtype=np.float64).reshape(len(entries), N_FIELDS).T.copy()
+    fields.flags.writeable = False
+    return Packed(
+        names,
+        specs,
+        fields,
+        tuple(rests),
+        layout if layout is not None else layout_of(names, specs, undeclared),
+        len(set(names)) == len(names),
+    )
+
+
+def _unpack(packed: Packed | None) -> tuple[Entry, ...]:
+    if packed is None:
+        return ()
+    rests = dict(packed.rests)
+    new = tuple.__new__
+    out = []
+    for i, (name, spec, row) in enumerate(zip(packed.names, packed.specs, packed.fields.T.tolist(), strict=True)):
+        out.append((name, spec, new(Summary, (int(row[0]), *row[1:], rests.get(i, ())))))
+    return tuple(out)

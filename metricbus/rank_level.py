@@ -16,11 +16,16 @@ the exact sums (bit for bit what :meth:`Summary.merge` gives, in any grouping); 
 is NaN); ``first``/``last`` from the lowest rank that has the column; and ``m2``:
 
 * one worker has the column: its own ``m2``, unchanged (so the rank level of one worker is the identity);
-* several: ``m2 = Σ t_r - S²/W`` with ``t_r = m2_r + S_r²/W_r`` (``S`` = Σw·x, ``W`` = Σw). Each ``t_r`` is a
-  double-double computed by the same numpy code on every path (error ≤ ~2**-104 · t_r); ``Σ t_r`` is exact, and
-  ``(T·W - S²)/W`` is evaluated in exact integer arithmetic, then correctly rounded. So ``m2`` is the same bits on
-  every path and under every split of workers, with relative error about ``2**-104 · (mean²/variance)``: ~1e-19
-  at mean 1e6 and spread 1e-3 (Chan's pairwise update, used within a worker, is order-dependent).
+* several, where a chain reads it (the column's rank kind is ``std``): ``m2 = Σ t_r - S²/W`` with
+  ``t_r = m2_r + S_r²/W_r`` (``S`` = Σw·x, ``W`` = Σw). Each ``t_r`` is a double-double computed by the same numpy
+  code on every path (error ≤ ~2**-104 · t_r); ``Σ t_r`` is exact, and ``(T·W - S²)/W`` is evaluated in exact
+  integer arithmetic, then correctly rounded. So ``m2`` is the same bits on every path and under every split of
+  workers, with relative error about ``2**-104 · (mean²/variance)``: ~1e-19 at mean 1e6 and spread 1e-3 (Chan's
+  pairwise update, used within a worker, is order-dependent);
+* several, where no chain reads it: NaN (not computed: ``t`` costs as much as the rest of the merge).
+
+Unit weights (every worker's Σw is its count and Σw·x its Σx, the common case) are agreed in pass 1, and such a
+column sends no limbs for Σw and Σw·x.
 
 Every path (a single process's workers, the driver's ``ingest()``, journal replay, torch.distributed) computes
 :func:`maxima`, :func:`sums` and :func:`finish` on its rows, so live, ingest and replay agree bit for bit.
@@ -29,20 +34,20 @@ Every path (a single process's workers, the driver's ``ingest()``, journal repla
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 
-from metricbus import fixed
+from metricbus import exact, extract, fixed
 from metricbus.fixed import Array
 from metricbus.summary import N_FIELDS, Summary
 
 SLOTS = 4  # the exact sums of a column: weight, wsum, total, t
-# maxima, per column: E of each slot, -Q of each slot, max, -min, -rank
-NM = 2 * SLOTS + 3
-_MAX, _NEG_MIN, _NEG_RANK = 2 * SLOTS, 2 * SLOTS + 1, 2 * SLOTS + 2
+# maxima, per column: E of each slot, -Q of each slot, max, -min, -rank, whether any worker has weights
+NM = 2 * SLOTS + 4
+_MAX, _NEG_MIN, _NEG_RANK, _WEIGHTED = 2 * SLOTS, 2 * SLOTS + 1, 2 * SLOTS + 2, 2 * SLOTS + 3
 # sums, per column: count, workers, first/last/m2 bits, then per slot NaN, +inf, -inf, -0.0 counts, then NaN min/max
 _COUNT, _WORKERS, _FIRST, _LAST, _M2 = 0, 1, 2, 3, 4
 _NONFINITE = 5  # + 4 * slot + (0 NaN, 1 +inf, 2 -inf, 3 -0.0)
@@ -55,21 +60,18 @@ _DD_SAFE = 2.0**480  # within (1/_DD_SAFE, _DD_SAFE) the double-double of t_r ca
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """R workers' Summaries of C columns: ``fields[r, c]`` is ``as_tuple()`` (count 0: the worker lacks it)."""
+    """R workers' Summaries of C columns, field-major: ``fields[:, r, c]`` is ``as_tuple()`` (count 0: the worker
+    lacks the column)."""
 
-    fields: Array  # (R, C, N_FIELDS) float64
+    fields: Array  # (N_FIELDS, R, C) float64
     ranks: Array  # (R,) int64: each row's rank (the order first/last follow)
+    moments: Array  # (C,) bool: the columns whose merged m2 is read (see the module docstring)
     rests: tuple[tuple[int, int, int, tuple[float, ...]], ...] = ()  # (row, column, sum 0..2, further components)
 
-    @property
-    def columns(self) -> int:
-        """C."""
-        return int(self.fields.shape[1])
 
-
-def block_of(rows: Sequence[Sequence[Summary | None]], ranks: Sequence[int]) -> Block:
+def block_of(rows: Sequence[Sequence[Summary | None]], ranks: Sequence[int], moments: Sequence[bool]) -> Block:
     """A block from per-worker lists of per-column Summaries (None: the worker lacks the column)."""
-    width = len(rows[0]) if rows else 0
+    width = len(moments)
     flat: list[float] = []
     rests: list[tuple[int, int, int, tuple[float, ...]]] = []
     for r, row in enumerate(rows):
@@ -80,8 +82,8 @@ def block_of(rows: Sequence[Sequence[Summary | None]], ranks: Sequence[int]) -> 
             flat.extend(state.as_tuple())
             if state.rest:
                 rests.extend((r, c, which, parts) for which, parts in enumerate(state.rest) if parts)
-    fields = np.array(flat, dtype=np.float64).reshape(len(rows), width, N_FIELDS)
-    return Block(fields, np.asarray(ranks, dtype=np.int64), tuple(rests))
+    fields = np.array(flat, dtype=np.float64).reshape(len(rows), width, N_FIELDS).transpose(2, 0, 1).copy()
+    return Block(fields, np.asarray(ranks, dtype=np.int64), np.asarray(moments, dtype=bool), tuple(rests))
 
 
 # -- the per-row quantities -----------------------------------------------------------------------------------------
@@ -99,10 +101,8 @@ def _two_prod(a: Array, b: Array) -> tuple[Array, Array]:
 
 
 def _t_parts(fields: Array) -> tuple[Array, Array]:
-    """``t = m2 + S²/W`` of each row as a double-double ``(hi, lo)`` (see the module docstring)."""
-    w_hi, w_lo = fields[..., 1], fields[..., 2]
-    s_hi, s_lo = fields[..., 3], fields[..., 4]
-    m2 = fields[..., 7]
+    """``t = m2 + S²/W`` of each state (``fields``: (N_FIELDS, n)) as a double-double ``(hi, lo)``."""
+    w_hi, w_lo, s_hi, s_lo, m2 = fields[1], fields[2], fields[3], fields[4], fields[7]
     with np.errstate(all="ignore"):
         sq, sq_lo = _two_prod(s_hi, s_hi)
         sq_lo = sq_lo + 2.0 * s_hi * s_lo
@@ -114,16 +114,14 @@ def _t_parts(fields: Array) -> tuple[Array, Array]:
         t_lo = ((m2 - (t_hi - bb)) + (q1 - bb)) + q2
         hi = t_hi + t_lo
         lo = t_lo - (hi - t_hi)
-    weightless = w_hi == 0.0
-    hi = np.where(weightless, m2, hi)
-    lo = np.where(weightless, 0.0, lo)
-    a_s, a_w = np.abs(s_hi), np.abs(w_hi)
-    risky = ~weightless & ((a_s > _DD_SAFE) | (a_w > _DD_SAFE) | (a_w < 1.0 / _DD_SAFE) | ~np.isfinite(hi))
-    risky &= fields[..., 0] > 0
+        weightless = w_hi == 0.0
+        hi = np.where(weightless, m2, hi)
+        lo = np.where(weightless, 0.0, lo)
+        a_s, a_w = np.abs(s_hi), np.abs(w_hi)
+        risky = ~weightless & ((a_s > _DD_SAFE) | (a_w > _DD_SAFE) | (a_w < 1.0 / _DD_SAFE) | ~np.isfinite(hi))
     if risky.any():
-        hi, lo = hi.copy(), lo.copy()
-        for index in zip(*np.nonzero(risky), strict=True):
-            hi[index], lo[index] = _t_exact(*(float(fields[index][i]) for i in (7, 3, 4, 1, 2)))
+        for i in np.flatnonzero(risky).tolist():
+            hi[i], lo[i] = _t_exact(*(float(fields[f, i]) for f in (7, 3, 4, 1, 2)))
     return hi, lo
 
 
@@ -142,124 +140,261 @@ def _t_exact(m2: float, s_hi: float, s_lo: float, w_hi: float, w_lo: float) -> t
     return hi, float(value - Fraction(hi))
 
 
-def _slot_values(block: Block) -> tuple[list[Array], list[Array]]:
-    """The sum slots' values of every row, as (column-major) value and slot-index arrays: hi and lo of each sum,
-    then the rests' further components."""
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What both passes read of a block, computed once."""
+
+    block: Block
+    present: Array  # (R, C) bool
+    unit: Array  # (R, C) bool: present, unit weights (weight = count, Σw·x = Σx), no further weight components
+    sources: tuple[tuple[int, Array], ...]  # (slot, (n, C) values): the dense terms of each sum slot
+    extra: fixed.Terms  # the rests' further components
+    t_hi: Array  # (R, C): t where the column's m2 is merged (moments), else 0
+
+
+def prepare(block: Block) -> Prepared:
+    """Gather a block's sum terms once for both passes."""
     fields = block.fields
-    n_rows, n_cols = fields.shape[0], fields.shape[1]
-    t_hi, t_lo = _t_parts(fields)
-    cols = np.broadcast_to(np.arange(n_cols, dtype=np.int64), (n_rows, n_cols))
-    values: list[Array] = []
-    slots: list[Array] = []
-    for slot, (hi, lo) in enumerate(
-        ((fields[..., 1], fields[..., 2]), (fields[..., 3], fields[..., 4]), (fields[..., 5], fields[..., 6]),
-         (t_hi, t_lo))
-    ):
-        index = (cols * SLOTS + slot).ravel()
-        values.extend((hi.ravel(), lo.ravel()))
-        slots.extend((index, index))
-    if block.rests:
-        values.append(np.array([x for _, _, _, parts in block.rests for x in parts], dtype=np.float64))
-        slots.append(
-            np.array([c * SLOTS + which for _, c, which, parts in block.rests for _ in parts], dtype=np.int64)
-        )
-    return values, slots
+    present = fields[0] > 0
+    unit = present & (fields[1] == fields[0]) & (fields[2] == 0.0) & (fields[3] == fields[5]) & (fields[4] == fields[6])
+    for r, c, which, _ in block.rests:
+        if which < 2:
+            unit[r, c] = False
+    sources: list[tuple[int, Array]] = [(2, fields[5]), (2, fields[6])]
+    t_hi = np.zeros(present.shape)
+    chosen = present & block.moments[None, :]
+    if chosen.any():
+        where = np.nonzero(chosen)
+        hi, lo = _t_parts(fields[:, where[0], where[1]])
+        t_hi[where] = hi
+        t_lo = np.zeros(present.shape)
+        t_lo[where] = lo
+        sources.extend(((3, t_hi), (3, t_lo)))
+    weighted = present & ~unit
+    if weighted.any():
+        sources.extend((slot, np.where(weighted, fields[f], 0.0)) for slot, f in ((0, 1), (0, 2), (1, 3), (1, 4)))
+    values = [x for _, _, _, parts in block.rests for x in parts]
+    slots = [c * SLOTS + w for _, c, w, parts in block.rests for _ in parts]
+    extra = fixed.decompose(np.array(values, dtype=np.float64), np.array(slots, dtype=np.int64))
+    return Prepared(block, present, unit, tuple(sources), extra, t_hi)
 
 
 # -- the two passes ---------------------------------------------------------------------------------------------------
 
 
-def maxima(block: Block) -> Array:
+def maxima(prep: Prepared) -> Array:
     """Pass 1: the (C, NM) float64 maxima of this block's rows (all_reduce MAX them across participants)."""
+    block, unit = prep.block, prep.unit
     fields = block.fields
-    n_cols = fields.shape[1]
+    n_cols = fields.shape[2]
+    e_max, nq_max = fixed.scan(prep.extra, n_cols * SLOTS)
+    e_max, nq_max = e_max.reshape(n_cols, SLOTS), nq_max.reshape(n_cols, SLOTS)
+    for slot, values in prep.sources:
+        top, low = fixed.bounds(values)
+        np.maximum(e_max[:, slot], top, out=e_max[:, slot])
+        np.maximum(nq_max[:, slot], -low, out=nq_max[:, slot])
+    # Unit rows' weight is their count (an integer: Q = 0 is low enough), their Σw·x their Σx: their exponents
+    # bound those slots too, in case another worker's weights make the column weighted.
+    has_unit = unit.any(axis=0)
+    counts = np.frexp(np.where(unit, fields[0], 0.0).max(axis=0, initial=0.0))[1].astype(np.float64)
+    e_max[:, 0] = np.where(has_unit, np.maximum(e_max[:, 0], counts), e_max[:, 0])
+    nq_max[:, 0] = np.where(has_unit, np.maximum(nq_max[:, 0], 0.0), nq_max[:, 0])
+    e_max[:, 1] = np.where(has_unit, np.maximum(e_max[:, 1], e_max[:, 2]), e_max[:, 1])
+    nq_max[:, 1] = np.where(has_unit, np.maximum(nq_max[:, 1], nq_max[:, 2]), nq_max[:, 1])
     out = np.empty((n_cols, NM))
-    values, slots = _slot_values(block)
-    e_max, nq_max = fixed.scan(np.concatenate(values), np.concatenate(slots), n_cols * SLOTS)
-    out[:, :SLOTS] = e_max.reshape(n_cols, SLOTS)
-    out[:, SLOTS : 2 * SLOTS] = nq_max.reshape(n_cols, SLOTS)
-    present = fields[..., 0] > 0
+    out[:, :SLOTS] = e_max
+    out[:, SLOTS : 2 * SLOTS] = nq_max
+    out[:, _MAX:] = _extrema(prep)
+    return out
+
+
+def _extrema(prep: Prepared) -> Array:
+    """Per column: max, -min, -(the lowest rank that has it), and whether any worker has weights."""
+    block, present, unit = prep.block, prep.present, prep.unit
+    fields = block.fields
+    out = np.empty((fields.shape[2], 4))
     with np.errstate(invalid="ignore"):
-        highest = np.where(present & ~np.isnan(fields[..., 9]), fields[..., 9], -np.inf)
-        lowest = np.where(present & ~np.isnan(fields[..., 8]), -fields[..., 8], -np.inf)
-    out[:, _MAX] = highest.max(axis=0, initial=-np.inf)
-    out[:, _NEG_MIN] = lowest.max(axis=0, initial=-np.inf)
+        highest = np.where(present & ~np.isnan(fields[9]), fields[9], -np.inf)
+        lowest = np.where(present & ~np.isnan(fields[8]), -fields[8], -np.inf)
+    out[:, 0] = highest.max(axis=0, initial=-np.inf)
+    out[:, 1] = lowest.max(axis=0, initial=-np.inf)
     neg_rank = np.where(present, -block.ranks.astype(np.float64)[:, None], ABSENT_RANK)
-    out[:, _NEG_RANK] = neg_rank.max(axis=0, initial=ABSENT_RANK)
+    out[:, 2] = neg_rank.max(axis=0, initial=ABSENT_RANK)
+    out[:, 3] = (present & ~unit).any(axis=0)
     return out
 
 
 def layout(agreed: Array) -> tuple[Array, Array, int]:
-    """``(nq_max, offsets, total)``: each slot's agreed -Q and where its limbs start after the fixed slots."""
+    """``(nq_max, offsets, total)``: each slot's agreed -Q and where its limbs start after the fixed slots (an
+    unweighted column has no weight and wsum limbs: its count and Σx say them)."""
     n_cols = agreed.shape[0]
-    e_max = agreed[:, :SLOTS].ravel()
+    e_max = agreed[:, :SLOTS].copy()
+    e_max[agreed[:, _WEIGHTED] == 0, :2] = fixed.NONE
     nq_max = agreed[:, SLOTS : 2 * SLOTS].ravel()
-    sizes = fixed.widths(e_max, nq_max)
+    sizes = fixed.widths(e_max.ravel(), nq_max)
     offsets = n_cols * NS + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
     return nq_max, offsets, int(n_cols * NS + sizes.sum())
 
 
-def sums(block: Block, agreed: Array) -> Array:
+def sums(prep: Prepared, agreed: Array) -> Array:
     """Pass 2: this block's int64 sum vector under the ``agreed`` maxima (all_reduce SUM it across participants)."""
+    block, unit = prep.block, prep.unit
     fields = block.fields
-    n_cols = fields.shape[1]
+    n_cols = fields.shape[2]
     nq_max, offsets, total = layout(agreed)
-    values, slots = _slot_values(block)
-    out = fixed.limbs(np.concatenate(values), np.concatenate(slots), nq_max, offsets, total)
-    head = out[: n_cols * NS].reshape(n_cols, NS)  # a view: the fixed slots
-    present = fields[..., 0] > 0
-    head[:, _COUNT] = fields[..., 0].sum(axis=0, dtype=np.float64).astype(np.int64)
-    head[:, _WORKERS] = present.sum(axis=0)
-    lowest_rank = -agreed[:, _NEG_RANK].astype(np.int64)
-    mine = present & (block.ranks[:, None] == lowest_rank[None, :])  # at most one row per column
-    bits = fields.view(np.int64)
-    for slot, field in ((_FIRST, 10), (_LAST, 11), (_M2, 7)):
-        head[:, slot] = np.where(mine, bits[..., field], 0).sum(axis=0)
-    t_hi, _ = _t_parts(fields)
-    for slot, hi in enumerate((fields[..., 1], fields[..., 3], fields[..., 5], t_hi)):
-        base = _NONFINITE + 4 * slot
-        head[:, base] = (present & np.isnan(hi)).sum(axis=0)
-        head[:, base + 1] = (present & (hi == np.inf)).sum(axis=0)
-        head[:, base + 2] = (present & (hi == -np.inf)).sum(axis=0)
-        head[:, base + 3] = (present & (hi == 0.0) & np.signbit(hi)).sum(axis=0)
-    head[:, _NAN_MINMAX] = (present & (np.isnan(fields[..., 8]) | np.isnan(fields[..., 9]))).sum(axis=0)
+    weighted = agreed[:, _WEIGHTED] > 0
+    out = np.zeros(total, dtype=np.int64)
+    columns = np.arange(n_cols, dtype=np.int64) * SLOTS
+    sources = list(prep.sources)
+    also = unit & weighted[None, :]  # unit rows of a column another worker weights: their weight and wsum
+    if also.any():
+        sources.extend(
+            (slot, np.where(also, fields[f], 0.0)) for slot, f in ((0, 0), (1, 5), (1, 6))
+        )
+    for slot, values in sources:
+        if slot < 2 and not weighted.any():
+            continue
+        terms = fixed.terms_of(values, columns + slot)
+        if slot < 2:
+            terms = terms.where(weighted[terms.slot // SLOTS])
+        fixed.add_limbs(out, terms, nq_max, offsets)
+    extra = prep.extra
+    if len(extra.m):
+        also_rest = [c * SLOTS + 1 for r, c, which, parts in block.rests if which == 2 and also[r, c] for _ in parts]
+        rest_terms = extra.where((extra.slot % SLOTS >= 2) | weighted[extra.slot // SLOTS])
+        fixed.add_limbs(out, rest_terms, nq_max, offsets)
+        if also_rest:
+            values = [x for r, c, which, parts in block.rests if which == 2 and also[r, c] for x in parts]
+            fixed.add_limbs(out, fixed.decompose(np.array(values), np.array(also_rest)), nq_max, offsets)
+    out[: n_cols * NS] = _head(prep, -agreed[:, _NEG_RANK].astype(np.int64)).ravel()
     return out
 
 
-def finish(agreed: Array, summed: Array) -> list[Summary | None]:
+def _head(prep: Prepared, lowest_rank: Array) -> Array:
+    """The (C, NS) int64 fixed slots of this block's rows (``lowest_rank``: per column, the lowest rank having it)."""
+    block, present = prep.block, prep.present
+    fields = block.fields
+    n_cols = fields.shape[2]
+    head = np.zeros((n_cols, NS), dtype=np.int64)
+    head[:, _COUNT] = fields[0].sum(axis=0).astype(np.int64)
+    head[:, _WORKERS] = present.sum(axis=0)
+    mine = present & (block.ranks[:, None] == lowest_rank[None, :])  # at most one row per column
+    row = mine.argmax(axis=0)
+    has = mine.any(axis=0)
+    picked = fields[:, row, np.arange(n_cols)].view(np.int64)
+    for slot, field in ((_FIRST, 10), (_LAST, 11), (_M2, 7)):
+        head[:, slot] = np.where(has, picked[field], 0)
+    for slot, hi in enumerate((fields[1], fields[3], fields[5], prep.t_hi)):
+        base = _NONFINITE + 4 * slot
+        special = present & ~np.isfinite(hi)
+        if special.any():
+            head[:, base] = (special & np.isnan(hi)).sum(axis=0)
+            head[:, base + 1] = (special & (hi == np.inf)).sum(axis=0)
+            head[:, base + 2] = (special & (hi == -np.inf)).sum(axis=0)
+        head[:, base + 3] = (present & (hi == 0.0) & np.signbit(hi)).sum(axis=0)
+    head[:, _NAN_MINMAX] = (present & (np.isnan(fields[8]) | np.isnan(fields[9]))).sum(axis=0)
+    return head
+
+
+def finish(agreed: Array, summed: Array, moments: Array) -> list[Summary | None]:
     """Each column's merged Summary (None: no worker has it) from the reduced maxima and sums."""
     n_cols = agreed.shape[0]
     nq_max, offsets, _ = layout(agreed)
-    fixed_part = summed[: n_cols * NS].reshape(n_cols, NS)
-    head = fixed_part.tolist()
-    floats = fixed_part[:, _FIRST : _M2 + 1].copy().view(np.float64).tolist()  # first, last, m2 bit patterns
     ends = [*offsets[1:].tolist(), len(summed)]
     starts = offsets.tolist()
     q = (-nq_max.astype(np.int64)).tolist()
-    maxes = agreed[:, _MAX].tolist()
-    neg_mins = agreed[:, _NEG_MIN].tolist()
+
+    def limbs_of(c: int, slot: int) -> tuple[float, ...] | None:
+        i = c * SLOTS + slot
+        n = fixed.integer(summed[starts[i] : ends[i]])
+        return None if n == 0 else fixed.components(n, q[i])
+
+    return _assemble(summed[: n_cols * NS].reshape(n_cols, NS), agreed[:, _MAX:], moments, limbs_of)
+
+
+def merge_collective(block: Block) -> list[Summary | None]:
+    """Both passes of the collective merge run on one process (what torch.distributed computes, for checks)."""
+    prep = prepare(block)
+    agreed = maxima(prep)
+    return finish(agreed, sums(prep, agreed), block.moments)
+
+
+def merge(block: Block) -> list[Summary | None]:
+    """The rank level on one process (the driver's ingest, journal replay, a single process's workers): the same
+    result as the collective merge, bit for bit (both are exact), with the exact sums found column-wise by
+    error-free extraction instead of fixed-point limbs (no exponent pass needed)."""
+    prep = prepare(block)
+    extrema = _extrema(prep)
+    head = _head(prep, -extrema[:, 2].astype(np.int64))
+    fields = block.fields
+    weighted = extrema[:, 3] > 0
+    by_slot: dict[int, list[Array]] = {}
+    for slot, values in prep.sources:
+        by_slot.setdefault(slot, []).append(values)
+    also = prep.unit & weighted[None, :]
+    if also.any():
+        for slot, f in ((0, 0), (1, 5), (1, 6)):
+            by_slot.setdefault(slot, []).append(np.where(also, fields[f], 0.0))
+    try:
+        parts = {slot: extract.column_parts(np.concatenate(matrices)) for slot, matrices in by_slot.items()}
+    except OverflowError:  # values near the top of the double range: the limbs take any finite double
+        return merge_collective(block)
+    extra: dict[tuple[int, int], list[float]] = {}
+    for r, c, which, rest in block.rests:
+        if which == 2 or (which < 2 and not prep.unit[r, c]):
+            extra.setdefault((c, which), []).extend(rest)
+        if which == 2 and also[r, c]:
+            extra.setdefault((c, 1), []).extend(rest)
+
+    def extracted(c: int, slot: int) -> tuple[float, ...] | None:
+        held = [p[c] for p in parts.get(slot, ())]
+        held.extend(extra.get((c, slot), ()))
+        if not any(held):
+            return None
+        return exact.components(held)
+
+    return _assemble(head, extrema, block.moments, extracted)
+
+
+def _assemble(
+    head: Array, extrema: Array, moments: Array, exact_sum: Callable[[int, int], tuple[float, ...] | None]
+) -> list[Summary | None]:
+    """Each column's Summary from its fixed slots, extrema and ``exact_sum(column, slot)`` (None: zero)."""
+    rows = head.tolist()
+    floats = head[:, _FIRST : _M2 + 1].copy().view(np.float64).tolist()  # first, last, m2 bit patterns
+    maxes, neg_mins = extrema[:, 0].tolist(), extrema[:, 1].tolist()
+    weighted = (extrema[:, 3] > 0).tolist()
+    moment = moments.tolist()
     out: list[Summary | None] = []
-    for c in range(n_cols):
-        h = head[c]
-        if not h[_WORKERS]:
+    for c, h in enumerate(rows):
+        workers = h[_WORKERS]
+        if not workers:
             out.append(None)
             continue
-        exact_sums = []
-        for slot in range(SLOTS):
-            i = c * SLOTS + slot
-            flags = h[_NONFINITE + 4 * slot : _NONFINITE + 4 * slot + 4]
-            exact_sums.append(_sum_of(flags, h[_WORKERS], summed[starts[i] : ends[i]], q[i]))
-        (weight, wsum, total, t) = exact_sums
-        nan_mm = h[_NAN_MINMAX] > 0
-        if h[_WORKERS] == 1:
+
+        def slot_sum(slot: int, h: list[int] = h, c: int = c) -> tuple[float, ...]:
+            nan, pos, neg, negzero = h[_NONFINITE + 4 * slot : _NONFINITE + 4 * slot + 4]
+            if nan or (pos and neg):
+                return (math.nan,)
+            if pos or neg:
+                return (math.inf if pos else -math.inf,)
+            held = exact_sum(c, slot)
+            if held is None:
+                return (-0.0,) if negzero == h[_WORKERS] else (0.0,)
+            return held
+
+        total = slot_sum(2)
+        if weighted[c]:
+            weight, wsum = slot_sum(0), slot_sum(1)
+        else:  # unit weights: Σw is the count, Σw·x is Σx
+            weight, wsum = fixed.components(h[_COUNT], 0), total
+        if workers == 1:
             m2 = floats[c][2]
-        else:
-            slots = (c * SLOTS, c * SLOTS + 1, c * SLOTS + 3)  # W, S, T
-            m2 = _m2(
-                finite=math.isfinite(total[0]),
-                t_s=(t[0], wsum[0]),
-                ints=[(fixed.integer(summed[starts[i] : ends[i]]), q[i]) for i in slots],
-            )
+        elif moment[c]:
+            m2 = _m2(total=total, weight=weight, wsum=wsum, t=slot_sum(3))
+        else:  # no chain reads this column's merged m2
+            m2 = math.nan
+        nan_mm = h[_NAN_MINMAX] > 0
         rest = (weight[2:], wsum[2:], total[2:])
         out.append(
             tuple.__new__(
@@ -278,10 +413,31 @@ def finish(agreed: Array, summed: Array) -> list[Summary | None]:
     return out
 
 
-def merge(block: Block) -> list[Summary | None]:
-    """Both passes on one process (the driver's ingest, journal replay, a single process's workers)."""
-    agreed = maxima(block)
-    return finish(agreed, sums(block, agreed))
+def _m2(*, total: tuple[float, ...], weight: tuple[float, ...], wsum: tuple[float, ...], t: tuple[float, ...]) -> float:
+    """``(T·W - S²)/W`` of exact sums (components), in exact integer arithmetic, correctly rounded (non-finite
+    data: NaN; an overflow: inf)."""
+    if not math.isfinite(total[0]):
+        return math.nan
+    if not (math.isfinite(t[0]) and math.isfinite(wsum[0])):
+        return math.nan if math.isnan(t[0]) or math.isnan(wsum[0]) else math.inf
+    t_n, t_d = exact._ratio(t)
+    w_n, w_d = exact._ratio(weight)
+    if w_n <= 0:
+        return _quotient(t_n, t_d)
+    s_n, s_d = exact._ratio(wsum)
+    # T·W - S² = (t_n·w_n·s_d² - s_n²·t_d·w_d) / (t_d·w_d·s_d²); divided by W = w_n / w_d
+    top = t_n * w_n * s_d * s_d - s_n * s_n * t_d * w_d
+    if top <= 0:
+        return 0.0
+    return _quotient(top * w_d, t_d * w_d * s_d * s_d * w_n)
+
+
+def _quotient(num: int, den: int) -> float:
+    """``num / den`` correctly rounded (inf beyond the range)."""
+    try:
+        return num / den
+    except OverflowError:
+        return math.inf if num > 0 else -math.inf
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------------
@@ -289,46 +445,3 @@ def merge(block: Block) -> list[Summary | None]:
 
 def _lo(parts: tuple[float, ...]) -> float:
     return parts[1] if len(parts) > 1 else 0.0
-
-
-def _sum_of(flags: list[int], workers: int, limb_values: Array, q: int) -> tuple[float, ...]:
-    """The components of one slot's exact sum; IEEE's sum of the non-finite terms where there are any."""
-    nan, pos, neg, negzero = flags
-    if nan or (pos and neg):
-        return (math.nan,)
-    if pos:
-        return (math.inf,)
-    if neg:
-        return (-math.inf,)
-    n = fixed.integer(limb_values)
-    if n == 0:
-        return (-0.0,) if negzero == workers else (0.0,)
-    return fixed.components(n, q)
-
-
-def _m2(*, finite: bool, t_s: tuple[float, float], ints: list[tuple[int, int]]) -> float:
-    """``(T·W - S²)/W`` in exact integer arithmetic, correctly rounded; ``ints``: ``(n, q)`` of W, S and T, each
-    ``n · 2**q`` (non-finite data: NaN; an overflow: inf)."""
-    if not finite:
-        return math.nan
-    if not (math.isfinite(t_s[0]) and math.isfinite(t_s[1])):
-        return math.nan if math.isnan(t_s[0]) or math.isnan(t_s[1]) else math.inf
-    (w_n, w_q), (s_n, s_q), (t_n, t_q) = ints
-    if w_n <= 0:
-        return _ratio_float(t_n, t_q)
-    e1, e2 = t_q + w_q, 2 * s_q
-    low = min(e1, e2)
-    top = ((t_n * w_n) << (e1 - low)) - ((s_n * s_n) << (e2 - low))
-    if top <= 0:
-        return 0.0
-    return _ratio_float(top, low - w_q, w_n)
-
-
-def _ratio_float(num: int, exp: int, den: int = 1) -> float:
-    """``num · 2**exp / den`` correctly rounded (inf beyond the range)."""
-    try:
-        if exp >= 0:
-            return (num << exp) / den
-        return num / (den << -exp)
-    except OverflowError:
-        return math.inf if num > 0 else -math.inf

@@ -11,6 +11,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from metricbus.packed_ranks import rank_level_of
 from metricbus.partial import Partial, Updates
 from metricbus.reduce import Ranked, StepReducer, WorkerStates
 from metricbus.spec import Spec
@@ -97,14 +98,15 @@ class LocalRanks:
     collective = False
 
     def exchange(self, commit: Commit) -> Exchange:
-        """``[*ingested, own]``, each reduced to its update-level states (``rejected`` are already left out)."""
+        """``[*ingested, own]``, merged column-wise at the rank level (``rejected`` are already left out)."""
         specs = commit.table.specs  # ingest() claimed every ingested name; log() every own name
-        worker = commit.reducer.worker
-        workers = [worker(p.updates(), specs) for p in commit.ingested]
-        workers.append(worker(commit.own_updates, specs))
+        own = commit.reducer.worker(commit.own_updates, specs)
         partials = [*commit.ingested, commit.own]
         journal = [(i, with_specs(p, specs)) for i, p in enumerate(partials)] if commit.journaled else []
-        return Exchange(workers, specs, journal)
+        if not commit.ingested:
+            return Exchange([own], specs, journal)
+        ranked = rank_level_of(commit.ingested, [own] if own else [], specs, commit.reducer)
+        return Exchange([], specs, journal, ranked=ranked)
 
     def any_pending(self, *, pending: bool) -> bool:
         """Only this process."""

@@ -28,7 +28,8 @@ from metricbus.summary import Summary
 
 WorkerStates = dict[str, tuple[Summary, ...]]  # metric -> its update-level states, in state_keys(spec) order
 Ranked = dict[str, tuple[Summary | None, ...]]  # metric -> each column's rank-level result, in columns_of order
-Column = tuple[int, str | None]  # (the worker-level state it reads, the update kind it is lifted by, or None)
+Column = tuple[int, str | None, bool]  # (the worker-level state it reads, the update kind it is lifted by or None,
+# whether the rank level must merge its second moment: see columns_of)
 _of_value = Summary.of_value
 _MERGED = ("",)  # the state keys of a spec whose chains all keep the micro kind at the update level
 
@@ -54,7 +55,7 @@ def plans_of(name: str, spec: Spec) -> tuple[Plan, ...]:
             key=f"{name}/{c.suffix}" if c.suffix else name,
             state=keys.index("" if c.micro == c.update else c.micro),
             rank_lift=None if c.update == c.rank else KINDS[c.update],
-            column=columns.index(_column(c, keys)),
+            column=[col[:2] for col in columns].index(_column(c, keys)),
             step_lift=None if c.rank == c.step else KINDS[c.rank],
             emit=KINDS[c.step],
         )
@@ -62,22 +63,27 @@ def plans_of(name: str, spec: Spec) -> tuple[Plan, ...]:
     )
 
 
-def _column(chain: Any, keys: list[str]) -> Column:
+def _column(chain: Any, keys: list[str]) -> tuple[int, str | None]:
     return keys.index("" if chain.micro == chain.update else chain.micro), (
         None if chain.update == chain.rank else chain.update
     )
 
 
 def columns_of(spec: Spec) -> list[Column]:
-    """The distinct rank-level inputs of ``spec``'s chains, in a fixed order."""
+    """The distinct rank-level inputs of ``spec``'s chains, in a fixed order: ``(state, lift, moment)``, where
+    ``moment`` says whether a chain reads the second moment of the merged state (its rank kind is ``std``)."""
     keys = state_keys(spec)
-    return sorted({_column(c, keys) for c in spec.chains}, key=lambda col: (col[0], col[1] or ""))
+    found: dict[tuple[int, str | None], bool] = {}
+    for chain in spec.chains:
+        column = _column(chain, keys)
+        found[column] = found.get(column, False) or chain.rank == "std"
+    return [(state, lift, found[state, lift]) for state, lift in sorted(found, key=lambda c: (c[0], c[1] or ""))]
 
 
 def lift_columns(states: tuple[Summary, ...], columns: Sequence[Column]) -> tuple[Summary, ...]:
     """One worker's rank-level inputs of a metric: each column's state, lifted where it says."""
     return tuple(
-        states[state] if lift is None else _of_value(KINDS[lift](states[state])) for state, lift in columns
+        states[state] if lift is None else _of_value(KINDS[lift](states[state])) for state, lift, _ in columns
     )
 
 
@@ -130,6 +136,12 @@ class StepReducer:
         """``name``'s rank-level inputs under ``spec`` (see :func:`columns_of`)."""
         return self._plan(name, spec)[3]
 
+    def plain(self, name: str, spec: Spec) -> bool:
+        """True when a worker's micro summary of ``name`` (one update) is its one rank-level input as it is: every
+        chain keeps one kind from the micro to the rank level."""
+        _, _, keys, columns = self._plan(name, spec)
+        return keys == _MERGED and len(columns) == 1 and columns[0][1] is None
+
     def worker(self, updates: Sequence[Mapping[str, Summary]], specs: Mapping[str, Spec]) -> WorkerStates:
         """A worker's update-level states of every metric it logged (``updates``: per optimizer update, in order,
         metric -> micro-level Summary; see :func:`worker_state`)."""
@@ -170,7 +182,8 @@ class StepReducer:
                 base, columns = where[name]
                 row[base : base + len(columns)] = lift_columns(by_key, columns)
             rows.append(row)
-        merged = rank_level.merge(rank_level.block_of(rows, range(len(workers))))
+        moments = [moment for name in names for _, _, moment in where[name][1]]
+        merged = rank_level.merge(rank_level.block_of(rows, range(len(workers)), moments))
         return {name: tuple(merged[base : base + len(columns)]) for name, (base, columns) in where.items()}
 
     def commit(self, workers: Sequence[WorkerStates], specs: Mapping[str, Spec]) -> dict[str, float] | None:

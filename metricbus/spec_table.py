@@ -108,8 +108,13 @@ class SpecTable:
         """Settle the spec of every name in ingested ``partials`` (workers ``first_worker``, ``first_worker + 1``,
         ...), or raise SpecError and change nothing."""
         offers: dict[str, list[Claim]] = {}
+        seen: set[bytes] = set()  # partials of one layout offer the same claims: the first one speaks for all
         for i, part in enumerate(partials):
-            for name, spec, _ in part.entries:
+            packed = part.packed
+            if packed.layout in seen:
+                continue
+            seen.add(packed.layout)
+            for name, spec in dict(zip(packed.names, packed.specs, strict=True)).items():
                 origin = DEFAULT if name in part.undeclared else DECLARED
                 what = "default" if origin == DEFAULT else "declared spec"
                 offers.setdefault(name, []).append(Claim(spec, origin, f"ingested worker {first_worker + i}'s {what}"))
