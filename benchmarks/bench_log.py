@@ -74,6 +74,18 @@ def main() -> None:
 
     array_ns = median_ns(one_array, 20, setup=after_batch)
 
+    def arrays_and_commit() -> None:  # the honest figure: the arrays are summarised at the commit (the fold)
+        for _ in range(20):
+            log("lengths", array)
+        bus.commit()
+
+    def commit_only() -> None:  # what the commit itself costs for the metrics of one_array(), to subtract
+        log("lengths", 0.5)
+        bus.commit()
+
+    array_fold_ns = median_ns(arrays_and_commit, 20, setup=after_batch)
+    array_commit_ns = median_ns(commit_only, 1, setup=after_batch)
+
     cbus = MetricBus(adapters=[MemoryAdapter()], dist=None, strict=True)
     names = [f"metric/{i:03d}" for i in range(100)]
 
@@ -104,9 +116,13 @@ def main() -> None:
     print(f"log(name, float):                     {one_ns:10.1f} ns  ({one_ns / floor_ns:8.1f}x floor)")
     print(f"log(dict of 10 floats):               {dict_ns:10.1f} ns  ({dict_ns / floor_ns:8.1f}x floor)")
     print(f"log(name, numpy array of 1024):       {array_ns:10.1f} ns  ({array_ns / floor_ns:8.1f}x floor)")
+    folded = (array_fold_ns * 20 - array_commit_ns) / 20
+    print(f"  ... with its fold, per call:        {folded:10.1f} ns  ({folded / floor_ns:8.1f}x floor)  "
+          "(20 arrays then commit(), less a one-record commit)")
     print(f"commit() of 100 metrics x 8 records:  {commit_ns:10.1f} ns  ({commit_ns / floor_ns:8.1f}x floor)")
     print(f"commit() as above, random values:     {random_ns:10.1f} ns  ({random_ns / floor_ns:8.1f}x floor)")
-    print("targets: log(name, float) <= 500 ns median; commit() of 100 metrics <= 200000 ns")
+    print("targets: log(name, float) <= 500 ns; log(dict of 10) <= 1500 ns; log(array of 1024) <= 10000 ns "
+          "(with its fold); commit() of 100 metrics <= 100000 ns")
 
 
 if __name__ == "__main__":

@@ -6,26 +6,34 @@ Two buffers keep log order (``first``/``last``) without a lock on the hot path:
   ``list.append`` is atomic under the GIL, and :meth:`Accumulator.fold` takes a prefix with ``values[:n]`` then
   ``del values[:n]``, so a record appended meanwhile stays for the next fold).
 * ``weighted``: records with weights (appended under the collector's lock). Before a weighted record is buffered
-  the plain buffer is folded, so every weighted record is older than every plain one and a fold takes the
-  weighted buffer first.
+  the other buffers are folded, so every weighted record is older than every plain or array one and a fold takes
+  the weighted buffer first.
+* ``chunks``: unit-weight numpy arrays (float64 copies, appended under the lock), summarised with numpy at fold
+  time (:meth:`~metricbus.summary.Summary.of_array`). Before a chunk is buffered the plain buffer is folded, so a
+  fold takes weighted, then chunks, then plain records: log order.
 
-Memory stays O(metrics): the buffers are folded into the metric's Summary every ``FOLD_AT`` records and at
-commit (or at an update boundary).
+Memory stays O(metrics): the buffers are folded into the metric's Summary every ``FOLD_AT`` records
+(``FOLD_ELEMENTS`` array elements) and at commit (or at an update boundary).
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
 
 from metricbus.spec import NanPolicy, Spec
 from metricbus.summary import EMPTY, Summary
 from metricbus.values import drop_nonfinite
 
 FOLD_AT = 256
+FOLD_ELEMENTS = 1 << 16  # buffered array elements (512 KiB) that trigger a fold
 
 
 class Accumulator:
     """The uncommitted records of one metric on one worker (mutated under the collector's lock, except ``plain``)."""
 
-    __slots__ = ("name", "nan", "plain", "spec", "state", "values", "weights")
+    __slots__ = ("chunked", "chunks", "name", "nan", "plain", "spec", "state", "values", "weights")
 
     def __init__(self, *, name: str, spec: Spec, nan: NanPolicy) -> None:
         self.name = name
@@ -34,6 +42,8 @@ class Accumulator:
         self.plain: list[float] = []  # the lock-free fast path appends here; never replaced
         self.values: list[float] = []  # weighted records, older than every plain record
         self.weights: list[float] = []
+        self.chunks: list[np.ndarray[Any, Any]] = []  # unit-weight arrays, older than every plain record
+        self.chunked = 0  # elements in ``chunks``
         self.state = EMPTY
 
     def add(self, values: list[float], weights: list[float] | None) -> None:
@@ -43,19 +53,32 @@ class Accumulator:
             if len(self.plain) >= FOLD_AT:
                 self.fold()
             return
-        if self.plain:
+        if self.plain or self.chunks:
             self.fold()
         self.values.extend(values)
         self.weights.extend(weights)
         if len(self.values) >= FOLD_AT:
             self.fold()
 
+    def add_array(self, values: np.ndarray[Any, Any]) -> None:
+        """Buffer a 1-D float64 array of unit-weight records that nothing else holds (a copy of what was logged)."""
+        if self.plain:
+            self.fold()
+        self.chunks.append(values)
+        self.chunked += values.size
+        if self.chunked >= FOLD_ELEMENTS:
+            self.fold()
+
     def fold(self) -> None:
-        """Fold both buffers into the state, weighted (older) first. Caller holds the collector's lock."""
+        """Fold the buffers into the state, weighted (oldest), arrays, then plain. Caller holds the collector's lock."""
         if self.values:
             self._merge(self.values, self.weights)
             self.values = []
             self.weights = []
+        if self.chunks:
+            chunks = self.chunks
+            self.chunks, self.chunked = [], 0
+            self._merge_arrays(chunks)
         plain = self.plain
         n = len(plain)
         if n:
@@ -71,10 +94,18 @@ class Accumulator:
         batch = Summary.of_batch(values, weights)
         self.state = batch if self.state.count == 0 else self.state.merge(batch)
 
+    def _merge_arrays(self, chunks: list[np.ndarray[Any, Any]]) -> None:
+        if self.nan == "ignore":
+            chunks = [c if np.isfinite(c).all() else c[np.isfinite(c)] for c in chunks]
+            if not any(c.size for c in chunks):
+                return
+        batch = Summary.of_arrays(chunks)
+        self.state = batch if self.state.count == 0 else self.state.merge(batch)
+
     def take(self) -> Summary:
         """The state of everything since the last take (one update's micro level), and reset."""
         plain = self.plain
-        if not self.values and self.state.count == 0 and self.nan != "ignore" and plain:
+        if not self.values and self.state.count == 0 and self.nan != "ignore" and plain and not self.chunks:
             n = len(plain)  # the common commit: only unit-weight records, nothing folded yet
             chunk = plain[:n]
             del plain[:n]
@@ -86,4 +117,4 @@ class Accumulator:
     @property
     def pending(self) -> bool:
         """True if records were added since the last take."""
-        return bool(self.plain) or bool(self.values) or self.state.count > 0
+        return bool(self.plain) or bool(self.values) or bool(self.chunks) or self.state.count > 0

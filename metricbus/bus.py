@@ -288,7 +288,8 @@ class MetricBus:
         except JournalError as exc:  # the step is still reduced and delivered; the journal has a gap
             journal_error = exc
         self._table.seal()
-        self._collector.respec()  # specs adopted from workers or ranks (their nan policy) apply from now on
+        if self._ranks.collective:  # specs agreed by the ranks (their nan policy) apply from now on; ingest()
+            self._collector.respec()  # already applied what ingested workers brought
         self._last_step = step
         out = exchange.commit_to(self._reducer)
         emitted = {} if out is None else self._emit(step, out)

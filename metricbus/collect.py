@@ -9,17 +9,26 @@ every update's summaries. All mutation happens under one lock except the lock-fr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import collections
+import operator
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from metricbus import shutdown
-from metricbus.accumulate import Accumulator
+from metricbus.accumulate import FOLD_AT, Accumulator
 from metricbus.errors import MetricTypeError, MetricValueError
 from metricbus.partial import Partial, Updates
 from metricbus.spec import NanPolicy, SpecLike
 from metricbus.spec_table import DEFAULT, SpecTable
-from metricbus.summary import EMPTY
+from metricbus.summary import EMPTY, Summary
 from metricbus.values import check_finite, is_tensor, to_values, to_weights
+
+_MAX_SHAPES = 256  # dict shapes the log(dict) fast path keeps; others take the validated path
+_append = list.append
+_consume: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend  # runs an iterator in C, keeping nothing
+_REAL_KINDS = frozenset("fiub")  # numpy dtype kinds logged as float64 records (as values.to_values accepts)
 
 
 class Collector:
@@ -34,11 +43,53 @@ class Collector:
         self._done: Updates = []  # finished updates of this commit
         self._failed: dict[str, MetricValueError] = {}  # metrics whose records could not be reduced, since take()
         self._device: Any = None
+        self._shapes: dict[tuple[str, ...], list[Any]] = {}  # log(dict) fast path: keys -> [getter, countdown]
 
     # -- logging (the caller's fast path appends to ``fast`` itself) ------------------------------------------
 
+    def log_floats(self, metrics: dict[str, Any]) -> bool:
+        """The fast path of ``log(dict)``: if every name has a fast buffer and every value is a plain float, append
+        them all (no lock, as ``log(name, float)``) and return True; else record nothing and return False.
+
+        Decided once per dict shape (its keys): an ``itemgetter`` of the buffers, and a countdown of the calls
+        before one of them could reach ``FOLD_AT`` (a buffer shared by several shapes may hold up to ``FOLD_AT``
+        records per shape before it is folded).
+        """
+        keys = tuple(metrics)
+        shape = self._shapes.get(keys)
+        if shape is None:
+            if len(keys) < 2 or len(self._shapes) >= _MAX_SHAPES:  # one key: the caller's single fast path
+                return False
+            shape = self._shapes[keys] = [operator.itemgetter(*keys), 0]
+        try:
+            buffers = shape[0](self.fast)
+        except KeyError:  # a new name, or one whose nan policy keeps it off the fast path
+            return False
+        values = [*metrics.values()]  # one snapshot: what is checked is what is appended
+        if [*map(type, values)].count(float) != len(values):
+            return False
+        _consume(map(_append, buffers, values))
+        shape[1] -= 1
+        if shape[1] <= 0:
+            longest = max(map(len, buffers))
+            if longest >= FOLD_AT:
+                for name, buffer in zip(keys, buffers, strict=True):
+                    if len(buffer) >= FOLD_AT:
+                        self.fold(name)
+                longest = max(map(len, buffers))
+            shape[1] = FOLD_AT - longest
+        return True
+
     def log(self, name: Any, value: Any, *, weight: Any, agg: SpecLike | None) -> None:
         """Validate every record of the call, then buffer them all (or raise and record nothing)."""
+        if type(value) is np.ndarray and weight is None and agg is None:  # an array of a known name: no staging
+            acc = self.accs.get(name)
+            if acc is not None and value.dtype.kind in _REAL_KINDS and (acc.nan != "error" or value.size == 0):
+                flat = np.array(value, dtype=np.float64, order="C").reshape(-1)
+                if flat.size:
+                    with self.lock:
+                        acc.add_array(flat)
+                return
         if isinstance(name, Mapping):
             if value is not None:
                 raise MetricTypeError("log(dict) takes the values in the dict; do not pass value= as well")
@@ -60,10 +111,13 @@ class Collector:
                 if fresh.nan == "propagate":
                     self.fast[new] = fresh.plain
             for acc, values, weights in staged:
-                if is_tensor(values):
-                    self._device_states().add(acc.name, values, weights, nan=acc.nan)
-                else:
+                if type(values) is list:
                     acc.add(values, weights)
+                elif type(values) is np.ndarray:
+                    if values.size:
+                        acc.add_array(values)
+                else:
+                    self._device_states().add(acc.name, values, weights, nan=acc.nan)
 
     def _accumulator(self, name: Any, agg: SpecLike | None, introduced: list[str]) -> Accumulator:
         table = self.table
@@ -113,7 +167,14 @@ class Collector:
                     self._respec(acc)
 
     def _records(self, acc: Accumulator, raw: Any, weight: Any) -> tuple[Any, Any]:
+        """The validated records of one value: a list of floats (and weights), a float64 array (unit weights,
+        copied: the caller may reuse its array), or a device tensor (and weight)."""
         metric = acc.name
+        if type(raw) is np.ndarray and weight is None and raw.dtype.kind in _REAL_KINDS:
+            flat = np.array(raw, dtype=np.float64, order="C").reshape(-1)
+            if acc.nan == "error" and not np.isfinite(flat).all():
+                check_finite(metric, flat.tolist())  # raises, naming the first non-finite value
+            return flat, None
         if is_tensor(raw) and not raw.is_complex():
             from metricbus.tensors import check_device
 
@@ -152,13 +213,22 @@ class Collector:
     def _end_update(self) -> None:
         """Close the current update (caller holds the lock)."""
         update = {}
+        of_batch = Summary.of_batch
         for name, acc in self.accs.items():
-            if acc.plain or acc.values or acc.state.count:  # acc.pending, inlined: once per metric per commit
+            plain = acc.plain
+            if plain or acc.values or acc.chunks or acc.state.count:  # acc.pending, inlined
                 try:
-                    update[name] = acc.take()
+                    if plain and acc.nan != "ignore" and not acc.values and not acc.chunks and not acc.state.count:
+                        n = len(plain)  # Accumulator.take's common case, inlined: once per metric per commit
+                        chunk = plain[:n]
+                        del plain[:n]  # records appended since the slice stay for the next update
+                        update[name] = of_batch(chunk, None)
+                    else:
+                        update[name] = acc.take()
                 except Exception as exc:  # never expected (every finite double is valid): lose this metric only
                     acc.plain.clear()
                     acc.values, acc.weights, acc.state = [], [], EMPTY
+                    acc.chunks, acc.chunked = [], 0
                     self._failed[name] = MetricValueError(f"reducing the records of {name!r} failed: {exc!r}")
         if self._device is not None:
             self._device.end_update(len(self._done))

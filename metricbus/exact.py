@@ -23,6 +23,9 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 MAX = sys.float_info.max
 _NAN = math.nan
@@ -208,3 +211,53 @@ def _of_ratio(num: int, den: int) -> tuple[float, ...]:
             den = d
         num -= n * (den // d)
     return tuple(out) if out else (0.0,)
+
+
+# -- arrays ----------------------------------------------------------------------------------------------------------
+
+_ARRAY_LIMIT = 2.0**960  # arrays with a larger |x| take the list path (the first sigma could overflow)
+_SIGMA_FLOOR = 2.0**-1022  # there the spacing of doubles near sigma is 2**-1074: an extraction takes residuals whole
+_QUIET_SIGMA = 2.0**550  # below it no residual (<= 2**-53 * sigma) squared can overflow
+_MAX_ROUNDS = 64  # enough for blocks of 8192 over the whole exponent range (38 bits a round); else None
+
+
+def array_components(
+    values: np.ndarray[Any, Any], largest: float, scratch: tuple[np.ndarray[Any, Any], ...] | None = None
+) -> tuple[float, ...] | None:
+    """The greedy components of the exact sum of a 1-D float64 array of finite values, vectorized; None where
+    ``largest`` (>= every |x|, > 0) is too large for this path (then use :func:`components`).
+
+    Error-free extraction (Rump, Ogita & Oishi, "Accurate floating-point summation", 2008): with ``sigma`` a power
+    of two >= 2**m * max|x| and 2**m >= 2n, ``q = (sigma + x) - sigma`` is exact, a multiple of 2**-53 * sigma and
+    at most ``sigma / 2**m`` in magnitude, so any sum of n of them is exact (BLAS's order and fused multiply-adds
+    included: ``q · 1`` is exact), and ``x - q`` is exact and at most 2**-53 * sigma. Each round thus takes the
+    next ``53 - m`` bits of every record; rounds repeat with a smaller sigma until nothing is left (two or three
+    for most data), and the few exact partial sums go through :func:`components`. Below ``_SIGMA_FLOOR`` a round
+    takes the residuals whole. ``scratch``: three float64 arrays of at least n elements (ones, and two work
+    arrays) to use instead of allocating them.
+    """
+    n = values.size
+    m = (2 * n).bit_length()  # 2**m > 2n
+    if m >= 50 or not 0.0 < largest < _ARRAY_LIMIT:
+        return None
+    sigma = max(math.ldexp(1.0, math.frexp(largest)[1] + m), _SIGMA_FLOOR)
+    scale = math.ldexp(1.0, m - 53)
+    if scratch is None:
+        ones, taken, residual = np.ones(n), np.empty(n), np.empty(n)
+    else:
+        ones, taken, residual = (a[:n] for a in scratch)
+    np.add(values, sigma, out=taken)
+    np.subtract(taken, sigma, out=taken)
+    sums = [float(np.dot(taken, ones))]
+    np.subtract(values, taken, out=residual)
+    for _ in range(_MAX_ROUNDS):
+        # A nonzero sum of squares proves a residual is left (cheaper than any()); 0 may be squares that
+        # underflowed, so any() decides then. Residuals whose squares could overflow go to any() directly.
+        if (sigma > _QUIET_SIGMA or np.dot(residual, residual) == 0.0) and not residual.any():
+            return components(sums)
+        sigma = max(sigma * scale, _SIGMA_FLOOR)
+        np.add(residual, sigma, out=taken)
+        np.subtract(taken, sigma, out=taken)
+        sums.append(float(np.dot(taken, ones)))
+        np.subtract(residual, taken, out=residual)
+    return None  # not expected: each round takes 53 - m bits, and the floor takes the rest

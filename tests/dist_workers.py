@@ -238,3 +238,22 @@ def review_worker(rank: int, size: int, port: int, scenario: str, out: Any) -> N
         out.put((rank, got))
     finally:
         tdist.destroy_process_group()
+
+
+def bitwise_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
+    rank: int, size: int, port: int, plan: Any, journal: str, out: Any
+) -> None:
+    """Log this rank's share of ``plan`` (see tests/test_bitwise.py) through torch.distributed; commit each step."""
+    from tests.test_bitwise import log_share
+
+    init_gloo(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch", journal=journal, rules=plan["rules"])
+        rows = []
+        for step in range(len(plan["steps"])):
+            log_share(bus, plan, step=step, rank=rank)
+            rows.append(bus.commit(step=step))
+        bus.close()
+        out.put((rank, rows))
+    finally:
+        tdist.destroy_process_group()
