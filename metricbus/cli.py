@@ -29,7 +29,7 @@ from metricbus.cli_views import inspect as _inspect
 from metricbus.cli_views import show as _show
 from metricbus.cli_views import span as _span
 from metricbus.errors import MetricBusError
-from metricbus.journal import JournalWarning, read_journal
+from metricbus.journal import JournalWarning, stream_journal
 from metricbus.journal.cursors import identity_of
 from metricbus.replay import (
     SyncInterrupted,
@@ -211,13 +211,13 @@ def _label(adapter: Any) -> str:
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     rules = [parse_rule(r) for r in args.rule]
     steps = parse_steps(args.steps) if args.steps else None
-    journal = read_journal(args.journal)
-    commits = [step for step, _ in journal.commits]
-    if not commits:
+    journal = stream_journal(args.journal)
+    outline = journal.outline()  # a pass over frame headers; the replay's progress needs its count too
+    if not outline.commits:
         raise _UsageError("no emitted steps: the journal has no commits")
     where = f" in {args.steps}" if args.steps else ""
-    has = f"the journal has steps {min(commits)}..{max(commits)}"
-    if steps is not None and not any(step in steps for step in commits):  # checked before any adapter is made
+    has = f"the journal has steps {outline.first_step}..{outline.last_step}"
+    if steps is not None and not any(c.step in steps for c in journal.commits(decode=False)):  # before any adapter
         raise _UsageError(f"no emitted steps{where} ({has})")
     adapters = _adapters(args.config, args.to)
     tally = _Tally()
@@ -235,7 +235,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
 
 
 def _sync(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    journal = read_journal(args.journal)
+    journal = stream_journal(args.journal)
     adapters = _adapters(args.config, ())
     progress = _sync_progress(err)
     stop = threading.Event()
@@ -265,9 +265,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     elif args.command == "sync":
         return _sync(args, out, err)
     elif args.command == "show":
-        _show(read_journal(args.journal), args.metric, args.last, out)
+        _show(stream_journal(args.journal), args.metric, args.last, out)
     else:
-        _inspect(read_journal(args.journal), out)
+        _inspect(stream_journal(args.journal), out)
     return 0
 
 

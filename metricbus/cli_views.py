@@ -1,15 +1,24 @@
-"""What ``metricbus show`` and ``metricbus inspect`` print: aligned tables, names in natural order."""
+"""What ``metricbus show`` and ``metricbus inspect`` print: aligned tables, names in natural order.
+
+Both stream the journal: ``inspect`` counts in one pass; ``show`` spills its formatted rows to a temporary file.
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import pickle
 import re
-from collections.abc import Iterable, Iterator, Sequence
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import TextIO
 
 from metricbus.journal import Journal
-from metricbus.replay import emitted, record_counts
+from metricbus.journal.reader import Commit, timeline
+from metricbus.replay import Source, emitted
+from metricbus.spec import Spec
 
 
 class UsageError(Exception):
@@ -34,14 +43,6 @@ def natural(name: str) -> tuple[tuple[int | str, ...], str]:
     return tuple(int(p) if i % 2 else p for i, p in enumerate(parts)), name
 
 
-def table(rows: list[list[str]]) -> Iterator[str]:
-    """The aligned lines of ``rows``, each ending in a newline (written one by one: a reader may stop early)."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        line = "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        yield line.rstrip() + "\n"
-
-
 def by_step(points: Iterable[tuple[int, dict[str, float]]]) -> dict[int, dict[str, float]]:
     """One row per step: two writes at one step (training, then evaluation) merge; a step lower than the last
     one (a resumed run went back to a checkpoint) replaces every row from there on, as a backend's rewind does."""
@@ -56,40 +57,155 @@ def by_step(points: Iterable[tuple[int, dict[str, float]]]) -> dict[int, dict[st
     return rows
 
 
-def show(journal: Journal, patterns: Sequence[str], last: int | None, out: TextIO) -> None:
-    rows = by_step(emitted(journal))
-    if not rows:
-        raise UsageError(f"no emitted steps to show: the journal has {len(journal.commits)} commits")
-    every = sorted({n for m in rows.values() for n in m}, key=natural)
+class _Rows:
+    """:func:`by_step`'s rows, formatted, spilled to a temporary file as they come (memory holds one row).
+
+    A step lower than the last one truncates the file at the first row it replaces (the file is in step order).
+    """
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile()  # noqa: SIM115  (closed by close(); a context would span show())
+        self._row: tuple[int, dict[str, str]] | None = None
+        self.count = 0
+
+    def add(self, step: int, metrics: Mapping[str, float]) -> None:
+        row = self._row
+        if row is not None and step < row[0]:
+            self._truncate(step)
+            row = None
+        if row is not None and step == row[0]:
+            row[1].update((n, fmt(v)) for n, v in metrics.items())
+            return
+        if row is not None:
+            pickle.dump(row, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+            self.count += 1
+        self._row = (step, {n: fmt(v) for n, v in metrics.items()})
+
+    def _truncate(self, step: int) -> None:
+        kept = 0
+        for offset, (at, _) in self._records():
+            if at >= step:
+                self._file.truncate(offset)
+                break
+            kept += 1
+        self._file.seek(0, os.SEEK_END)
+        self._row, self.count = None, kept
+
+    def _records(self) -> Iterator[tuple[int, tuple[int, dict[str, str]]]]:
+        self._file.seek(0)
+        for _ in range(self.count):
+            offset = self._file.tell()
+            yield offset, pickle.load(self._file)
+
+    def rows(self, last: int | None) -> Iterator[tuple[int, dict[str, str]]]:
+        """The rows in step order (``last``: only the last ones)."""
+        if self._row is not None:
+            pickle.dump(self._row, self._file, protocol=pickle.HIGHEST_PROTOCOL)
+            self.count, self._row = self.count + 1, None
+        skip = 0 if last is None else max(0, self.count - last)
+        for i, (_, row) in enumerate(self._records()):
+            if i >= skip:
+                yield row
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def show(journal: Source, patterns: Sequence[str], last: int | None, out: TextIO) -> None:
+    """The emitted values, one aligned row per step. Memory holds one row: rows go to a temporary file, which is
+    read twice (names and widths, then the lines)."""
+    rows = _Rows()
+    try:
+        for step, metrics in emitted(journal):
+            rows.add(step, metrics)
+        _table(journal, rows, patterns, last, out)
+    finally:
+        rows.close()
+
+
+def _table(journal: Source, rows: _Rows, patterns: Sequence[str], last: int | None, out: TextIO) -> None:
+    every: set[str] = set()
+    for _, cells in rows.rows(None):
+        every.update(cells)
+    if not rows.count:
+        raise UsageError(f"no emitted steps to show: the journal has {len(journal)} commits")
+    ordered = sorted(every, key=natural)
     for pattern in patterns:
-        if not any(fnmatchcase(n, pattern) for n in every):
-            few = ", ".join(every[:8]) + (f", ... ({len(every)} in all)" if len(every) > 8 else "")
+        if not any(fnmatchcase(n, pattern) for n in ordered):
+            few = ", ".join(ordered[:8]) + (f", ... ({len(ordered)} in all)" if len(ordered) > 8 else "")
             raise UsageError(f"--metric {pattern!r} matches no metric; the journal has {few}")
-    steps = list(rows)[-last:] if last is not None else list(rows)
-    present = {n for s in steps for n in rows[s]}
-    names = [n for n in every if n in present and (not patterns or any(fnmatchcase(n, p) for p in patterns))]
+    widths: dict[str, int] = {}
+    steps: list[int] = []  # the first and the last shown
+    step_width = len("step")
+    for step, cells in rows.rows(last):
+        steps[1:] = [step]
+        step_width = max(step_width, len(str(step)))
+        for name, cell in cells.items():
+            widths[name] = max(widths.get(name, len(name)), len(cell))
+    names = [n for n in ordered if n in widths and (not patterns or any(fnmatchcase(n, p) for p in patterns))]
     if not names:
         raise UsageError(f"no values of {', '.join(map(repr, patterns))} in the last {last} steps ({span(steps)})")
-    cells = [["step", *names]]
-    cells += [[str(step), *(fmt(rows[step][n]) if n in rows[step] else "-" for n in names)] for step in steps]
-    out.writelines(table(cells))
+    size = [step_width, *(widths[n] for n in names)]
+    out.writelines(_lines([["step", *names]], size))
+    out.writelines(_lines(([str(step), *(cells.get(n, "-") for n in names)] for step, cells in rows.rows(last)), size))
 
 
-def inspect(journal: Journal, out: TextIO) -> None:
+def _lines(rows: Iterable[list[str]], widths: list[int]) -> Iterator[str]:
+    for r in rows:
+        line = "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        yield line.rstrip() + "\n"
+
+
+def table(rows: list[list[str]]) -> Iterator[str]:
+    """The aligned lines of ``rows``, each ending in a newline (written one by one: a reader may stop early)."""
+    return _lines(rows, [max(len(r[i]) for r in rows) for i in range(len(rows[0]))])
+
+
+@dataclass
+class Census:
+    """What one pass over a journal's commits counts for ``inspect``."""
+
+    commits: int = 0
+    first_step: int | None = None
+    last_step: int | None = None
+    segments: int = 0
+    ranks: set[int] = field(default_factory=set)
+    summaries: int = 0
+    records: int = 0
+    metrics: dict[str, Spec] = field(default_factory=dict)  # each metric's spec, the last one seen
+
+    def add(self, commit: Commit) -> None:
+        self.commits += 1
+        self.first_step = commit.step if self.first_step is None else self.first_step
+        self.last_step = commit.step
+        self.segments += commit.starts_segment or self.commits == 1
+        self.ranks.update(commit.ranks)
+        for partial in commit.partials:
+            self.summaries += len(partial.entries)
+            for name, spec, summary in partial.entries:
+                self.records += summary.count
+                self.metrics[name] = spec
+
+
+def inspect(journal: Source, out: TextIO) -> None:
+    """Run metadata, ranks, steps, metrics and specs, from one pass over the commits."""
+    census = Census()
+    for commit in timeline(journal):
+        census.add(commit)
+    ranks = sorted(journal.ranks) if isinstance(journal, Journal) else sorted(census.ranks)
     run = journal.run
-    summaries, records = record_counts(journal)
-    steps = [s for s, _ in journal.commits]
     h = journal.header
+    steps = f" (steps {census.first_step}..{census.last_step})" if census.commits else ""
     lines = [
         f"journal     {journal.directory}",
         f"format      {h.get('format')} (metricbus {h.get('metricbus')})",
         f"run         id={run.id} project={run.project} name={run.name} tags={','.join(run.tags) or '-'}",
-        f"segments    {len(journal.breaks) + 1 if journal.commits else 0} (a resumed run starts one)",
+        f"segments    {census.segments} (a resumed run starts one)",
         f"files       {len(journal.files)}",
-        f"ranks       {len(journal.ranks)} ({', '.join(map(str, journal.ranks)) or '-'})",
-        f"commits     {len(steps)}" + (f" (steps {steps[0]}..{steps[-1]})" if steps else ""),
+        f"ranks       {len(ranks)} ({', '.join(map(str, ranks)) or '-'})",
+        f"commits     {census.commits}{steps}",
         f"log_every   {journal.log_every}",
-        f"summaries   {summaries} ({records} records)",
+        f"summaries   {census.summaries} ({census.records} records)",
     ]
     damaged = sum(f.damaged for f in journal.files)
     if damaged:
@@ -102,8 +218,7 @@ def inspect(journal: Journal, out: TextIO) -> None:
     if journal.rules:
         lines.append("rules")
         lines += [f"  {pattern} = {spec}" for pattern, spec in journal.rules]
-    known = journal.metrics()
-    metrics = {n: known[n] for n in sorted(known, key=natural)}
+    metrics = {n: census.metrics[n] for n in sorted(census.metrics, key=natural)}
     lines.append(f"metrics     {len(metrics)}")
     out.write("\n".join(lines) + "\n")
     if metrics:

@@ -15,6 +15,7 @@ Zeros and non-finite values contribute nothing here (non-finite data is counted 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,10 +126,10 @@ def limbs(terms: Terms, nq_max: Array, offsets: Array, total: int) -> Array:
     return out
 
 
-def integer(limb_values: Array) -> int:
+def integer(limb_values: list[int]) -> int:
     """``Σ c_i · 2**(32·i)`` of one slot's summed limbs, as a Python int."""
     n = 0
-    for i, c in enumerate(limb_values.tolist()):
+    for i, c in enumerate(limb_values):
         if c:
             n += c << (LIMB_BITS * i)
     return n
@@ -138,6 +139,26 @@ def components(n: int, q: int) -> tuple[float, ...]:
     """The greedy components (see :mod:`metricbus.exact`) of ``n · 2**q``."""
     if n == 0:
         return (0.0,)
+    out = []
+    try:
+        while n:
+            f = float(n)  # n correctly rounded: the mantissa of n · 2**q, correctly rounded, where that is normal
+            part = math.ldexp(f, q)
+            if not _SMALLEST_NORMAL <= abs(part) < math.inf:
+                break
+            out.append(part)
+            n -= int(f)
+        else:
+            return tuple(out)
+    except OverflowError:
+        pass
+    return (*out, *_of_ratio(n, q))  # beyond the double range, or into the subnormals: exact ratios
+
+
+def _of_ratio(n: int, q: int) -> tuple[float, ...]:
     if q >= 0:
         return exact._of_ratio(n << q, 1)
     return exact._of_ratio(n, 1 << -q)
+
+
+_SMALLEST_NORMAL = 2.0**-1022

@@ -304,9 +304,11 @@ def finish(agreed: Array, summed: Array, moments: Array) -> list[Summary | None]
     starts = offsets.tolist()
     q = (-nq_max.astype(np.int64)).tolist()
 
+    values = summed.tolist()
+
     def limbs_of(c: int, slot: int) -> tuple[float, ...] | None:
         i = c * SLOTS + slot
-        n = fixed.integer(summed[starts[i] : ends[i]])
+        n = fixed.integer(values[starts[i] : ends[i]])
         return None if n == 0 else fixed.components(n, q[i])
 
     return _assemble(summed[: n_cols * NS].reshape(n_cols, NS), agreed[:, _MAX:], moments, limbs_of)
@@ -387,7 +389,7 @@ def _assemble(
         if weighted[c]:
             weight, wsum = slot_sum(0), slot_sum(1)
         else:  # unit weights: Σw is the count, Σw·x is Σx
-            weight, wsum = fixed.components(h[_COUNT], 0), total
+            weight, wsum = (float(h[_COUNT]),) if h[_COUNT] < 2**53 else fixed.components(h[_COUNT], 0), total
         if workers == 1:
             m2 = floats[c][2]
         elif moment[c]:

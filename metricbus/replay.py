@@ -5,6 +5,10 @@ Each commit's per-rank partials go through one :class:`metricbus.reduce.StepRedu
 partial window is emitted at the last step, as ``MetricBus.close`` does. With no rule changes the emitted values
 are the live ones, bit for bit. A rule override changes the spec of matching metrics; every kind is a function of
 the journaled micro-level Summary, so history is re-aggregated exactly.
+
+Everything here streams: a path is read with :func:`~metricbus.journal.reader.stream_journal`, one commit at a
+time, so memory holds the reducer's open ``log_every`` window and a few commits, whatever the journal's length. An
+in-memory :class:`~metricbus.journal.Journal` (``read_journal``) is accepted too.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from typing import Any
 
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.errors import JournalError
-from metricbus.journal import CursorStore, Journal, read_journal
+from metricbus.journal import CursorStore, Journal
 from metricbus.journal.cursors import identity_of, resume_adapter
+from metricbus.journal.reader import JournalStream, stream_journal, timeline
 from metricbus.reduce import StepReducer
 from metricbus.spec import Spec, parse_spec_text
 
 Progress = Callable[[int, int], None]
+Source = Journal | JournalStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +82,7 @@ class _Respec:
 
 
 def emitted(
-    journal: Journal,
+    journal: Source,
     *,
     rules: Sequence[tuple[str, Spec]] = (),
     steps: StepRange | None = None,
@@ -95,15 +101,16 @@ def emitted(
 
 
 def emissions(
-    journal: Journal, *, rules: Sequence[tuple[str, Spec]] = (), progress: Progress | None = None
+    journal: Source, *, rules: Sequence[tuple[str, Spec]] = (), progress: Progress | None = None
 ) -> Iterator[tuple[int, dict[str, float], bool]]:
     """:func:`emitted`'s ``(step, metrics)`` with a third item: True for a window closed early (a segment's end)."""
     reducer = StepReducer(log_every=journal.log_every)
     respec = _Respec(rules)
-    commits = journal.commits
+    total = len(journal) if progress is not None else 0  # a stream counts its commits in a pass decoding nothing
     last: int | None = None
-    for i, (step, partials) in enumerate(commits):
-        if i in journal.breaks:  # a resumed writer starts afresh: the open window ends with its segment
+    for i, commit in enumerate(timeline(journal)):
+        step, partials = commit.step, commit.partials
+        if commit.starts_segment:  # a resumed writer starts afresh: the open window ends with its segment
             if reducer.pending and last is not None:
                 tail = reducer.finish()
                 if tail:
@@ -120,25 +127,29 @@ def emissions(
         if out:
             yield step, out, False
         if progress is not None:
-            progress(i + 1, len(commits))
+            progress(i + 1, max(total, i + 1))
     if reducer.pending and last is not None:
         tail = reducer.finish()
         if tail:
             yield last, tail, True
 
 
-def record_counts(journal: Journal) -> tuple[int, int]:
+def record_counts(journal: Source) -> tuple[int, int]:
     """``(summaries, records)`` in the journal: micro-level summaries, and the records they summarise."""
     summaries = records = 0
-    for _, partials in journal.commits:
-        for partial in partials:
+    for commit in timeline(journal):
+        for partial in commit.partials:
             summaries += len(partial.entries)
             records += sum(s.count for _, _, s in partial.entries)
     return summaries, records
 
 
+def _open(source: str | os.PathLike[str] | Source) -> Source:
+    return source if isinstance(source, Journal | JournalStream) else stream_journal(source)
+
+
 def replay(
-    source: str | os.PathLike[str] | Journal,
+    source: str | os.PathLike[str] | Source,
     adapters: Sequence[Adapter],
     *,
     rules: Sequence[tuple[str, Spec]] | Mapping[str, Spec] = (),
@@ -147,7 +158,7 @@ def replay(
     run: RunInfo | None = None,
 ) -> int:
     """Send every replayed step to each adapter (open, write..., flush, close); returns the steps sent."""
-    journal = source if isinstance(source, Journal) else read_journal(source)
+    journal = _open(source)
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     info = run or journal.run
     for adapter in adapters:
@@ -203,7 +214,7 @@ class _Target:
 
 
 def sync(
-    source: str | os.PathLike[str] | Journal,
+    source: str | os.PathLike[str] | Source,
     adapters: Sequence[Adapter],
     *,
     progress: SyncProgress | None = None,
@@ -225,7 +236,7 @@ def sync(
     sets it on Ctrl-C), flushes and acknowledges what was written, closes the adapters and raises
     :class:`SyncInterrupted`.
     """
-    journal = source if isinstance(source, Journal) else read_journal(source)
+    journal = _open(source)
     store = CursorStore(journal.directory if journal.directory.is_dir() else journal.directory.parent)
     names = [str(getattr(a, "name", type(a).__name__)) for a in adapters]
     labels = [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
@@ -268,7 +279,7 @@ def _start(target: _Target, run: RunInfo) -> bool:
 
 
 def _send(
-    journal: Journal,
+    journal: Source,
     targets: list[_Target],
     *,
     store: CursorStore,
@@ -277,7 +288,7 @@ def _send(
     flush_interval_s: float,
     stop: threading.Event | None,
 ) -> None:
-    reduced = [0, len(journal.commits)]
+    reduced = [0, len(journal) if progress is not None else 0]
     sent = 0
 
     def tick(done: int, total: int) -> None:
@@ -345,5 +356,5 @@ def _finish(targets: list[_Target], store: CursorStore, *, status: Status) -> No
             target.error = target.error or exc
 
 
-def _last_step(journal: Journal) -> int:
-    return journal.commits[-1][0] if journal.commits else -(2**63)
+def _last_step(journal: Source) -> int:
+    return -(2**63) if journal.last_step is None else journal.last_step

@@ -5,7 +5,8 @@ partials into its own file, each entry tagged with the worker's rank), locked by
 ``rank-{r:05d}.mbj.lock``. Delivery cursors live in ``cursors/``.
 
 One concept per module: :mod:`~metricbus.journal.format` (the bytes), :mod:`~metricbus.journal.writer`,
-:mod:`~metricbus.journal.reader` and :mod:`~metricbus.journal.cursors`.
+:mod:`~metricbus.journal.reader` (``read_journal`` in memory, ``stream_journal`` a commit at a time) and
+:mod:`~metricbus.journal.cursors`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,17 @@ from metricbus.journal.format import (
     spec_from_json,
     spec_to_json,
 )
-from metricbus.journal.reader import Gap, Journal, RankFile, read_journal, read_rank_file
+from metricbus.journal.reader import (
+    Commit,
+    Gap,
+    Journal,
+    JournalStream,
+    RankFile,
+    RawPart,
+    read_journal,
+    read_rank_file,
+    stream_journal,
+)
 from metricbus.journal.writer import JournalWriter, open_journal
 
 __all__ = [
@@ -35,12 +46,15 @@ __all__ = [
     "FSYNC_MODES",
     "MAGIC",
     "SUFFIX",
+    "Commit",
     "CursorStore",
     "Gap",
     "Journal",
+    "JournalStream",
     "JournalWarning",
     "JournalWriter",
     "RankFile",
+    "RawPart",
     "adapter_key",
     "check_fsync",
     "lock_file",
@@ -52,4 +66,5 @@ __all__ = [
     "run_to_json",
     "spec_from_json",
     "spec_to_json",
+    "stream_journal",
 ]

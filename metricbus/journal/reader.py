@@ -10,6 +10,14 @@ commits of one segment at the same step (training, then evaluation) are kept in 
 one timeline: steps ``< S`` from before, ``>= S`` from the new segment; ``Journal.breaks`` holds the index of each
 segment's first commit there (a ``log_every`` window never spans two segments: replay emits the open one first).
 
+Streaming. :func:`stream_journal` reads a journal of any length in bounded memory: a first pass over each file
+reads frame headers, headers, gaps and the step of each commit (no entry is decoded) and keeps O(segments): the
+*resets* (a commit that drops the file's later steps: a segment's first commit, or a step going back) with the
+running minimum of their steps, so that a commit is kept iff its step is below the steps of every later reset.
+:meth:`JournalStream.commits` then merges one generator per file (files are read a chunk at a time, a commit
+decoded when it is reached; :mod:`~metricbus.journal.scan`) by ``(step, n-th commit of that step)``.
+:func:`read_journal` is that stream collected.
+
 Files of every format up to ``FORMAT_VERSION`` are read; a newer one is refused with a
 :class:`~metricbus.errors.JournalError` that says to upgrade. In a directory, a rank file that cannot be read at all
 (empty, foreign, no readable header) is skipped with a :class:`JournalWarning` naming it and why, and listed in
@@ -19,215 +27,211 @@ unreadable, is a ``JournalError``.
 
 from __future__ import annotations
 
-import json
+import heapq
 import os
-import struct
 import warnings
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError, JournalWarning
-from metricbus.journal.format import (
-    FORMAT_VERSION,
-    FRAME,
-    FRAME_TYPES,
-    GAP,
-    MAGIC,
-    MAX_FRAME,
-    SUFFIX,
-    run_from_json,
-    spec_from_json,
-    unpack_commit,
+from metricbus.journal.format import SUFFIX, run_from_json, spec_from_json
+from metricbus.journal.scan import (
+    ENTRY_DTYPE,
+    Entry,
+    FileCommit,
+    FileIndex,
+    FileItem,
+    Gap,
+    RankFile,
+    RawPart,
+    UnreadableError,
+    entries_of,
+    file_commits,
+    index_file,
 )
 from metricbus.partial import Partial
 from metricbus.spec import Spec
-from metricbus.summary import Summary
 
-Entry = tuple[str, Spec, Summary]
-_MAGIC_SLACK = 2  # a magic with at most this many wrong bytes is damage, not a foreign file
+__all__ = ["ENTRY_DTYPE", "Commit", "FileCommit", "Gap", "Journal", "JournalStream", "Outline", "RankFile", "RawPart",
+           "read_journal", "read_rank_file", "stream_journal", "timeline"]
 
+class Commit:
+    """One commit of the timeline: ``step``, ``starts_segment`` (a resumed writer's first commit; never the first
+    commit of the timeline), and its per-rank partials, decoded from ``parts`` (:class:`RawPart`, one per rank file
+    that holds the commit, in file order) on first access. ``ranks[i]`` is the rank of ``partials[i]`` (a
+    :class:`Journal`'s commits, already decoded, have no parts and no ranks: the Journal keeps its ranks)."""
 
-class _UnreadableError(JournalError):
-    """A rank file with nothing to read in it (a directory skips it; a single path raises it)."""
+    __slots__ = ("_decoded", "parts", "starts_segment", "step")
 
+    def __init__(
+        self, step: int, parts: tuple[RawPart, ...], *, starts_segment: bool, partials: list[Partial] | None = None
+    ) -> None:
+        self.step = step
+        self.parts = parts
+        self.starts_segment = starts_segment
+        self._decoded: tuple[list[int], list[Partial]] | None = None if partials is None else ([], partials)
 
-@dataclass(frozen=True, slots=True)
-class Gap:
-    """Commits of writer rank ``rank`` with ``first_step <= step <= last_step`` that it failed to journal."""
+    def _decode(self) -> tuple[list[int], list[Partial]]:
+        if self._decoded is None:
+            merged: dict[int, list[Entry]] = {}
+            for part in self.parts:  # a later file's entries of one rank replace an earlier one's
+                merged.update(entries_of(part))
+            ranks = sorted(merged)
+            self._decoded = ranks, [Partial(tuple(merged[r])) for r in ranks]
+        return self._decoded
 
-    rank: int
-    first_step: int
-    last_step: int
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks with entries in this commit, ascending."""
+        return self._decode()[0]
 
-
-@dataclass(slots=True)
-class FileCommit:
-    """One commit of a rank file: its step, each rank's entries (in order), and whether it starts a segment."""
-
-    step: int
-    ranks: dict[int, list[Entry]]
-    starts_segment: bool
-
-
-@dataclass
-class RankFile:
-    """What one journal file holds: its headers and its timeline of commits (see the module docstring)."""
-
-    path: Path
-    headers: list[dict[str, Any]] = field(default_factory=list)
-    commits: list[FileCommit] = field(default_factory=list)
-    damaged: int = 0
-    gaps: list[Gap] = field(default_factory=list)
-
-    def add(self, step: int, ranks: dict[int, list[Entry]], *, new_segment: bool) -> None:
-        """Append a commit; a segment's first commit (or any step going back) drops the commits at steps >= it."""
-        commits = self.commits
-        if commits and (new_segment or step < commits[-1].step):
-            keep = len(commits)
-            while keep and commits[keep - 1].step >= step:
-                keep -= 1
-            if keep < len(commits):
-                del commits[keep:]
-                self.gaps = [g for g in (_clip(g, step) for g in self.gaps) if g is not None]
-        commits.append(FileCommit(step, ranks, new_segment))
-
-
-def _clip(gap: Gap, step: int) -> Gap | None:
-    """``gap`` without its steps ``>= step`` (None: nothing left)."""
-    if gap.first_step >= step:
-        return None
-    return Gap(gap.rank, gap.first_step, min(gap.last_step, step - 1))
-
-
-def _warn(path: Path, what: str) -> None:
-    warnings.warn(f"journal {path}: {what}", JournalWarning, stacklevel=3)
-
-
-def _frames(path: Path, data: bytes, rf: RankFile) -> Iterator[tuple[int, bytes]]:
-    pos, end = len(MAGIC), len(data)
-    while pos < end:
-        if pos + FRAME.size <= end:
-            length, crc = FRAME.unpack_from(data, pos)
-            stop = pos + FRAME.size + length
-            if 0 < length <= MAX_FRAME and stop <= end:
-                payload = data[pos + FRAME.size : stop]
-                if zlib.crc32(payload) == crc:
-                    yield pos, payload
-                    pos = stop
-                    continue
-        rf.damaged += 1
-        resume = _resync(data, pos + 1)
-        if resume is None:
-            _warn(path, f"torn or damaged record at byte {pos}; skipped the last {end - pos} bytes")
-            return
-        _warn(path, f"damaged record at byte {pos}; skipped {resume - pos} bytes")
-        pos = resume
-
-
-def _resync(data: bytes, pos: int) -> int | None:
-    """The next offset where a whole frame with a valid CRC starts."""
-    end = len(data)
-    while pos + FRAME.size < end:
-        length, crc = FRAME.unpack_from(data, pos)
-        stop = pos + FRAME.size + length
-        if (
-            0 < length <= MAX_FRAME
-            and stop <= end
-            and data[pos + FRAME.size] in FRAME_TYPES
-            and zlib.crc32(data[pos + FRAME.size : stop]) == crc
-        ):
-            return pos
-        pos += 1
-    return None
-
-
-def _check_header(path: Path, header: Any) -> dict[str, Any]:
-    if not isinstance(header, dict):
-        raise TypeError(f"a header is a JSON object, not {type(header).__name__}")
-    fmt = header.get("format")
-    if not isinstance(fmt, int) or fmt > FORMAT_VERSION:
-        raise JournalError(
-            f"{path} has journal format {fmt!r}, newer than this metricbus reads ({FORMAT_VERSION}); upgrade metricbus"
-        )
-    return dict(header)
-
-
-def _check_magic(path: Path, data: bytes) -> None:
-    if data.startswith(MAGIC):
-        return
-    if not data:
-        raise _UnreadableError(f"{path} is empty (not a metricbus journal file)")
-    wrong = sum(a != b for a, b in zip(data[: len(MAGIC)], MAGIC, strict=False)) + max(0, len(MAGIC) - len(data))
-    if wrong > _MAGIC_SLACK:
-        raise _UnreadableError(f"{path} is not a metricbus journal file (bad magic)")
-    _warn(path, f"damaged magic ({wrong} bytes); read as a journal")
+    @property
+    def partials(self) -> list[Partial]:
+        """Each rank's partial, in rank order."""
+        return self._decode()[1]
 
 
 def read_rank_file(path: str | os.PathLike[str]) -> RankFile:
-    """Read one journal file; raise JournalError if it is missing, foreign or from a newer format."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise _UnreadableError(f"cannot read journal file {path}: {exc.strerror or exc}") from exc
-    _check_magic(path, data)
-    rf = RankFile(path)
-    names: dict[int, tuple[str, Spec]] = {}
-    unknown = 0
-    from_tuple = Summary.from_tuple
-    previous = b""
-    new_segment = False
-    for pos, payload in _frames(path, data, rf):
-        kind, body = payload[:1], payload[1:]
-        prior, previous = previous, payload
+    """Read one journal file with its commits; raise JournalError if it is missing, foreign or from a newer format."""
+    index = index_file(Path(path))
+    index.file.commits = [
+        FileCommit(step, entries_of(part), starts) for step, _, starts, part in file_commits(index, decode=True)
+        if part is not None
+    ]
+    return index.file
+
+
+# -- a whole journal -------------------------------------------------------------------------------------------------
+
+
+class _Meta:
+    """What a journal's header says (shared by :class:`Journal` and :class:`JournalStream`)."""
+
+    header: dict[str, Any]
+
+    @property
+    def run(self) -> RunInfo:
+        """The run metadata."""
+        return run_from_json(self.header.get("run", {}))
+
+    @property
+    def log_every(self) -> int:
+        """The bus's log_every."""
+        return int(self.header.get("log_every", 1))
+
+    @property
+    def rules(self) -> list[tuple[str, Spec]]:
+        """The bus's rules when the journal was written."""
+        return [(str(p), spec_from_json(s)) for p, s in self.header.get("rules", [])]
+
+
+@dataclass(frozen=True, slots=True)
+class Outline:
+    """The timeline's shape, from a pass that decodes no entry: commits, first and last step, segments."""
+
+    commits: int
+    first_step: int | None
+    last_step: int | None
+    segments: int
+
+
+class JournalStream(_Meta):
+    """A journal read in bounded memory (see the module docstring); made by :func:`stream_journal`.
+
+    Known at once (from the first pass): ``directory``, ``header`` (the lowest rank's last header), ``files``
+    (:class:`RankFile` with headers, damage and gaps; no commits), ``gaps``, ``skipped`` and ``last_step``.
+    :meth:`commits` yields the timeline (each call reads the files again); :meth:`outline` counts it.
+    """
+
+    def __init__(self, directory: Path, indexes: list[FileIndex], skipped: list[tuple[Path, str]]) -> None:
+        self.directory = directory
+        self._indexes = indexes
+        self.files = [ix.file for ix in indexes]
+        self.skipped = skipped
+        self.gaps = _merge_gaps(self.files)
+        first = min(self.files, key=lambda rf: int(rf.headers[0].get("rank", 0)))
+        self.header = first.headers[-1]
+        steps = [ix.last_step for ix in indexes if ix.last_step is not None]
+        self.last_step: int | None = max(steps) if steps else None  # a file's last commit is always kept
+
+    def commits(self, *, decode: bool = True) -> Iterator[Commit]:
+        """The timeline, one :class:`Commit` at a time (``decode`` False: steps and segments only, no parts).
+
+        Holds one pending commit per rank file (and the one being merged): memory does not grow with the journal.
+        """
+        merged = heapq.merge(*(file_commits(ix, decode=decode) for ix in self._indexes), key=_key)
+        key: tuple[int, int] | None = None
+        parts: list[RawPart] = []
+        starts, index = False, 0
+        for step, nth, first, part in merged:  # heapq.merge is stable: equal keys come in file order
+            if (step, nth) != key:
+                if key is not None:
+                    yield Commit(key[0], tuple(parts), starts_segment=starts and index > 0)
+                    index += 1
+                key, parts, starts = (step, nth), [], False
+            starts = starts or first
+            if part is not None:
+                parts.append(part)
+        if key is not None:
+            yield Commit(key[0], tuple(parts), starts_segment=starts and index > 0)
+
+    @cached_property
+    def _outline(self) -> Outline:
+        count, first, last, segments = 0, None, None, 0
+        for commit in self.commits(decode=False):
+            count += 1
+            first = commit.step if first is None else first
+            last = commit.step
+            segments += commit.starts_segment
+        return Outline(count, first, last, segments + (count > 0))
+
+    def outline(self) -> Outline:
+        """Commits, first and last step and segments of the timeline (one pass over frame headers; cached)."""
+        return self._outline
+
+    def __len__(self) -> int:
+        return self._outline.commits
+
+
+def _key(item: FileItem) -> tuple[int, int]:
+    return item[0], item[1]
+
+
+def stream_journal(directory: str | os.PathLike[str]) -> JournalStream:
+    """Open ``directory`` (or a single ``.mbj`` file) for streaming: the first pass over every rank file, with
+    its warnings; JournalError if nothing is readable."""
+    directory = Path(directory)
+    if directory.is_file():
+        paths = [directory]
+    elif directory.is_dir():
+        paths = sorted(directory.glob(f"rank-*{SUFFIX}"))
+        if not paths:
+            raise JournalError(f"{directory} holds no journal files (rank-*{SUFFIX})")
+    else:
+        raise JournalError(f"no journal at {directory}")
+    indexes: list[FileIndex] = []
+    skipped: list[tuple[Path, str]] = []
+    for path in paths:
         try:
-            if kind == b"H":
-                if payload == prior:
-                    continue  # the second copy of the header just read
-                rf.headers.append(_check_header(path, json.loads(body)))
-                names = {}  # a restarted writer numbers its names afresh
-                new_segment = True
-            elif kind == b"N":
-                for ident, name, spec, *_ in json.loads(body):  # later versions may add per-name fields
-                    names[int(ident)] = (str(name), spec_from_json(spec))
-            elif kind in {b"S", b"R"}:
-                step, rows = unpack_commit(kind, body)
-                ranks: dict[int, list[Entry]] = {}
-                for rank, ident, fields, rest in rows:
-                    entries = ranks.get(rank)
-                    if entries is None:
-                        entries = ranks[rank] = []
-                    known = names.get(ident)
-                    if known is None:
-                        unknown += 1
-                        continue
-                    entries.append((known[0], known[1], from_tuple(fields, rest)))
-                rf.add(step, ranks, new_segment=new_segment)  # a commit with nothing logged still counts
-                new_segment = False
-            elif kind == b"G":
-                first, last = GAP.unpack(body)
-                rank = int(rf.headers[-1].get("rank", -1)) if rf.headers else -1
-                rf.gaps.append(Gap(rank, first, last))
-            # other frame types: written by a newer minor version; skipped
-        except JournalError:
-            raise
-        except (ValueError, KeyError, TypeError, struct.error) as exc:
-            rf.damaged += 1
-            _warn(path, f"unreadable record at byte {pos} ({exc}); skipped")
-    if not rf.headers:
-        raise _UnreadableError(f"{path} has no readable journal header")
-    if unknown:
-        _warn(path, f"{unknown} entries refer to a lost name table record; skipped")
-    return rf
+            indexes.append(index_file(path))
+        except UnreadableError as exc:
+            if directory.is_file():
+                raise
+            skipped.append((path, str(exc)))
+    if not indexes:
+        raise JournalError(f"{directory} holds no readable journal file: " + "; ".join(why for _, why in skipped))
+    for path, why in skipped:
+        warnings.warn(f"journal {path}: skipped, the other ranks are read ({why})", JournalWarning, stacklevel=2)
+    return JournalStream(directory, indexes, skipped)
 
 
 @dataclass
-class Journal:
-    """A whole journal directory: header of the lowest rank, and every commit's partials in rank order.
+class Journal(_Meta):
+    """A whole journal directory in memory: header of the lowest rank, and every commit's partials in rank order.
 
     ``commits``: the timeline, in step order (a step may hold several commits); ``breaks``: the indexes in
     ``commits`` where a segment (a resumed writer) starts; ``gaps``: the commits some writer failed to journal
@@ -256,20 +260,8 @@ class Journal:
         return Journal(self.directory, self.header, self.files, self.commits[:keep], self.ranks, self.gaps,
                        self.skipped, frozenset(i for i in self.breaks if i < keep))
 
-    @property
-    def run(self) -> RunInfo:
-        """The run metadata."""
-        return run_from_json(self.header.get("run", {}))
-
-    @property
-    def log_every(self) -> int:
-        """The bus's log_every."""
-        return int(self.header.get("log_every", 1))
-
-    @property
-    def rules(self) -> list[tuple[str, Spec]]:
-        """The bus's rules when the journal was written."""
-        return [(str(p), spec_from_json(s)) for p, s in self.header.get("rules", [])]
+    def __len__(self) -> int:
+        return len(self.commits)
 
     def metrics(self) -> dict[str, Spec]:
         """Every metric journaled and its spec (the last one seen)."""
@@ -281,46 +273,29 @@ class Journal:
         return dict(sorted(out.items()))
 
 
+def timeline(source: Journal | JournalStream) -> Iterator[Commit]:
+    """The commits of either form (a :class:`Journal`'s wrap its partials)."""
+    if isinstance(source, JournalStream):
+        yield from source.commits()
+        return
+    for i, (step, partials) in enumerate(source.commits):
+        yield Commit(step, (), starts_segment=i in source.breaks, partials=partials)
+
+
 def read_journal(directory: str | os.PathLike[str]) -> Journal:
-    """Read every rank file of ``directory`` (or a single ``.mbj`` file) and merge them by step and rank."""
-    directory = Path(directory)
-    if directory.is_file():
-        paths = [directory]
-    elif directory.is_dir():
-        paths = sorted(directory.glob(f"rank-*{SUFFIX}"))
-        if not paths:
-            raise JournalError(f"{directory} holds no journal files (rank-*{SUFFIX})")
-    else:
-        raise JournalError(f"no journal at {directory}")
-    files: list[RankFile] = []
-    skipped: list[tuple[Path, str]] = []
-    for path in paths:
-        try:
-            files.append(read_rank_file(path))
-        except _UnreadableError as exc:
-            if directory.is_file():
-                raise
-            skipped.append((path, str(exc)))
-    if not files:
-        raise JournalError(f"{directory} holds no readable journal file: " + "; ".join(why for _, why in skipped))
-    for path, why in skipped:
-        warnings.warn(f"journal {path}: skipped, the other ranks are read ({why})", JournalWarning, stacklevel=2)
-    merged: dict[tuple[int, int], dict[int, list[Entry]]] = {}
-    starts: set[tuple[int, int]] = set()
-    for rf in files:
-        seen: dict[int, int] = {}
-        for commit in rf.commits:
-            nth = seen[commit.step] = seen.get(commit.step, -1) + 1  # the n-th commit of this step in this file
-            key = (commit.step, nth)
-            merged.setdefault(key, {}).update(commit.ranks)
-            if commit.starts_segment:
-                starts.add(key)
-    all_ranks = sorted({r for ranks in merged.values() for r in ranks})
-    keys = sorted(merged)
-    commits = [(step, [Partial(tuple(merged[step, nth][r])) for r in sorted(merged[step, nth])]) for step, nth in keys]
-    breaks = frozenset(i for i, key in enumerate(keys) if key in starts and i > 0)
-    first = min(files, key=lambda rf: int(rf.headers[0].get("rank", 0)))
-    return Journal(directory, first.headers[-1], files, commits, all_ranks, _merge_gaps(files), skipped, breaks)
+    """Read every rank file of ``directory`` (or a single ``.mbj`` file) and merge them by step and rank (the whole
+    timeline in memory: :func:`stream_journal` reads one commit at a time)."""
+    stream = stream_journal(directory)
+    commits: list[tuple[int, list[Partial]]] = []
+    breaks: set[int] = set()
+    ranks: set[int] = set()
+    for i, commit in enumerate(stream.commits()):
+        commits.append((commit.step, commit.partials))
+        ranks.update(commit.ranks)
+        if commit.starts_segment:
+            breaks.add(i)
+    return Journal(stream.directory, stream.header, stream.files, commits, sorted(ranks), stream.gaps,
+                   stream.skipped, frozenset(breaks))
 
 
 def _merge_gaps(files: list[RankFile]) -> list[Gap]:
