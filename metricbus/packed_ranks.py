@@ -23,65 +23,118 @@ from metricbus.summary import N_FIELDS, Summary
 _EMPTY = np.array(Summary().as_tuple())
 
 
+Batch = tuple[Sequence[Partial], Sequence[WorkerStates], Mapping[str, Spec]]  # one commit's workers and specs
+
+
 def rank_level_of(
     partials: Sequence[Partial], others: Sequence[WorkerStates], specs: Mapping[str, Spec], reducer: StepReducer
 ) -> Ranked:
     """Each metric's columns merged over ``partials`` (ranked first, in order) then ``others`` (states)."""
-    plain: dict[bytes, bool] = {}  # per layout: every name single-update with plain columns
-    names: set[str] = set()
-    for partial in partials:
-        packed = partial.packed
-        if packed.layout not in plain:
-            names.update(packed.names)
-            plain[packed.layout] = packed.single and all(reducer.plain(name, specs[name]) for name in packed.names)
-    for states in others:
-        names.update(states)
-    where: dict[str, tuple[int, int]] = {}
+    return rank_levels([(partials, others, specs)], reducer)[0]
+
+
+def rank_levels(commits: Sequence[Batch], reducer: StepReducer) -> list[Ranked]:
+    """:func:`rank_level_of` of several commits at once: their columns side by side in one block (columns merge
+    independently), so replay pays numpy's per-call cost once per batch instead of once per commit."""
+    layouts = [_Layout(partials, others, specs, reducer) for partials, others, specs in commits]
+    rows = max((layout.rows for layout in layouts), default=0)
+    total = sum(layout.width for layout in layouts)
+    fields = np.empty((N_FIELDS, rows, total))
     moments: list[bool] = []
-    width = 0
-    for name in sorted(names):
-        columns = reducer.columns(name, specs[name])
-        where[name] = (width, len(columns))
-        moments.extend(moment for _, _, moment in columns)
-        width += len(columns)
-    rows = len(partials) + len(others)
-    fields = np.empty((N_FIELDS, rows, width))
-    whole = slice(0, width)
     rests: list[tuple[int, int, int, tuple[float, ...]]] = []
-    index: dict[bytes, slice | Array] = {}  # per plain layout: where its entries go
-    slow: list[tuple[int, WorkerStates]] = []
-    for r, partial in enumerate(partials):
-        packed = partial.packed
-        if not plain[packed.layout]:
-            slow.append((r, reducer.worker(partial.updates(), specs)))
-            continue
-        at = index.get(packed.layout)
-        if at is None:
-            at = index[packed.layout] = _positions([where[name][0] for name in packed.names])
-        if not (isinstance(at, slice) and at == whole):  # the partial lacks some columns
-            fields[:, r, :] = _EMPTY[:, None]
-        fields[:, r, at] = packed.fields
-        for i, rest in packed.rests:
-            column = where[packed.names[i]][0]
-            rests.extend((r, column, which, parts) for which, parts in enumerate(rest) if parts)
-    slow.extend((len(partials) + i, states) for i, states in enumerate(others))
-    for r, states in slow:
-        fields[:, r, :] = _EMPTY[:, None]
-        for name, by_key in states.items():
-            base, n = where[name]
-            for j, state in enumerate(lift_columns(by_key, reducer.columns(name, specs[name]))):
-                if state.count:
-                    fields[:, r, base + j] = state.as_tuple()
-                    rests.extend((r, base + j, which, parts) for which, parts in enumerate(state.rest) if parts)
-    ranks = np.arange(fields.shape[1], dtype=np.int64)
-    block = rank_level.Block(fields, ranks, np.array(moments, dtype=bool), tuple(rests))
+    offset = 0
+    for layout, (partials, others, specs) in zip(layouts, commits, strict=True):
+        layout.fill(fields[:, :, offset : offset + layout.width], partials, others, specs, rests, offset)
+        moments.extend(layout.moments)
+        offset += layout.width
+    block = rank_level.Block(fields, np.arange(rows, dtype=np.int64), np.array(moments, dtype=bool), tuple(rests))
     merged = rank_level.merge(block)
-    out: Ranked = {}
-    for name, (base, n) in where.items():
-        results = tuple(merged[base : base + n])
-        if any(c is not None for c in results):
-            out[name] = results
+    out = []
+    offset = 0
+    for layout in layouts:
+        ranked: Ranked = {}
+        for name, (base, n) in layout.where.items():
+            results = tuple(merged[offset + base : offset + base + n])
+            if any(c is not None for c in results):
+                ranked[name] = results
+        out.append(ranked)
+        offset += layout.width
     return out
+
+
+class _Layout:
+    """Where one commit's workers and metrics go in a block."""
+
+    def __init__(
+        self,
+        partials: Sequence[Partial],
+        others: Sequence[WorkerStates],
+        specs: Mapping[str, Spec],
+        reducer: StepReducer,
+    ) -> None:
+        self.reducer = reducer
+        self.plain: dict[bytes, bool] = {}  # per layout: every name single-update with plain columns
+        names: set[str] = set()
+        for partial in partials:
+            packed = partial.packed
+            if packed.layout not in self.plain:
+                names.update(packed.names)
+                self.plain[packed.layout] = packed.single and all(
+                    reducer.plain(name, specs[name]) for name in packed.names
+                )
+        for states in others:
+            names.update(states)
+        self.where: dict[str, tuple[int, int]] = {}
+        self.moments: list[bool] = []
+        width = 0
+        for name in sorted(names):
+            columns = reducer.columns(name, specs[name])
+            self.where[name] = (width, len(columns))
+            self.moments.extend(moment for _, _, moment in columns)
+            width += len(columns)
+        self.width = width
+        self.rows = len(partials) + len(others)
+
+    def fill(  # noqa: PLR0917  (one commit's share of the block)
+        self,
+        fields: Array,
+        partials: Sequence[Partial],
+        others: Sequence[WorkerStates],
+        specs: Mapping[str, Spec],
+        rests: list[tuple[int, int, int, tuple[float, ...]]],
+        offset: int,
+    ) -> None:
+        """Write this commit's rows into ``fields`` (its columns of the block), and its rests (block columns)."""
+        reducer, where = self.reducer, self.where
+        whole = slice(0, self.width)
+        index: dict[bytes, slice | Array] = {}  # per plain layout: where its entries go
+        slow: list[tuple[int, WorkerStates]] = []
+        for r, partial in enumerate(partials):
+            packed = partial.packed
+            if not self.plain[packed.layout]:
+                slow.append((r, reducer.worker(partial.updates(), specs)))
+                continue
+            at = index.get(packed.layout)
+            if at is None:
+                at = index[packed.layout] = _positions([where[name][0] for name in packed.names])
+            if not (isinstance(at, slice) and at == whole):  # the partial lacks some columns
+                fields[:, r, :] = _EMPTY[:, None]
+            fields[:, r, at] = packed.fields
+            for i, rest in packed.rests:
+                column = offset + where[packed.names[i]][0]
+                rests.extend((r, column, which, parts) for which, parts in enumerate(rest) if parts)
+        slow.extend((len(partials) + i, states) for i, states in enumerate(others))
+        for r, states in slow:
+            fields[:, r, :] = _EMPTY[:, None]
+            for name, by_key in states.items():
+                base, _ = where[name]
+                for j, state in enumerate(lift_columns(by_key, reducer.columns(name, specs[name]))):
+                    if state.count:
+                        fields[:, r, base + j] = state.as_tuple()
+                        rests.extend(
+                            (r, offset + base + j, which, parts) for which, parts in enumerate(state.rest) if parts
+                        )
+        fields[:, self.rows :, :] = _EMPTY[:, None, None]  # rows of a longer commit in the batch
 
 
 def _positions(columns: list[int]) -> slice | Array:

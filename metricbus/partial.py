@@ -98,7 +98,7 @@ class Partial:
         return f"Partial(entries={self.entries!r}, undeclared={set(self.undeclared) or '{}'})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _from_packed, (self.packed, self.undeclared)
+        return from_packed, (self.packed, self.undeclared)
 
     def updates(self) -> Updates:
         """The entries as updates: a new update starts where a name repeats (each name's order is kept, which is
@@ -111,7 +111,8 @@ class Partial:
         return out if out[0] else []
 
 
-def _from_packed(packed: Packed, undeclared: frozenset[str]) -> Partial:
+def from_packed(packed: Packed, undeclared: frozenset[str]) -> Partial:
+    """A Partial of ``packed`` (its entries are built on first use)."""
     partial = Partial((), undeclared)
     object.__setattr__(partial, "_entries", None)
     object.__setattr__(partial, "_packed", packed)

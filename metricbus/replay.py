@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -25,8 +25,11 @@ from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.errors import JournalError
 from metricbus.journal import CursorStore, Journal
 from metricbus.journal.cursors import identity_of, resume_adapter
-from metricbus.journal.reader import JournalStream, stream_journal, timeline
-from metricbus.reduce import StepReducer
+from metricbus.journal.packed import PackedRows
+from metricbus.journal.reader import Commit, JournalStream, stream_journal, timeline
+from metricbus.packed_ranks import rank_levels
+from metricbus.partial import Partial
+from metricbus.reduce import Ranked, StepReducer
 from metricbus.spec import Spec, parse_spec_text
 
 Progress = Callable[[int, int], None]
@@ -108,30 +111,75 @@ def emissions(
     respec = _Respec(rules)
     total = len(journal) if progress is not None else 0  # a stream counts its commits in a pass decoding nothing
     last: int | None = None
-    for i, commit in enumerate(timeline(journal)):
-        step, partials = commit.step, commit.partials
-        if commit.starts_segment:  # a resumed writer starts afresh: the open window ends with its segment
-            if reducer.pending and last is not None:
-                tail = reducer.finish()
-                if tail:
-                    yield last, tail, True
-            reducer = StepReducer(log_every=journal.log_every)
-        specs: dict[str, Spec] = {}
-        for partial in partials:
-            for name, spec, _ in partial.entries:
-                if name not in specs:
-                    specs[name] = respec(name, spec)
-        workers = [reducer.worker(p.updates(), specs) for p in partials]
-        last = step
-        out = reducer.commit(workers, specs)
-        if out:
-            yield step, out, False
-        if progress is not None:
-            progress(i + 1, max(total, i + 1))
+    done = 0
+    for batch in _reduced(timeline(journal), respec, reducer):
+        for commit, specs, ranked in batch:
+            step = commit.step
+            if commit.starts_segment:  # a resumed writer starts afresh: the open window ends with its segment
+                if reducer.pending and last is not None:
+                    tail = reducer.finish()
+                    if tail:
+                        yield last, tail, True
+                reducer = StepReducer(log_every=journal.log_every)
+            last = step
+            out = reducer.commit_ranked(ranked, specs)
+            if out:
+                yield step, out, False
+            done += 1
+            if progress is not None:
+                progress(done, max(total, done))
     if reducer.pending and last is not None:
         tail = reducer.finish()
         if tail:
             yield last, tail, True
+
+
+def _reduced(
+    commits: Iterable[Commit], respec: _Respec, reducer: StepReducer
+) -> Iterator[list[tuple[Commit, dict[str, Spec], Ranked]]]:
+    """The timeline's commits with their specs and rank-level results, a batch at a time: commits are read from
+    their raw rows as packed partials and reduced side by side (:func:`metricbus.packed_ranks.rank_levels`); at
+    most ``_BATCH_ENTRIES`` entries are held."""
+    rows = PackedRows(respec)
+    batch: list[tuple[Commit, list[Partial], dict[str, Spec]]] = []
+    held = 0
+    for commit in commits:
+        if commit.parts:
+            partials = rows.partials(commit.parts)
+            specs = rows.specs(partials)
+        else:  # a Journal read whole: its commits are decoded already
+            partials = commit.partials
+            specs = {}
+            for partial in partials:
+                for name, spec, _ in partial.entries:
+                    if name not in specs:
+                        specs[name] = respec(name, spec)
+            partials = [_respecced(p, specs) for p in partials]
+        batch.append((commit, partials, specs))
+        held += sum(len(p) for p in partials)
+        if held >= _BATCH_ENTRIES or len(batch) >= _BATCH_COMMITS:
+            yield _levels(batch, reducer)
+            batch, held = [], 0
+    if batch:
+        yield _levels(batch, reducer)
+
+
+def _levels(
+    batch: list[tuple[Commit, list[Partial], dict[str, Spec]]], reducer: StepReducer
+) -> list[tuple[Commit, dict[str, Spec], Ranked]]:
+    ranked = rank_levels([(partials, (), specs) for _, partials, specs in batch], reducer)
+    return [(commit, specs, levels) for (commit, _, specs), levels in zip(batch, ranked, strict=True)]
+
+
+def _respecced(partial: Partial, specs: dict[str, Spec]) -> Partial:
+    """``partial`` with its entries' specs replaced by ``specs`` (replay's overrides)."""
+    if all(specs[name] is spec for name, spec, _ in partial.entries):
+        return partial
+    return Partial(tuple((name, specs[name], s) for name, _, s in partial.entries))
+
+
+_BATCH_ENTRIES = 1 << 12  # entries reduced in one block (its memory: ~100 bytes an entry)
+_BATCH_COMMITS = 256
 
 
 def record_counts(journal: Source) -> tuple[int, int]:
