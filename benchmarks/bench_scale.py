@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from metricbus import MetricBus, rank_level
-from metricbus.journal import read_journal
+from metricbus.journal import stream_journal
 from metricbus.reduce import StepReducer, lift_columns
 from metricbus.replay import emitted
 from metricbus.spec import parse_spec
@@ -235,7 +235,7 @@ def part_d(quick: bool) -> None:
                 driver.commit(step=step)
             driver.close()
             start = time.process_time()
-            count = sum(1 for _ in emitted(read_journal(Path(tmp) / "j")))
+            count = sum(1 for _ in emitted(stream_journal(Path(tmp) / "j")))
             elapsed = time.process_time() - start
         summaries = steps * size * k
         assert count == steps

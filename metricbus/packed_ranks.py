@@ -21,6 +21,7 @@ from metricbus.spec import Spec
 from metricbus.summary import N_FIELDS, Summary
 
 _EMPTY = np.array(Summary().as_tuple())
+_LAYOUTS_KEPT = 64
 
 
 Batch = tuple[Sequence[Partial], Sequence[WorkerStates], Mapping[str, Spec]]  # one commit's workers and specs
@@ -33,10 +34,25 @@ def rank_level_of(
     return rank_levels([(partials, others, specs)], reducer)[0]
 
 
-def rank_levels(commits: Sequence[Batch], reducer: StepReducer) -> list[Ranked]:
+def rank_levels(
+    commits: Sequence[Batch], reducer: StepReducer, *, seen: dict[tuple[bytes, ...], _Layout] | None = None
+) -> list[Ranked]:
     """:func:`rank_level_of` of several commits at once: their columns side by side in one block (columns merge
-    independently), so replay pays numpy's per-call cost once per batch instead of once per commit."""
-    layouts = [_Layout(partials, others, specs, reducer) for partials, others, specs in commits]
+    independently), so replay pays numpy's per-call cost once per batch instead of once per commit.
+
+    ``seen`` remembers the layout of each combination of partial layouts (commits without ``others``), for a caller
+    whose specs of a layout never change (replay)."""
+    layouts = []
+    for partials, others, specs in commits:
+        key = tuple(p.packed.layout for p in partials) if seen is not None and not others else None
+        layout = seen.get(key) if seen is not None and key is not None else None
+        if layout is None:
+            layout = _Layout(partials, others, specs, reducer)
+            if seen is not None and key is not None:
+                if len(seen) >= _LAYOUTS_KEPT:
+                    seen.clear()
+                seen[key] = layout
+        layouts.append(layout)
     rows = max((layout.rows for layout in layouts), default=0)
     total = sum(layout.width for layout in layouts)
     fields = np.empty((N_FIELDS, rows, total))

@@ -127,8 +127,11 @@ class StepReducer:
 
     def _plan(self, name: str, spec: Spec) -> tuple[Spec, tuple[Plan, ...], tuple[str, ...], tuple[Column, ...]]:
         held = self._plans.get(name)
-        if held is None or (held[0] is not spec and held[0] != spec):
-            held = (spec, plans_of(name, spec), tuple(state_keys(spec)), tuple(columns_of(spec)))
+        if held is None or held[0] is not spec:
+            if held is None or held[0] != spec:
+                held = (spec, plans_of(name, spec), tuple(state_keys(spec)), tuple(columns_of(spec)))
+            else:  # an equal spec object (a journal's name table read again): compare by identity from now on
+                held = (spec, *held[1:])
             self._plans[name] = held
         return held
 

@@ -141,6 +141,7 @@ def _reduced(
     their raw rows as packed partials and reduced side by side (:func:`metricbus.packed_ranks.rank_levels`); at
     most ``_BATCH_ENTRIES`` entries are held."""
     rows = PackedRows(respec)
+    seen: dict[Any, Any] = {}  # rank-level layouts of the row layouts met so far
     batch: list[tuple[Commit, list[Partial], dict[str, Spec]]] = []
     held = 0
     for commit in commits:
@@ -158,16 +159,16 @@ def _reduced(
         batch.append((commit, partials, specs))
         held += sum(len(p) for p in partials)
         if held >= _BATCH_ENTRIES or len(batch) >= _BATCH_COMMITS:
-            yield _levels(batch, reducer)
+            yield _levels(batch, reducer, seen)
             batch, held = [], 0
     if batch:
-        yield _levels(batch, reducer)
+        yield _levels(batch, reducer, seen)
 
 
 def _levels(
-    batch: list[tuple[Commit, list[Partial], dict[str, Spec]]], reducer: StepReducer
+    batch: list[tuple[Commit, list[Partial], dict[str, Spec]]], reducer: StepReducer, seen: dict[Any, Any]
 ) -> list[tuple[Commit, dict[str, Spec], Ranked]]:
-    ranked = rank_levels([(partials, (), specs) for _, partials, specs in batch], reducer)
+    ranked = rank_levels([(partials, (), specs) for _, partials, specs in batch], reducer, seen=seen)
     return [(commit, specs, levels) for (commit, _, specs), levels in zip(batch, ranked, strict=True)]
 
 
