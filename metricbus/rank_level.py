@@ -338,7 +338,10 @@ def merge(block: Block) -> list[Summary | None]:
         for slot, f in ((0, 0), (1, 5), (1, 6)):
             by_slot.setdefault(slot, []).append(np.where(also, fields[f], 0.0))
     try:
-        parts = {slot: extract.column_parts(np.concatenate(matrices)) for slot, matrices in by_slot.items()}
+        parts = {
+            slot: np.array(extract.column_parts(np.concatenate(matrices))).reshape(-1, fields.shape[2]).T.tolist()
+            for slot, matrices in by_slot.items()
+        }  # slot -> per column, the floats whose exact sum is the column's
     except OverflowError:  # values near the top of the double range: the limbs take any finite double
         return merge_collective(block)
     extra: dict[tuple[int, int], list[float]] = {}
@@ -349,8 +352,11 @@ def merge(block: Block) -> list[Summary | None]:
             extra.setdefault((c, 1), []).extend(rest)
 
     def extracted(c: int, slot: int) -> tuple[float, ...] | None:
-        held = [p[c] for p in parts.get(slot, ())]
-        held.extend(extra.get((c, slot), ()))
+        columns = parts.get(slot)
+        held = columns[c] if columns is not None else []
+        more = extra.get((c, slot))
+        if more:
+            held = [*held, *more]
         if not any(held):
             return None
         return exact.components(held)

@@ -155,7 +155,28 @@ def spec_to_json(spec: Spec) -> dict[str, Any]:
 
 
 def spec_from_json(data: Any) -> Spec:
-    """Inverse of :func:`spec_to_json`; also reads format 1's four-level chains (update = micro)."""
+    """Inverse of :func:`spec_to_json`; also reads format 1's four-level chains (update = micro). Equal JSON gives
+    the same Spec object (a name table is written again at every checkpoint)."""
+    try:
+        key = (tuple(tuple(c) for c in data["chains"]), data.get("nan"))
+        held = _SPECS.get(key)
+    except TypeError:  # not hashable: malformed, the general path below raises the right error
+        key, held = None, None
+    if held is not None:
+        return held
+    spec = _spec_from_json(data)
+    if key is not None:
+        if len(_SPECS) >= _SPECS_KEPT:
+            _SPECS.clear()
+        _SPECS[key] = spec
+    return spec
+
+
+_SPECS: dict[Any, Spec] = {}
+_SPECS_KEPT = 4096
+
+
+def _spec_from_json(data: Any) -> Spec:
     chains = tuple(
         Chain(*(str(f) for f in c)) if len(c) == 5 else Chain(str(c[0]), str(c[0]), *(str(f) for f in c[1:]))
         for c in data["chains"]
