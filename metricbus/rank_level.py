@@ -18,10 +18,10 @@ is NaN); ``first``/``last`` from the lowest rank that has the column; and ``m2``
 * one worker has the column: its own ``m2``, unchanged (so the rank level of one worker is the identity);
 * several, where a chain reads it (the column's rank kind is ``std``): ``m2 = Σ t_r - S²/W`` with
   ``t_r = m2_r + S_r²/W_r`` (``S`` = Σw·x, ``W`` = Σw). Each ``t_r`` is a double-double computed by the same numpy
-  code on every path (error ≤ ~2**-104 · t_r); ``Σ t_r`` is exact, and ``(T·W - S²)/W`` is evaluated in exact
-  integer arithmetic, then correctly rounded. So ``m2`` is the same bits on every path and under every split of
-  workers, with relative error about ``2**-104 · (mean²/variance)``: ~1e-19 at mean 1e6 and spread 1e-3 (Chan's
-  pairwise update, used within a worker, is order-dependent);
+  code on every path (error below ~2**-100 · t_r); ``Σ t_r`` is exact, and ``(T·W - S²)/W`` is evaluated in exact
+  integer arithmetic, then correctly rounded. So ``m2`` is the same bits on every path, and its error beyond the
+  workers' own ``m2_r`` is at most ``(2**-96 · (1 + mean²/variance) + 2**-52) · m2`` (tests/test_rank_level.py):
+  ~1e-13 at mean 1e6 and spread 1e-3, where each worker's two-pass ``m2_r`` already carries ~1e-15;
 * several, where no chain reads it: NaN (not computed: ``t`` costs as much as the rest of the merge).
 
 Unit weights (every worker's Σw is its count and Σw·x its Σx, the common case) are agreed in pass 1, and such a
