@@ -13,6 +13,7 @@ in-memory :class:`~metricbus.journal.Journal` (``read_journal``) is accepted too
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -104,15 +105,23 @@ def emitted(
 
 
 def emissions(
-    journal: Source, *, rules: Sequence[tuple[str, Spec]] = (), progress: Progress | None = None
+    journal: Source,
+    *,
+    rules: Sequence[tuple[str, Spec]] = (),
+    progress: Progress | None = None,
+    until: int | None = None,
 ) -> Iterator[tuple[int, dict[str, float], bool]]:
-    """:func:`emitted`'s ``(step, metrics)`` with a third item: True for a window closed early (a segment's end)."""
+    """:func:`emitted`'s ``(step, metrics)`` with a third item: True for a window closed early (a segment's end).
+    ``until``: only the timeline before that step (what a resume at it keeps)."""
     reducer = StepReducer(log_every=journal.log_every)
     respec = _Respec(rules)
     total = len(journal) if progress is not None else 0  # a stream counts its commits in a pass decoding nothing
     last: int | None = None
     done = 0
-    for batch in _reduced(timeline(journal), respec, reducer):
+    commits = timeline(journal)
+    if until is not None:
+        commits = itertools.takewhile(lambda commit: commit.step < until, commits)
+    for batch in _reduced(commits, respec, reducer):
         for commit, specs, ranked in batch:
             step = commit.step
             if commit.starts_segment:  # a resumed writer starts afresh: the open window ends with its segment

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError
-from metricbus.journal import Journal, read_journal
+from metricbus.journal import Journal, JournalStream, stream_journal
 from metricbus.journal.format import SUFFIX
 
 Emission = tuple[int, Mapping[str, float]]
@@ -38,8 +38,11 @@ class CatchUp:
     cursor: int | None  # the cursor after the rewind
 
 
-def previous_run(directory: str, *, resume: bool, run: RunInfo | None) -> tuple[RunInfo | None, Journal | None]:
-    """The run to write and the journal it continues (None: a fresh run).
+def previous_run(
+    directory: str, *, resume: bool, run: RunInfo | None
+) -> tuple[RunInfo | None, JournalStream | None]:
+    """The run to write and the journal it continues (None: a fresh run), opened as a stream (its first pass only:
+    headers, gaps and the last step; the commits are read again, one at a time, at the first commit).
 
     ``resume`` False and a journal with commits: JournalError saying to pass ``resume=True`` or use a new
     directory. ``run`` given with ``resume``: its project, name, tags and config are used, with the journal's id
@@ -49,39 +52,49 @@ def previous_run(directory: str, *, resume: bool, run: RunInfo | None) -> tuple[
     if not path.is_dir() or not any(path.glob(f"rank-*{SUFFIX}")):
         return run, None
     try:
-        journal = read_journal(path)
+        journal = stream_journal(path)
     except JournalError:
         return run, None  # nothing readable: the writer appends a fresh run
-    if not journal.commits:
+    if journal.last_step is None:
         return run, None
     old = journal.run
     if not resume:
+        first = next(iter(journal.commits(decode=False)), None)
         raise JournalError(
-            f"journal {directory} already holds run {old.id!r} (steps {journal.commits[0][0]}.."
-            f"{journal.commits[-1][0]}); pass resume=True to continue that run (its backend runs too), or give "
-            "this run a new journal directory"
+            f"journal {directory} already holds run {old.id!r} (steps {first.step if first else journal.last_step}.."
+            f"{journal.last_step}); pass resume=True to continue that run (its backend runs too), or give this run a "
+            "new journal directory"
         )
     if run is None:
         return old, journal
     return replace(run, id=old.id, start_time_unix_ns=old.start_time_unix_ns), journal
 
 
-def catch_up(journal: Journal, *, step: int, cursors: Sequence[int | None]) -> list[CatchUp]:
-    """Per adapter (its cursor in ``cursors``), the rewind and steps it needs before the first commit at ``step``."""
+def catch_up(journal: Journal | JournalStream, *, step: int, cursors: Sequence[int | None]) -> list[CatchUp]:
+    """Per adapter (its cursor in ``cursors``), the rewind and steps it needs before the first commit at ``step``.
+
+    The old timeline is replayed as a stream; only the emissions some adapter still needs (after the lowest cursor,
+    and the last one, which decides a rewind) are kept."""
     from metricbus.replay import emissions
 
-    kept = journal.until(step)
-    timeline = list(emissions(kept))
+    floor = None if any(c is None for c in cursors) else min(cursors, default=None)  # type: ignore[type-var]
+    kept: list[tuple[int, Mapping[str, float]]] = []
+    last: tuple[int, Mapping[str, float], bool] | None = None
+    for emission in emissions(journal, until=step):
+        if last is not None and (floor is None or last[0] > floor):
+            kept.append(last[:2])
+        last = emission
     rewinding = journal.last_step is not None and step <= journal.last_step
     start = step
-    if rewinding and timeline and timeline[-1][2]:
-        start = min(start, timeline[-1][0])  # the old segment's unfinished window, emitted now at its last commit
+    if rewinding and last is not None and last[2]:
+        start = min(start, last[0])  # the old segment's unfinished window, emitted now at its last commit
+    if last is not None:
+        kept.append(last[:2])
     out = []
     for acked in cursors:
         rewind, after = None, acked
         if rewinding and acked is not None and acked >= start:
             rewind, after = start, start - 1
-        missed = tuple((s, m) for s, m, _ in timeline if after is None or s > after)
+        missed = tuple((s, m) for s, m in kept if after is None or s > after)
         out.append(CatchUp(rewind, missed, after))
     return out
-

@@ -20,7 +20,7 @@ from metricbus.partial import Partial
 from metricbus.spec import Spec
 
 if TYPE_CHECKING:
-    from metricbus.journal.reader import Journal
+    from metricbus.journal.reader import Journal, JournalStream
 
 
 class Sink:
@@ -43,7 +43,7 @@ class Sink:
         write_timeout_s: float,
         exit_timeout_s: float,
         on_open_error: str = "raise",
-        previous: Journal | None = None,
+        previous: Journal | JournalStream | None = None,
     ) -> None:
         self._exit_timeout_s = exit_timeout_s
         self._previous = previous  # the journal this run resumes, until its first commit
@@ -105,7 +105,7 @@ class Sink:
         if self._journal is not None:
             self._journal.append(step=step, entries=entries)
 
-    def _catch_up(self, previous: Journal, step: int) -> None:
+    def _catch_up(self, previous: Journal | JournalStream, step: int) -> None:
         from metricbus.resume import catch_up
 
         store = self._journal.cursors
