@@ -22,6 +22,7 @@ Respec = Callable[[str, Spec], Spec]
 # (the names table, the ids of one rank's rows) -> (names, specs, known rows or None, layout, single, the table)
 _Key = tuple[int, bytes]
 _Held = tuple[tuple[str, ...], tuple[Spec, ...], object, bytes, bool, Names]
+_LAYOUTS_KEPT = 64
 
 
 class PackedRows:
@@ -64,6 +65,8 @@ class PackedRows:
         key = (id(part.names), ids.tobytes())
         held = self._layouts.get(key)
         if held is None:
+            if len(self._layouts) >= _LAYOUTS_KEPT:  # a name table read again at a checkpoint makes new keys
+                self._layouts.clear()
             held = self._layouts[key] = self._layout(part.names, ids.tolist(), key)
         names, specs, known, layout, single, _ = held
         fields = rows["fields"].T
