@@ -108,9 +108,12 @@ def count_worker(rank: int, size: int, port: int, out: Any) -> None:
 def updates_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
     rank: int, size: int, port: int, plan: Any, journal: str, out: Any
 ) -> None:
-    """Log this rank's share of ``plan`` (steps x updates x micro-batches of (name, value, weight)); commit."""
-    from tests.update_plan import log_rank
+    """Log this rank's share of ``plan`` (steps x updates x micro-batches of (name, value, weight)) with the
+    ``plan["logger"]`` function (``module:function``; default tests.update_plan's log_rank); commit each step."""
+    import importlib
 
+    module, _, function = plan.get("logger", "tests.update_plan:log_rank").partition(":")
+    log_rank = getattr(importlib.import_module(module), function)
     init_gloo(rank, size, port)
     try:
         bus = MetricBus(dist="torch", journal=journal, rules=plan["rules"])
@@ -239,21 +242,3 @@ def review_worker(rank: int, size: int, port: int, scenario: str, out: Any) -> N
     finally:
         tdist.destroy_process_group()
 
-
-def bitwise_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
-    rank: int, size: int, port: int, plan: Any, journal: str, out: Any
-) -> None:
-    """Log this rank's share of ``plan`` (see tests/test_bitwise.py) through torch.distributed; commit each step."""
-    from tests.test_bitwise import log_share
-
-    init_gloo(rank, size, port)
-    try:
-        bus = MetricBus(dist="torch", journal=journal, rules=plan["rules"])
-        rows = []
-        for step in range(len(plan["steps"])):
-            log_share(bus, plan, step=step, rank=rank)
-            rows.append(bus.commit(step=step))
-        bus.close()
-        out.put((rank, rows))
-    finally:
-        tdist.destroy_process_group()

@@ -8,7 +8,6 @@ same records split the same way, for every kind, lifted chains, weights, several
 from __future__ import annotations
 
 import random
-import socket
 import struct
 from pathlib import Path
 from typing import Any
@@ -63,9 +62,9 @@ def log_share(bus: MetricBus, plan: dict[str, Any], *, step: int, rank: int) -> 
         bus.log(name, values, weight=weights)
 
 
-def ingested(plan: dict[str, Any], *, ranks: int) -> list[dict[str, float]]:
-    """The same plan through worker buses, export() and a driver's ingest()."""
-    driver = MetricBus(dist=None, rules=plan["rules"])
+def ingested(plan: dict[str, Any], *, ranks: int, journal: str | None = None) -> list[dict[str, float]]:
+    """The same plan through worker buses, export() and a driver's ingest() (journaled when ``journal`` is given)."""
+    driver = MetricBus(dist=None, rules=plan["rules"], journal=journal)
     rows = []
     for step in range(len(plan["steps"])):
         parts = []
@@ -84,42 +83,19 @@ def bits(rows: list[dict[str, float]]) -> list[dict[str, bytes]]:
     return [{k: struct.pack("<d", v) for k, v in row.items()} for row in rows]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])
 def test_live_ingest_and_replay_agree_bit_for_bit(ranks: int, tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
-    import torch.multiprocessing as mp
-
+    pytest.importorskip("torch")
     from tests import dist_workers
+    from tests.test_dist import _spawn
 
-    assert torch
-    seed = 1000 + ranks
-    plan = make_plan(seed, ranks=ranks)
+    plan = {**make_plan(1000 + ranks, ranks=ranks), "logger": "tests.test_bitwise:log_share"}
     journal = str(tmp_path / "journal")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=dist_workers.bitwise_worker, args=(r, ranks, port, plan, journal, out))
-             for r in range(ranks)]
-    for p in procs:
-        p.start()
-    try:
-        live = dict(out.get(timeout=240) for _ in range(ranks))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    live = _spawn(dist_workers.updates_worker, ranks, plan, journal)
     expected = bits(ingested(plan, ranks=ranks))
     for rank in range(ranks):
         assert bits(live[rank]) == expected, rank
-    replayed = [metrics for _, metrics in emitted(read_journal(journal))]
-    assert bits(replayed) == expected
+    assert bits([metrics for _, metrics in emitted(read_journal(journal))]) == expected
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -127,17 +103,6 @@ def test_ingest_and_replay_agree_bit_for_bit_over_splits(seed: int, tmp_path: Pa
     """The driver journals what it ingests; replaying that journal gives the driver's bits, for several splits."""
     ranks = 1 + seed % 5
     plan = make_plan(seed, ranks=ranks)
-    driver = MetricBus(dist=None, rules=plan["rules"], journal=str(tmp_path / "j"))
-    rows = []
-    for step in range(len(plan["steps"])):
-        parts = []
-        for rank in range(ranks):
-            worker = MetricBus(dist=None, rules=plan["rules"])
-            log_share(worker, plan, step=step, rank=rank)
-            parts.append(worker.export())
-            worker.close()
-        driver.ingest(parts)
-        rows.append(driver.commit(step=step))
-    driver.close()
+    rows = ingested(plan, ranks=ranks, journal=str(tmp_path / "j"))
     assert bits(rows) == bits(ingested(plan, ranks=ranks))
     assert bits([m for _, m in emitted(read_journal(tmp_path / "j"))]) == bits(rows)
