@@ -43,3 +43,29 @@ def column_parts(values: Array) -> list[Array]:
         np.subtract(x, t, out=x)
         out.append(t.sum(axis=0))
     raise OverflowError("extraction did not finish")  # pragma: no cover  (finite doubles span 2098 bits)
+
+
+def double_double(parts: list[Array], width: int) -> tuple[Array, Array, Array]:
+    """``(hi, lo, ok)`` per column of the exact sum of ``parts`` (as :func:`column_parts` gives them): where ``ok``,
+    ``hi`` is the correctly rounded sum and ``lo`` the exact remainder (so ``(hi, lo)``, or ``(hi,)`` when ``lo`` is
+    0, are its greedy components). TwoSum folds the parts into ``s`` and error terms; when those errors add up to one
+    double ``r`` exactly (no TwoSum of theirs leaves an error), the sum is exactly ``s + r``, whose rounding is
+    ``hi`` and whose TwoSum error is ``lo``. Elsewhere (``ok`` False) the caller sums the column another way."""
+    s = parts[0].copy() if parts else np.zeros(width)
+    r = np.zeros(width)
+    ok = np.ones(width, dtype=bool)
+    with np.errstate(all="ignore"):
+        for p in parts[1:]:
+            t = s + p
+            bb = t - s
+            e = (s - (t - bb)) + (p - bb)
+            s = t
+            t = r + e
+            bb = t - r
+            ok &= (r - (t - bb)) + (e - bb) == 0.0
+            r = t
+        hi = s + r
+        bb = hi - s
+        lo = (s - (hi - bb)) + (r - bb)
+    ok &= np.isfinite(hi) & np.isfinite(lo)
+    return hi, lo, ok

@@ -337,13 +337,15 @@ def merge(block: Block) -> list[Summary | None]:
     if also.any():
         for slot, f in ((0, 0), (1, 5), (1, 6)):
             by_slot.setdefault(slot, []).append(np.where(also, fields[f], 0.0))
+    width = fields.shape[2]
     try:
-        parts = {
-            slot: np.array(extract.column_parts(np.concatenate(matrices))).reshape(-1, fields.shape[2]).T.tolist()
-            for slot, matrices in by_slot.items()
-        }  # slot -> per column, the floats whose exact sum is the column's
+        parts = {slot: extract.column_parts(np.concatenate(matrices)) for slot, matrices in by_slot.items()}
     except OverflowError:  # values near the top of the double range: the limbs take any finite double
         return merge_collective(block)
+    quick = {}  # slot -> per column (hi, lo, ok): the double-double of the parts where that is exact
+    for slot, arrays in parts.items():
+        hi, lo, ok = extract.double_double(arrays, width)
+        quick[slot] = (hi.tolist(), lo.tolist(), ok.tolist())
     extra: dict[tuple[int, int], list[float]] = {}
     for r, c, which, rest in block.rests:
         if which == 2 or (which < 2 and not prep.unit[r, c]):
@@ -352,14 +354,19 @@ def merge(block: Block) -> list[Summary | None]:
             extra.setdefault((c, 1), []).extend(rest)
 
     def extracted(c: int, slot: int) -> tuple[float, ...] | None:
-        columns = parts.get(slot)
-        held = columns[c] if columns is not None else []
         more = extra.get((c, slot))
+        held = quick.get(slot)
+        if held is None:
+            return exact.components(more) if more and any(more) else None
+        hi, lo, ok = held[0][c], held[1][c], held[2][c]
+        if ok and not more:
+            if lo != 0.0:
+                return (hi, lo)
+            return (hi,) if hi != 0.0 else None
+        floats = [float(p[c]) for p in parts[slot]]
         if more:
-            held = [*held, *more]
-        if not any(held):
-            return None
-        return exact.components(held)
+            floats.extend(more)
+        return exact.components(floats) if any(floats) else None
 
     return _assemble(head, extrema, block.moments, extracted)
 
