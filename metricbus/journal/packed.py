@@ -54,9 +54,12 @@ class PackedRows:
     def specs(self, partials: list[Partial]) -> dict[str, Spec]:
         """The specs of a commit's partials, by name."""
         out: dict[str, Spec] = {}
+        seen: set[bytes] = set()
         for partial in partials:
             packed = partial.packed
-            out.update(zip(packed.names, packed.specs, strict=True))
+            if packed.layout not in seen:  # partials of one layout have the same names and specs
+                seen.add(packed.layout)
+                out.update(zip(packed.names, packed.specs, strict=True))
         return out
 
     def _partial(self, part: RawPart, start: int, stop: int) -> Partial:
