@@ -101,8 +101,12 @@ class LocalRanks:
         """``[*ingested, own]``, merged column-wise at the rank level (``rejected`` are already left out)."""
         specs = commit.table.specs  # ingest() claimed every ingested name; log() every own name
         own = commit.reducer.worker(commit.own_updates, specs)
-        partials = [*commit.ingested, commit.own]
-        journal = [(i, with_specs(p, specs)) for i, p in enumerate(partials)] if commit.journaled else []
+        # The own partial was built from this table's specs at this commit: only ingested ones may carry others.
+        journal = (
+            [*((i, with_specs(p, specs)) for i, p in enumerate(commit.ingested)), (len(commit.ingested), commit.own)]
+            if commit.journaled
+            else []
+        )
         if not commit.ingested:
             return Exchange([own], specs, journal)
         ranked = rank_level_of(commit.ingested, [own] if own else [], specs, commit.reducer)
