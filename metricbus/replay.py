@@ -131,7 +131,10 @@ def emissions(
                         yield last, tail, True
                 reducer = StepReducer(log_every=journal.log_every)
             last = step
-            out = reducer.commit_ranked(ranked, specs)
+            if isinstance(ranked, Partial):  # one worker: its states are the rank level (the live single path)
+                out = reducer.commit([reducer.worker(ranked.updates(), specs)], specs)
+            else:
+                out = reducer.commit_ranked(ranked, specs)
             if out:
                 yield step, out, False
             done += 1
@@ -145,7 +148,7 @@ def emissions(
 
 def _reduced(
     commits: Iterable[Commit], respec: _Respec, reducer: StepReducer
-) -> Iterator[list[tuple[Commit, dict[str, Spec], Ranked]]]:
+) -> Iterator[list[tuple[Commit, dict[str, Spec], Ranked | Partial]]]:
     """The timeline's commits with their specs and rank-level results, a batch at a time: commits are read from
     their raw rows as packed partials and reduced side by side (:func:`metricbus.packed_ranks.rank_levels`); at
     most ``_BATCH_ENTRIES`` entries are held."""
@@ -154,10 +157,10 @@ def _reduced(
     batch: list[tuple[Commit, list[Partial], dict[str, Spec]]] = []
     held = 0
     for commit in commits:
-        if commit.parts:
+        if commit.parts and not _one_rank(commit):
             partials = rows.partials(commit.parts)
             specs = rows.specs(partials)
-        else:  # a Journal read whole: its commits are decoded already
+        else:  # one rank (its Summaries are what the single path reads), or a Journal read whole (decoded already)
             partials = commit.partials
             specs = {}
             for partial in partials:
@@ -174,11 +177,27 @@ def _reduced(
         yield _levels(batch, reducer, seen)
 
 
+def _one_rank(commit: Commit) -> bool:
+    """True when a commit's raw rows are one rank's."""
+    if len(commit.parts) != 1:
+        return False
+    ranks = commit.parts[0].rows["rank"]
+    return not len(ranks) or bool(ranks[0] == ranks[-1] and (ranks == ranks[0]).all())
+
+
 def _levels(
     batch: list[tuple[Commit, list[Partial], dict[str, Spec]]], reducer: StepReducer, seen: dict[Any, Any]
-) -> list[tuple[Commit, dict[str, Spec], Ranked]]:
-    ranked = rank_levels([(partials, (), specs) for _, partials, specs in batch], reducer, seen=seen)
-    return [(commit, specs, levels) for (commit, _, specs), levels in zip(batch, ranked, strict=True)]
+) -> list[tuple[Commit, dict[str, Spec], Ranked | Partial]]:
+    """Each commit's rank level: merged column-wise for several workers; a lone worker's partial as it is."""
+    several = [(partials, (), specs) for _, partials, specs in batch if len(partials) > 1]
+    merged = iter(rank_levels(several, reducer, seen=seen) if several else [])
+    out: list[tuple[Commit, dict[str, Spec], Ranked | Partial]] = []
+    for commit, partials, specs in batch:
+        if len(partials) > 1:
+            out.append((commit, specs, next(merged)))
+        else:
+            out.append((commit, specs, partials[0] if partials else {}))
+    return out
 
 
 def _respecced(partial: Partial, specs: dict[str, Spec]) -> Partial:
