@@ -143,7 +143,7 @@ class TorchRanks:
         merged = rank_level.finish(agreed, summed, prep.block.moments)
         ranked: Ranked = {}
         for name, (base, width) in zip(names, columns, strict=True):
-            if merged[base] is not None or any(m is not None for m in merged[base : base + width]):
+            if any(m is not None for m in merged[base : base + width]):
                 ranked[name] = tuple(merged[base : base + width])
         ranked.update(fresh)
         for name in dropped:  # a metric one rank had to drop is dropped on every rank, never half-reduced
