@@ -1,8 +1,11 @@
 """The rank level's transport. ``LocalRanks``: this process plus partials ingested from workers.
 
-A transport turns one commit's partials into every worker's update-level states, in rank order, identically on
-every participant, plus the specs they reduce with and what this process journals; the reduction itself is the
-same local code everywhere (see :mod:`metricbus.reduce`).
+A transport turns one commit's partials into its rank level, identically on every participant: either every
+worker's update-level states in rank order (one worker: :class:`LocalRanks` without ingested partials), or the
+rank-level results themselves, merged exactly by :mod:`metricbus.rank_level` (a driver's ingested partials,
+column-wise in :mod:`metricbus.packed_ranks`; torch.distributed's two collectives in :mod:`metricbus.dist`), plus
+the specs they reduce with and what this process journals. Every path merges with the same exact arithmetic, so
+they agree bit for bit.
 """
 
 from __future__ import annotations
