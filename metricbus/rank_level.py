@@ -42,7 +42,7 @@ import numpy as np
 
 from metricbus import exact, extract, fixed
 from metricbus.fixed import Array
-from metricbus.summary import N_FIELDS, Summary
+from metricbus.summary import N_FIELDS, Rest, Summary
 
 SLOTS = 4  # the exact sums of a column: weight, wsum, total, t
 # maxima, per column: E of each slot, -Q of each slot, max, -min, -rank, whether any worker has weights
@@ -381,51 +381,65 @@ def _assemble(
     weighted = (extrema[:, 3] > 0).tolist()
     moment = moments.tolist()
     out: list[Summary | None] = []
+    new = tuple.__new__
     for c, h in enumerate(rows):
         workers = h[_WORKERS]
         if not workers:
             out.append(None)
             continue
-
-        def slot_sum(slot: int, h: list[int] = h, c: int = c) -> tuple[float, ...]:
-            nan, pos, neg, negzero = h[_NONFINITE + 4 * slot : _NONFINITE + 4 * slot + 4]
-            if nan or (pos and neg):
-                return (math.nan,)
-            if pos or neg:
-                return (math.inf if pos else -math.inf,)
-            held = exact_sum(c, slot)
-            if held is None:
-                return (-0.0,) if negzero == h[_WORKERS] else (0.0,)
-            return held
-
-        total = slot_sum(2)
+        total = _slot_sum(h, c, 2, exact_sum)
+        count = h[_COUNT]
         if weighted[c]:
-            weight, wsum = slot_sum(0), slot_sum(1)
+            weight, wsum = _slot_sum(h, c, 0, exact_sum), _slot_sum(h, c, 1, exact_sum)
         else:  # unit weights: Σw is the count, Σw·x is Σx
-            weight, wsum = (float(h[_COUNT]),) if h[_COUNT] < 2**53 else fixed.components(h[_COUNT], 0), total
+            weight, wsum = (float(count),) if count < _EXACT_COUNT else fixed.components(count, 0), total
         if workers == 1:
             m2 = floats[c][2]
         elif moment[c]:
-            m2 = _m2(total=total, weight=weight, wsum=wsum, t=slot_sum(3))
+            m2 = _m2(total=total, weight=weight, wsum=wsum, t=_slot_sum(h, c, 3, exact_sum))
         else:  # no chain reads this column's merged m2
             m2 = math.nan
-        nan_mm = h[_NAN_MINMAX] > 0
-        rest = (weight[2:], wsum[2:], total[2:])
+        if len(weight) < 3 and len(wsum) < 3 and len(total) < 3:
+            rest: Rest = ()
+        else:
+            rest = (weight[2:], wsum[2:], total[2:])
+        if h[_NAN_MINMAX]:
+            lowest = highest = math.nan
+        else:
+            lowest, highest = -neg_mins[c], maxes[c]
         out.append(
-            tuple.__new__(
+            new(
                 Summary,
                 (
-                    h[_COUNT],
-                    weight[0], _lo(weight), wsum[0], _lo(wsum), total[0], _lo(total), m2,
-                    math.nan if nan_mm else -neg_mins[c],
-                    math.nan if nan_mm else maxes[c],
-                    floats[c][0],
-                    floats[c][1],
-                    rest if any(rest) else (),
+                    count,
+                    weight[0], weight[1] if len(weight) > 1 else 0.0,
+                    wsum[0], wsum[1] if len(wsum) > 1 else 0.0,
+                    total[0], total[1] if len(total) > 1 else 0.0,
+                    m2, lowest, highest, floats[c][0], floats[c][1], rest,
                 ),
             )
         )
     return out
+
+
+def _slot_sum(
+    h: list[int], c: int, slot: int, exact_sum: Callable[[int, int], tuple[float, ...] | None]
+) -> tuple[float, ...]:
+    """One slot's exact sum: IEEE's sum of the non-finite terms where there are any, else ``exact_sum``'s
+    components (a zero sum is -0.0 when every worker's is)."""
+    base = _NONFINITE + 4 * slot
+    nan, pos, neg = h[base], h[base + 1], h[base + 2]
+    if nan or pos or neg:
+        if nan or (pos and neg):
+            return (math.nan,)
+        return (math.inf if pos else -math.inf,)
+    held = exact_sum(c, slot)
+    if held is None:
+        return (-0.0,) if h[base + 3] == h[_WORKERS] else (0.0,)
+    return held
+
+
+_EXACT_COUNT = 2**53
 
 
 def _m2(*, total: tuple[float, ...], weight: tuple[float, ...], wsum: tuple[float, ...], t: tuple[float, ...]) -> float:
@@ -456,7 +470,3 @@ def _quotient(num: int, den: int) -> float:
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------------
-
-
-def _lo(parts: tuple[float, ...]) -> float:
-    return parts[1] if len(parts) > 1 else 0.0
