@@ -36,11 +36,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 
 import numpy as np
 
-from metricbus import exact, extract, fixed
+from metricbus import exact, extract, fixed, second_moment
 from metricbus.fixed import Array
 from metricbus.summary import N_FIELDS, Rest, Summary
 
@@ -55,7 +54,6 @@ _NAN_MINMAX = _NONFINITE + 4 * SLOTS
 NS = _NAN_MINMAX + 1
 ABSENT_RANK = -float(2**53)  # -rank of a column no worker has
 _EMPTY_FIELDS = Summary().as_tuple()
-_DD_SAFE = 2.0**480  # within (1/_DD_SAFE, _DD_SAFE) the double-double of t_r cannot overflow or underflow
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,60 +84,6 @@ def block_of(rows: Sequence[Sequence[Summary | None]], ranks: Sequence[int], mom
     return Block(fields, np.asarray(ranks, dtype=np.int64), np.asarray(moments, dtype=bool), tuple(rests))
 
 
-# -- the per-row quantities -----------------------------------------------------------------------------------------
-
-
-def _two_prod(a: Array, b: Array) -> tuple[Array, Array]:
-    p = a * b
-    c = 134217729.0 * a
-    a_hi = c - (c - a)
-    a_lo = a - a_hi
-    c = 134217729.0 * b
-    b_hi = c - (c - b)
-    b_lo = b - b_hi
-    return p, ((a_hi * b_hi - p) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
-
-
-def _t_parts(fields: Array) -> tuple[Array, Array]:
-    """``t = m2 + S²/W`` of each state (``fields``: (N_FIELDS, n)) as a double-double ``(hi, lo)``."""
-    w_hi, w_lo, s_hi, s_lo, m2 = fields[1], fields[2], fields[3], fields[4], fields[7]
-    with np.errstate(all="ignore"):
-        sq, sq_lo = _two_prod(s_hi, s_hi)
-        sq_lo = sq_lo + 2.0 * s_hi * s_lo
-        q1 = sq / w_hi
-        p, e = _two_prod(q1, w_hi)
-        q2 = (((sq - p) - e) + sq_lo - q1 * w_lo) / w_hi
-        t_hi = m2 + q1
-        bb = t_hi - m2
-        t_lo = ((m2 - (t_hi - bb)) + (q1 - bb)) + q2
-        hi = t_hi + t_lo
-        lo = t_lo - (hi - t_hi)
-        weightless = w_hi == 0.0
-        hi = np.where(weightless, m2, hi)
-        lo = np.where(weightless, 0.0, lo)
-        a_s, a_w = np.abs(s_hi), np.abs(w_hi)
-        risky = ~weightless & ((a_s > _DD_SAFE) | (a_w > _DD_SAFE) | (a_w < 1.0 / _DD_SAFE) | ~np.isfinite(hi))
-    if risky.any():
-        for i in np.flatnonzero(risky).tolist():
-            hi[i], lo[i] = _t_exact(*(float(fields[f, i]) for f in (7, 3, 4, 1, 2)))
-    return hi, lo
-
-
-def _t_exact(m2: float, s_hi: float, s_lo: float, w_hi: float, w_lo: float) -> tuple[float, float]:
-    """``t`` of one row far from 1 in magnitude, by rational arithmetic (the double-double could overflow)."""
-    if not all(map(math.isfinite, (m2, s_hi, s_lo, w_hi, w_lo))):
-        return math.nan if math.isnan(m2) or math.isnan(s_hi) else math.inf, 0.0
-    s = Fraction(s_hi) + Fraction(s_lo)
-    value = Fraction(m2) + s * s / (Fraction(w_hi) + Fraction(w_lo))
-    try:
-        hi = float(value)
-    except OverflowError:
-        return math.inf, 0.0
-    if math.isinf(hi):
-        return hi, 0.0
-    return hi, float(value - Fraction(hi))
-
-
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """What both passes read of a block, computed once."""
@@ -165,7 +109,7 @@ def prepare(block: Block) -> Prepared:
     chosen = present & block.moments[None, :]
     if chosen.any():
         where = np.nonzero(chosen)
-        hi, lo = _t_parts(fields[:, where[0], where[1]])
+        hi, lo = second_moment.t_parts(fields[:, where[0], where[1]])
         t_hi[where] = hi
         t_lo = np.zeros(present.shape)
         t_lo[where] = lo
@@ -396,7 +340,7 @@ def _assemble(
         if workers == 1:
             m2 = floats[c][2]
         elif moment[c]:
-            m2 = _m2(total=total, weight=weight, wsum=wsum, t=_slot_sum(h, c, 3, exact_sum))
+            m2 = second_moment.m2(total=total, weight=weight, wsum=wsum, t=_slot_sum(h, c, 3, exact_sum))
         else:  # no chain reads this column's merged m2
             m2 = math.nan
         if len(weight) < 3 and len(wsum) < 3 and len(total) < 3:
@@ -440,33 +384,3 @@ def _slot_sum(
 
 
 _EXACT_COUNT = 2**53
-
-
-def _m2(*, total: tuple[float, ...], weight: tuple[float, ...], wsum: tuple[float, ...], t: tuple[float, ...]) -> float:
-    """``(T·W - S²)/W`` of exact sums (components), in exact integer arithmetic, correctly rounded (non-finite
-    data: NaN; an overflow: inf)."""
-    if not math.isfinite(total[0]):
-        return math.nan
-    if not (math.isfinite(t[0]) and math.isfinite(wsum[0])):
-        return math.nan if math.isnan(t[0]) or math.isnan(wsum[0]) else math.inf
-    t_n, t_d = exact._ratio(t)
-    w_n, w_d = exact._ratio(weight)
-    if w_n <= 0:
-        return _quotient(t_n, t_d)
-    s_n, s_d = exact._ratio(wsum)
-    # T·W - S² = (t_n·w_n·s_d² - s_n²·t_d·w_d) / (t_d·w_d·s_d²); divided by W = w_n / w_d
-    top = t_n * w_n * s_d * s_d - s_n * s_n * t_d * w_d
-    if top <= 0:
-        return 0.0
-    return _quotient(top * w_d, t_d * w_d * s_d * s_d * w_n)
-
-
-def _quotient(num: int, den: int) -> float:
-    """``num / den`` correctly rounded (inf beyond the range)."""
-    try:
-        return num / den
-    except OverflowError:
-        return math.inf if num > 0 else -math.inf
-
-
-# -- helpers -----------------------------------------------------------------------------------------------------------
