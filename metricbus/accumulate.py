@@ -24,6 +24,7 @@ import numpy as np
 
 from metricbus.spec import NanPolicy, Spec
 from metricbus.summary import EMPTY, Summary
+from metricbus.summary_arrays import of_arrays
 from metricbus.values import drop_nonfinite
 
 FOLD_AT = 256
@@ -99,7 +100,7 @@ class Accumulator:
             chunks = [c if np.isfinite(c).all() else c[np.isfinite(c)] for c in chunks]
             if not any(c.size for c in chunks):
                 return
-        batch = Summary.of_arrays(chunks)
+        batch = of_arrays(chunks)
         self.state = batch if self.state.count == 0 else self.state.merge(batch)
 
     def take(self) -> Summary:

@@ -23,12 +23,9 @@ stable for data with a large mean and a tiny spread; one that overflows is inf, 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import NamedTuple
 
 from metricbus import exact
 
@@ -36,10 +33,6 @@ _INF = math.inf
 _NAN = math.nan
 _MAX = exact.MAX
 _fsum = math.fsum
-_QUIET = 2.0**480
-_SHORT_ARRAY = 16  # at most this many records: the list path is cheaper than a dozen numpy calls
-_BLOCK = 8192  # records summarised by one round of numpy calls (64 KiB scratch arrays)
-_SCRATCH = threading.local()  # each thread's scratch arrays, made on first use
 Rest = tuple[tuple[float, ...], ...]
 
 
@@ -102,9 +95,9 @@ class Summary(NamedTuple):
                 total, total_lo, m2, rest = _unweighted_general(values)
             weight, weight_lo, wsum, wsum_lo = float(n), 0.0, total, total_lo
         else:
-            weight, weight_lo, rest_w = _split(exact.components(weights))
-            wsum, wsum_lo, rest_ws = _split(exact.components(exact.products(weights, values)))
-            total, total_lo, rest_t = _split(exact.components(values))
+            weight, weight_lo, rest_w = split_parts(exact.components(weights))
+            wsum, wsum_lo, rest_ws = split_parts(exact.components(exact.products(weights, values)))
+            total, total_lo, rest_t = split_parts(exact.components(values))
             m2 = _weighted_m2(values, weights, (weight, weight_lo, *rest_w), (wsum, wsum_lo, *rest_ws), total)
             rest = (rest_w, rest_ws, rest_t) if rest_w or rest_ws or rest_t else ()
         if total == total:  # noqa: PLR0124  (x == x is the cheapest not-NaN test, on the hot path)
@@ -121,30 +114,6 @@ class Summary(NamedTuple):
             Summary,
             (n, weight, weight_lo, wsum, wsum_lo, total, total_lo, m2, lowest, highest, values[0], values[-1], rest),
         )
-
-    @staticmethod
-    def of_arrays(chunks: Sequence[np.ndarray[Any, Any]]) -> Summary:
-        """Summarise unit-weight records held in 1-D float64 arrays (in order, not all empty), vectorized: the same
-        fields as :meth:`of_batch` of their concatenated ``tolist()``, bit for bit, except ``m2`` (numpy's
-        two-pass sum: within a few ulps). Blocks of up to ``_BLOCK`` records are summarised by one round of numpy
-        calls in per-thread scratch arrays (no allocation, and they stay in cache) and merged; non-finite or huge
-        data, and short blocks, take the list path."""
-        state = EMPTY
-        pending: list[np.ndarray[Any, Any]] = []
-        size = 0
-        for chunk in chunks:
-            if size and size + chunk.size > _BLOCK:
-                state = state.merge(_of_block(_joined(pending, size)))
-                pending, size = [], 0
-            if chunk.size >= _BLOCK:
-                for start in range(0, chunk.size, _BLOCK):
-                    state = state.merge(_of_block(chunk[start : start + _BLOCK]))
-            elif chunk.size:
-                pending.append(chunk)
-                size += chunk.size
-        if size:
-            state = state.merge(_of_block(_joined(pending, size)))
-        return state
 
     def merge(self, other: Summary) -> Summary:
         """Combine with the records of ``other``, which come after this summary's records."""
@@ -267,46 +236,7 @@ _HI_LO = (attrgetter("weight", "weight_lo"), attrgetter("wsum", "wsum_lo"), attr
 _new = tuple.__new__  # builds a Summary from a ready tuple without NamedTuple's argument parsing
 
 
-def _scratch() -> tuple[np.ndarray[Any, Any], ...]:
-    """This thread's arrays for :func:`_of_block`: a joined block, ones, two work arrays (``_BLOCK`` each)."""
-    held: tuple[np.ndarray[Any, Any], ...] | None = getattr(_SCRATCH, "arrays", None)
-    if held is None:
-        held = _SCRATCH.arrays = (np.empty(_BLOCK), np.ones(_BLOCK), np.empty(_BLOCK), np.empty(_BLOCK))
-    return held
-
-
-def _joined(chunks: list[np.ndarray[Any, Any]], size: int) -> np.ndarray[Any, Any]:
-    """``chunks`` (``size`` <= _BLOCK elements in all) as one array: the chunk itself, or this thread's block."""
-    if len(chunks) == 1:
-        return chunks[0]
-    return np.concatenate(chunks, out=_scratch()[0][:size])
-
-
-def _of_block(values: np.ndarray[Any, Any]) -> Summary:
-    """:meth:`Summary.of_arrays` of one array of at most ``_BLOCK`` records."""
-    n = values.size
-    if n <= _SHORT_ARRAY:
-        return Summary.of_batch(values.tolist(), None)
-    # argmin/argmax return the first occurrence (as min() keeps the first of 0.0 and -0.0), and a NaN if any
-    lowest, highest = float(values[values.argmin()]), float(values[values.argmax()])
-    largest = highest if highest >= -lowest else -lowest
-    scratch = _scratch()
-    parts = exact.array_components(values, largest, scratch[1:]) if lowest > -_MAX and highest < _MAX else None
-    if parts is None:  # non-finite, beyond the array path's range, or all zeros
-        return Summary.of_batch(values.tolist(), None)
-    total, total_lo, rest_t = _split(parts)
-    deviations = np.subtract(values, total / n, out=scratch[2][:n])
-    if largest < _QUIET:  # no square (nor their sum) can overflow
-        m2 = float(np.dot(deviations, deviations))
-    else:  # overflows to inf, as d * d does, without numpy's warning
-        with np.errstate(over="ignore", invalid="ignore"):
-            m2 = float(np.dot(deviations, deviations))
-    rest = ((), rest_t, rest_t) if rest_t else ()
-    first, last = float(values[0]), float(values[-1])
-    return _new(Summary, (n, float(n), 0.0, total, total_lo, total, total_lo, m2, lowest, highest, first, last, rest))
-
-
-def _split(parts: tuple[float, ...]) -> tuple[float, float, tuple[float, ...]]:
+def split_parts(parts: tuple[float, ...]) -> tuple[float, float, tuple[float, ...]]:
     """Components as ``(hi, lo, rest)``."""
     return parts[0], (parts[1] if len(parts) > 1 else 0.0), parts[2:]
 
@@ -336,12 +266,12 @@ def _add(
                 return hi, lo, ()
         except (ValueError, OverflowError):  # beyond the range, or non-finite data
             pass
-    return _split(exact.add((a, a_lo, *rests[0]), (b, b_lo, *rests[1])))
+    return split_parts(exact.add((a, a_lo, *rests[0]), (b, b_lo, *rests[1])))
 
 
 def _unweighted_general(values: list[float]) -> tuple[float, float, float, Rest]:
     """``(total, total_lo, m2, rest)`` of unit-weight records whose sum is not a double-double within the range."""
-    total, total_lo, rest_t = _split(exact.components(values))
+    total, total_lo, rest_t = split_parts(exact.components(values))
     if total - total != 0.0:  # non-finite data
         return total, total_lo, _NAN, ()
     mean = total / len(values) if -_MAX < total < _MAX else exact.divide((total, total_lo, *rest_t), (len(values),))
