@@ -17,7 +17,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -26,11 +26,10 @@ from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.errors import JournalError
 from metricbus.journal import CursorStore, Journal
 from metricbus.journal.cursors import identity_of, resume_adapter
-from metricbus.journal.packed import PackedRows
-from metricbus.journal.reader import Commit, JournalStream, stream_journal, timeline
-from metricbus.packed_ranks import rank_levels
+from metricbus.journal.reader import JournalStream, stream_journal, timeline
 from metricbus.partial import Partial
-from metricbus.reduce import Ranked, StepReducer
+from metricbus.reduce import StepReducer
+from metricbus.replay_levels import reduced
 from metricbus.spec import Spec, parse_spec_text
 
 Progress = Callable[[int, int], None]
@@ -121,7 +120,7 @@ def emissions(
     commits = timeline(journal)
     if until is not None:
         commits = itertools.takewhile(lambda commit: commit.step < until, commits)
-    for batch in _reduced(commits, respec, reducer):
+    for batch in reduced(commits, respec, reducer):
         for commit, specs, ranked in batch:
             step = commit.step
             if commit.starts_segment:  # a resumed writer starts afresh: the open window ends with its segment
@@ -144,71 +143,6 @@ def emissions(
         tail = reducer.finish()
         if tail:
             yield last, tail, True
-
-
-def _reduced(
-    commits: Iterable[Commit], respec: _Respec, reducer: StepReducer
-) -> Iterator[list[tuple[Commit, dict[str, Spec], Ranked | Partial]]]:
-    """The timeline's commits with their specs and rank-level results, a batch at a time: commits are read from
-    their raw rows as packed partials and reduced side by side (:func:`metricbus.packed_ranks.rank_levels`); at
-    most ``_BATCH_ENTRIES`` entries are held."""
-    rows = PackedRows(respec)
-    seen: dict[Any, Any] = {}  # rank-level layouts of the row layouts met so far
-    batch: list[tuple[Commit, list[Partial], dict[str, Spec]]] = []
-    held = 0
-    for commit in commits:
-        if commit.parts and not _one_rank(commit):
-            partials = rows.partials(commit.parts)
-            specs = rows.specs(partials)
-        else:  # one rank (its Summaries are what the single path reads), or a Journal read whole (decoded already)
-            partials = commit.partials
-            specs = {}
-            for partial in partials:
-                for name, spec, _ in partial.entries:
-                    if name not in specs:
-                        specs[name] = respec(name, spec)
-            partials = [_respecced(p, specs) for p in partials]
-        batch.append((commit, partials, specs))
-        held += sum(len(p) for p in partials)
-        if held >= _BATCH_ENTRIES or len(batch) >= _BATCH_COMMITS:
-            yield _levels(batch, reducer, seen)
-            batch, held = [], 0
-    if batch:
-        yield _levels(batch, reducer, seen)
-
-
-def _one_rank(commit: Commit) -> bool:
-    """True when a commit's raw rows are one rank's."""
-    if len(commit.parts) != 1:
-        return False
-    ranks = commit.parts[0].rows["rank"]
-    return not len(ranks) or bool(ranks[0] == ranks[-1] and (ranks == ranks[0]).all())
-
-
-def _levels(
-    batch: list[tuple[Commit, list[Partial], dict[str, Spec]]], reducer: StepReducer, seen: dict[Any, Any]
-) -> list[tuple[Commit, dict[str, Spec], Ranked | Partial]]:
-    """Each commit's rank level: merged column-wise for several workers; a lone worker's partial as it is."""
-    several = [(partials, (), specs) for _, partials, specs in batch if len(partials) > 1]
-    merged = iter(rank_levels(several, reducer, seen=seen) if several else [])
-    out: list[tuple[Commit, dict[str, Spec], Ranked | Partial]] = []
-    for commit, partials, specs in batch:
-        if len(partials) > 1:
-            out.append((commit, specs, next(merged)))
-        else:
-            out.append((commit, specs, partials[0] if partials else {}))
-    return out
-
-
-def _respecced(partial: Partial, specs: dict[str, Spec]) -> Partial:
-    """``partial`` with its entries' specs replaced by ``specs`` (replay's overrides)."""
-    if all(specs[name] is spec for name, spec, _ in partial.entries):
-        return partial
-    return Partial(tuple((name, specs[name], s) for name, _, s in partial.entries))
-
-
-_BATCH_ENTRIES = 1 << 12  # entries reduced in one block (its memory: ~100 bytes an entry)
-_BATCH_COMMITS = 256
 
 
 def record_counts(journal: Source) -> tuple[int, int]:
