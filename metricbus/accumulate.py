@@ -9,7 +9,7 @@ Two buffers keep log order (``first``/``last``) without a lock on the hot path:
   the other buffers are folded, so every weighted record is older than every plain or array one and a fold takes
   the weighted buffer first.
 * ``chunks``: unit-weight numpy arrays (float64 copies, appended under the lock), summarised with numpy at fold
-  time (:meth:`~metricbus.summary.Summary.of_array`). Before a chunk is buffered the plain buffer is folded, so a
+  time (:func:`metricbus.summary_arrays.of_arrays`). Before a chunk is buffered the plain buffer is folded, so a
   fold takes weighted, then chunks, then plain records: log order.
 
 Memory stays O(metrics): the buffers are folded into the metric's Summary every ``FOLD_AT`` records
