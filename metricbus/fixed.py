@@ -6,10 +6,11 @@ the smallest ``q``: every value is then an integer multiple of ``2**Q`` below ``
 written exactly as ``L = (E - Q) // 32 + 3`` signed 32-bit *limbs* ``Σ c_i · 2**(32·i + Q)``. Adding limbs is
 integer addition, exact and associative, so the slot's exact sum is ``Σ_i (Σ c_i) · 2**(32·i + Q)`` however the
 values were split across ranks, and whatever order a collective adds in. An int64 limb holds the sum of up to 2**30
-contributions (each below 2**33), i.e. ~1e9 ranks.
+contributions (each below 2**33): with a few terms per rank and slot, ~1e8 ranks.
 
-Under torch.distributed, ``E`` and ``-Q`` come from an all_reduce(MAX) (:func:`scan`), the limbs from an
-all_reduce(SUM) (:func:`limbs`); on one process the same two functions run over every worker's values at once.
+Under torch.distributed, ``E`` and ``-Q`` come from an all_reduce(MAX) (:func:`bounds` of each rank's terms), the
+limbs from an all_reduce(SUM) (:func:`add_limbs`); see :mod:`metricbus.rank_level`. On one process the same exact
+sums come from :mod:`metricbus.extract` (no exponent pass).
 Zeros and non-finite values contribute nothing here (non-finite data is counted separately by the caller).
 """
 
@@ -26,7 +27,7 @@ from metricbus import exact
 NONE = -4096  # E and -Q of a slot with no finite nonzero value: no limbs
 LIMB_BITS = 32
 _MASK = (1 << LIMB_BITS) - 1
-_CHUNK = 1 << 18  # terms per bincount: a bin gets at most 2 parts per term (< 2**33), its float64 total < 2**52
+_CHUNK = 1 << 18  # terms per bincount: a term adds at most one part (< 2**33) to a bin, so its float64 total < 2**51
 Array = Any  # numpy arrays (numpy's own stubs are too loose to help here)
 
 
@@ -117,13 +118,6 @@ def add_limbs(out: Array, terms: Terms, nq_max: Array, offsets: Array) -> None:
         where = np.concatenate([k0[start:stop] + i for i in range(3)])
         what = np.concatenate([sign[start:stop] * part[start:stop] for part in parts])
         out += np.bincount(where, weights=what, minlength=total).astype(np.int64)
-
-
-def limbs(terms: Terms, nq_max: Array, offsets: Array, total: int) -> Array:
-    """The int64 limb vector (``total`` long) of ``terms`` (see :func:`add_limbs`)."""
-    out = np.zeros(total, dtype=np.int64)
-    add_limbs(out, terms, nq_max, offsets)
-    return out
 
 
 def integer(limb_values: list[int]) -> int:
