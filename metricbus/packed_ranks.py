@@ -2,9 +2,10 @@
 
 Workers rank in the order given. A partial whose metrics all have one update and plain columns (no lift between
 the update and rank levels, see :func:`metricbus.reduce.columns_of`) goes into the block straight from its packed
-fields, one numpy assignment per partial; any other worker's states are lifted the usual way first. The merge is
-:func:`metricbus.rank_level.merge`, the one every path uses, so the result is bit for bit what
-:meth:`metricbus.reduce.StepReducer.rank_level` gives on the same states.
+fields, one numpy assignment per partial; any other worker's states (``others``: already update-level, as
+:meth:`metricbus.reduce.StepReducer.rank_level` and torch.distributed's new names hand them) are lifted the usual
+way first. The merge is :func:`metricbus.rank_level.merge`, the one every path uses, so the result is bit for bit
+what the collectives compute from the same states.
 """
 
 from __future__ import annotations

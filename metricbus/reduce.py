@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from metricbus import rank_level
 from metricbus.kinds import KINDS
 from metricbus.spec import Spec
 from metricbus.summary import Summary
@@ -168,26 +167,13 @@ class StepReducer:
         return out
 
     def rank_level(self, workers: Sequence[WorkerStates], specs: Mapping[str, Spec]) -> Ranked:
-        """Each metric's columns merged across ``workers`` (in rank order) exactly: :mod:`metricbus.rank_level`."""
+        """Each metric's columns merged across ``workers`` (in rank order) exactly: :mod:`metricbus.rank_level`, with
+        the block laid out by :func:`metricbus.packed_ranks.rank_level_of` (the one place that lays out workers)."""
         if len(workers) == 1:  # the merge of one worker is the identity
             return {name: lift_columns(states, self._plan(name, specs[name])[3]) for name, states in workers[0].items()}
-        names = sorted({name for states in workers for name in states})
-        where: dict[str, tuple[int, tuple[Column, ...]]] = {}
-        width = 0
-        for name in names:
-            columns = self._plan(name, specs[name])[3]
-            where[name] = (width, columns)
-            width += len(columns)
-        rows: list[list[Summary | None]] = []
-        for states in workers:
-            row: list[Summary | None] = [None] * width
-            for name, by_key in states.items():
-                base, columns = where[name]
-                row[base : base + len(columns)] = lift_columns(by_key, columns)
-            rows.append(row)
-        moments = [moment for name in names for _, _, moment in where[name][1]]
-        merged = rank_level.merge(rank_level.block_of(rows, range(len(workers)), moments))
-        return {name: tuple(merged[base : base + len(columns)]) for name, (base, columns) in where.items()}
+        from metricbus.packed_ranks import rank_level_of  # it builds on this module: imported when used
+
+        return rank_level_of((), workers, specs, self)
 
     def commit(self, workers: Sequence[WorkerStates], specs: Mapping[str, Spec]) -> dict[str, float] | None:
         """Add one commit (every worker's states, in rank order); the emitted values when the window completes."""
