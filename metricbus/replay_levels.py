@@ -15,6 +15,7 @@ from metricbus.journal.packed import PackedRows
 from metricbus.journal.reader import Commit
 from metricbus.packed_ranks import rank_levels
 from metricbus.partial import Partial
+from metricbus.ranks import with_specs
 from metricbus.reduce import Ranked, StepReducer
 from metricbus.spec import Spec
 
@@ -42,7 +43,7 @@ def reduced(
                 for name, spec, _ in partial.entries:
                     if name not in specs:
                         specs[name] = respec(name, spec)
-            partials = [_respecced(p, specs) for p in partials]
+            partials = [with_specs(p, specs) for p in partials]
         batch.append((commit, partials, specs))
         held += sum(len(p) for p in partials)
         if held >= _BATCH_ENTRIES or len(batch) >= _BATCH_COMMITS:
@@ -57,7 +58,7 @@ def _one_rank(commit: Commit) -> bool:
     if len(commit.parts) != 1:
         return False
     ranks = commit.parts[0].rows["rank"]
-    return not len(ranks) or bool(ranks[0] == ranks[-1] and (ranks == ranks[0]).all())
+    return not len(ranks) or bool((ranks == ranks[0]).all())
 
 
 def _levels(
@@ -73,13 +74,6 @@ def _levels(
         else:
             out.append((commit, specs, partials[0] if partials else {}))
     return out
-
-
-def _respecced(partial: Partial, specs: dict[str, Spec]) -> Partial:
-    """``partial`` with its entries' specs replaced by ``specs`` (replay's overrides)."""
-    if all(specs[name] is spec for name, spec, _ in partial.entries):
-        return partial
-    return Partial(tuple((name, specs[name], s) for name, _, s in partial.entries))
 
 
 _BATCH_ENTRIES = 1 << 12  # entries reduced in one block (its memory: ~100 bytes an entry)
