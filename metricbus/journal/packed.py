@@ -44,8 +44,9 @@ class PackedRows:
             starts = [0, *cuts.tolist()]
             order = ranks[starts].tolist()
             if len(set(order)) != len(order):  # a rank's rows are not contiguous: decode this part the slow way
+                respec = self._respec
                 for rank, entries in entries_of(part).items():
-                    by_rank[rank] = Partial(tuple(entries))
+                    by_rank[rank] = Partial(tuple((name, respec(name, spec), s) for name, spec, s in entries))
                 continue
             for rank, start, stop in zip(order, starts, [*starts[1:], len(rows)], strict=True):
                 by_rank[rank] = self._partial(part, start, stop)
