@@ -13,12 +13,15 @@ from typing import TextIO
 
 from metricbus.adapter import RunInfo, Status
 from metricbus.errors import ConfigError
+from metricbus.histogram import Histogram
 
 _VALUE_WIDTH = 10
 
 
 def format_value(value: float) -> str:
-    """Compact fixed-width rendering of a float."""
+    """Compact fixed-width rendering of a float; a Histogram as ``hist(n=1000, p50=1.2, p90=3.4, p99=7)``."""
+    if isinstance(value, Histogram):
+        return format_histogram(value)
     if not math.isfinite(value):
         return f"{value!s:>10}"
     if value == int(value) and abs(value) < 1e10:
@@ -26,6 +29,12 @@ def format_value(value: float) -> str:
     if 1e-3 <= abs(value) < 1e5:
         return f"{value:>10.4f}"
     return f"{value:>10.3e}"
+
+
+def format_histogram(value: Histogram) -> str:
+    """``hist(n=<records>, p50=..., ...)``: the record count and the quantiles, four significant digits."""
+    cells = [f"n={float(value):g}", *(f"{name}={q:.4g}" for name, q in value.quantiles)]
+    return f"hist({', '.join(cells)})"
 
 
 class ConsoleAdapter:

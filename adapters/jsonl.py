@@ -6,6 +6,11 @@ JSON *strings* ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` — the file stays 
 accepts — and :func:`read_jsonl` turns them back into floats. Two lines may share a step (training, then
 evaluation, at one step, with disjoint names); :func:`read_jsonl` returns both, in file order.
 
+Histograms. A :class:`~metricbus.histogram.Histogram` (the ``hist`` kind) is written as the object
+``{"count": 1000.0, "edges": [...], "counts": [...], "quantiles": {"p50": ..., "p90": ..., "p99": ...}}`` instead of
+a float (its floats encoded as above, its counts ints); :func:`read_jsonl` turns it back into the same
+``Histogram`` (an object with only ``edges`` and ``counts`` reads back with ``count = sum(counts)`` and no quantiles).
+
 Where. The spec ``"jsonl:out.jsonl"`` (or ``path=``) names the file. Without a path (the spec ``"jsonl"``) the file
 is ``runs/<project>/<run id>/metrics.jsonl`` under the working directory, decided at ``open()`` from the
 :class:`~metricbus.adapter.RunInfo`: one file per run, never shared between runs, and the same file for every
@@ -40,12 +45,13 @@ from typing import IO, Any
 
 from metricbus.adapter import RunInfo, Status
 from metricbus.errors import ConfigError
+from metricbus.histogram import Histogram
 
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _BLOCK = 1 << 16
 
 
-def _encode(value: float) -> float | str:
+def _encode_float(value: float) -> float | str:
     value = float(value)
     if math.isfinite(value):
         return value
@@ -54,10 +60,33 @@ def _encode(value: float) -> float | str:
     return "Infinity" if value > 0 else "-Infinity"
 
 
-def _decode(value: Any) -> float:
+def _encode(value: float) -> float | str | dict[str, Any]:
+    if isinstance(value, Histogram):
+        return {
+            "count": _encode_float(value),
+            "edges": [_encode_float(edge) for edge in value.edges],
+            "counts": [int(count) for count in value.counts],
+            "quantiles": {name: _encode_float(q) for name, q in value.quantiles},
+        }
+    return _encode_float(value)
+
+
+def _decode_float(value: Any) -> float:
     if isinstance(value, str):
         return _NON_FINITE[value]
     return float(value)
+
+
+def _decode(value: Any) -> float:
+    if isinstance(value, dict):
+        counts = tuple(int(count) for count in value["counts"])
+        return Histogram(
+            _decode_float(value.get("count", sum(counts))),
+            edges=tuple(_decode_float(edge) for edge in value["edges"]),
+            counts=counts,
+            quantiles=tuple((name, _decode_float(q)) for name, q in value.get("quantiles", {}).items()),
+        )
+    return _decode_float(value)
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[tuple[int, dict[str, float]]]:

@@ -32,6 +32,10 @@ characters; a param the run already has is not logged again, and one whose value
 param and tag keys go through :func:`metricbus.adapters._names.mlflow_key`; two metric names that would merge raise
 ``MetricValueError``.
 
+Histograms. MLflow has none: a :class:`~metricbus.histogram.Histogram` (the ``hist`` kind) under ``key`` is logged
+as its quantiles, metrics ``<key>/p50``, ``<key>/p90``, ``<key>/p99`` (mapped like any name), instead of its count,
+and the adapter warns once per such key (:class:`~metricbus.errors.MetricBusWarning`).
+
 MLflow's metric history is append-only: nothing can be dropped. When a reopened run already holds points after
 the resume cursor (``after_step``; every point without one), those keys' histories are read once at open, and a
 point sent again with the same key, step and value is not logged twice. ``rewind(step=S)`` reads the points at
@@ -51,6 +55,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -59,7 +64,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from metricbus.adapter import RunInfo, Status
-from metricbus.errors import AdapterNotFoundError, ConfigError, MetricValueError
+from metricbus.errors import AdapterNotFoundError, ConfigError, MetricBusWarning, MetricValueError
+from metricbus.histogram import Histogram
 
 from ._names import NameMapper, mlflow_key, mlflow_mapper
 
@@ -189,6 +195,7 @@ class MlflowAdapter:
         self._run_id: str | None = None
         self._identity: Mapping[str, str] = MappingProxyType({})
         self._held: dict[tuple[str, int], set[float]] = {}  # points a reopened run holds after the cursor
+        self._warned: set[str] = set()  # histogram keys already warned about
 
     @property
     def run_id(self) -> str | None:
@@ -369,12 +376,30 @@ class MlflowAdapter:
         metric, names, step = self._metric, self._names, int(step)
         if not -(2**63) <= step < 2**63:  # sqlite fails with an INTERNAL_ERROR, which would be retried for ever
             raise MetricValueError(f"step {step} is outside MLflow's int64 step range; MLflow cannot store it")
-        batch = [metric(names(key), float(value), now_ms, step) for key, value in metrics.items()]
+        batch = [metric(names(key), float(value), now_ms, step) for key, value in self._points(metrics)]
         if self._held:
             held = self._held
             batch = [m for m in batch if _comparable(m.value) not in held.get((m.key, step), ())]
         if batch:
             self._client.log_batch(self._run_id, metrics=batch)
+
+    def _points(self, metrics: Mapping[str, float]) -> Iterator[tuple[str, float]]:
+        """``(name, value)`` of every metric; a Histogram gives its quantiles ``<key>/p50``, ... (MLflow has no
+        histograms), with a warning the first time each key is seen."""
+        for key, value in metrics.items():
+            if not isinstance(value, Histogram):
+                yield key, value
+                continue
+            points = [(f"{key}/{suffix}", quantile) for suffix, quantile in value.quantiles]
+            if key not in self._warned:
+                self._warned.add(key)
+                names = ", ".join(repr(self._names(name)) for name, _ in points) or "(none)"
+                warnings.warn(  # stacklevel 1: writes run in a delivery thread, with no user code to point at
+                    f"MLflow has no histograms, so {key!r} is logged as its quantiles {names}",
+                    MetricBusWarning,
+                    stacklevel=1,
+                )
+            yield from points
 
     def rewind(self, *, step: int) -> None:
         """Steps ``>= step`` come again: log them next to the old points (identical ones once), tag the rewind."""

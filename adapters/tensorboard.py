@@ -5,7 +5,10 @@ metadata, so ``EventAccumulator(folder, size_guidance={"tensors": 0}).Tensors(ta
 bit for bit (``tensor_util.make_ndarray(event.tensor_proto).item()``; NaN payloads, ±inf, -0.0, subnormals
 included). ``Scalars(tag)`` has none of them: it lists float32 ``simple_value`` summaries only. TensorBoard's
 multiplexer (``tensorboard --load_fast=false``) plots and serves them as float64; its default fast loader
-(tensorboard-data-server 0.7.2) reads float32 scalars only and shows none of these tags. At open the run's project,
+(tensorboard-data-server 0.7.2) reads float32 scalars only and shows none of these tags. A
+:class:`~metricbus.histogram.Histogram` (the ``hist`` kind) becomes a ``HistogramProto`` (``histo``) value instead,
+for the histogram plugin: ``Histograms(tag)`` gives its right edges and counts as float64, the multiplexer's
+``Tensors(tag)`` the plugin's ``[left, right, count]`` rows (float32). At open the run's project,
 id, name, tags and config go into a text summary with tag ``metricbus/run``, and the config, flattened with ``.``
 (bool, int, float and str kept, anything else as ``str()``), into an hparams session start (group = run id), both
 at step 0.
@@ -44,6 +47,7 @@ from typing import IO, Any
 
 from metricbus.adapter import RunInfo, Status
 from metricbus.errors import AdapterNotFoundError, ConfigError
+from metricbus.histogram import Histogram
 
 from ._names import NameMapper, passthrough_mapper
 
@@ -198,6 +202,7 @@ def _protos() -> SimpleNamespace:
         SessionLog=event_pb2.SessionLog,
         SourceMetadata=event_pb2.SourceMetadata,
         Summary=summary_pb2.Summary,
+        HistogramProto=summary_pb2.HistogramProto,
         TensorProto=tensor_pb2.TensorProto,
         DT_DOUBLE=types_pb2.DT_DOUBLE,
         scalar_shape=tensor_shape_pb2.TensorShapeProto(),
@@ -207,6 +212,28 @@ def _protos() -> SimpleNamespace:
         masked_crc32c=masked_crc32c,
         RecordWriter=RecordWriter,
         DecodeError=DecodeError,
+    )
+
+
+def _histo(value: Histogram, pb: Any) -> Any:
+    """A ``HistogramProto`` of ``value`` (TensorBoard's histogram plugin): ``bucket_limit`` the right edges,
+    ``bucket`` the counts. ``min`` and ``max`` are the outer edges of the outermost non-empty bins: readers convert
+    the proto by dropping empty outer bins and taking ``min``/``max`` as the outer edges of what is left
+    (``data_compat``), so this keeps every bin's edges exact. ``sum`` and ``sum_squares`` are not known exactly: they
+    are approximated from the bin midpoints."""
+    edges, counts = value.edges, value.counts
+    held = [i for i, count in enumerate(counts) if count]
+    if not held:  # no bins, or only empty ones: a histogram of nothing (readers show no buckets)
+        return pb.HistogramProto(num=0, bucket_limit=edges[1:], bucket=counts)
+    mids = [(edges[i] + edges[i + 1]) / 2 for i in range(len(counts))]
+    return pb.HistogramProto(
+        min=edges[held[0]],
+        max=edges[held[-1] + 1],
+        num=sum(counts),
+        sum=sum(c * m for c, m in zip(counts, mids, strict=True)),
+        sum_squares=sum(c * m * m for c, m in zip(counts, mids, strict=True)),
+        bucket_limit=edges[1:],
+        bucket=counts,
     )
 
 
@@ -271,13 +298,17 @@ class TensorBoardAdapter:
         self._folder, self._run = folder, run
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
-        """Write one event holding every metric of ``step`` as a float64 scalar tensor."""
+        """Write one event holding every metric of ``step``: a float64 scalar tensor, or a histogram for a
+        :class:`~metricbus.histogram.Histogram`."""
         if self._records is None:
             raise RuntimeError("TensorBoardAdapter.write() before open()")
         pb, names, seen = self._pb, self._names, self._tags_in_file
         values, new_tags = [], []
         for key, value in metrics.items():
             tag = names(key)
+            if isinstance(value, Histogram):  # a legacy histo value: readers give it the histogram plugin's metadata
+                values.append(pb.Summary.Value(tag=tag, histo=_histo(value, pb)))
+                continue
             tensor = pb.TensorProto(dtype=pb.DT_DOUBLE, tensor_shape=pb.scalar_shape, double_val=[float(value)])
             if tag in seen:
                 values.append(pb.Summary.Value(tag=tag, tensor=tensor))

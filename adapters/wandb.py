@@ -44,6 +44,12 @@ run's history there when it receives it (not checked against a server here).
 
 ``mode`` is checked at construction against what wandb accepts. System-stats sampling is off
 (``x_disable_stats=True``), so no ``wandb-symon`` process is spawned. Metric names are passed through.
+
+**Histograms.** A :class:`~metricbus.histogram.Histogram` (the ``hist`` kind) is logged as
+``wandb.Histogram(np_histogram=(counts, edges))`` in the step's row, next to its scalars (neighbouring bins merged
+when there are more than wandb's 512; one without bins is not logged: wandb refuses it). wandb-core writes it as
+three history items, ``nested_key`` ``[name, "_type"]`` (``"histogram"``), ``[name, "values"]`` (the counts) and
+``[name, "bins"]`` (the edges); a resume compares them like floats.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from typing import Any
 
 from metricbus.adapter import RunInfo, Status
 from metricbus.errors import AdapterNotFoundError, ConfigError
+from metricbus.histogram import Histogram
 
 from ._names import NameMapper, passthrough_mapper
 
@@ -73,6 +80,7 @@ PROJECT_BAD_CHARS = "/\\#?%:"  # wandb.Settings.validate_project
 FLUSH_INTERVAL_S = 0.1  # the adapter's x_transaction_log_flush_interval (wandb's default is 15 s)
 WAIT_INTERVAL_MAX_S = 1.0  # flush() waits for the file only when wandb writes it at least this often
 FILE_WAIT_S = 10.0  # how long flush() and close() wait for wandb-core to write the file
+HISTOGRAM_MAX_BINS = 512  # wandb.Histogram.MAX_LENGTH: it refuses more bins
 _STRING_OPTIONS = ("project", "entity", "group", "job_type", "notes", "mode")
 _RUN_OPTIONS = (*_STRING_OPTIONS, "dir")  # options that configure wandb.init, meaningless with attach=True
 _IDENTITY_KEYS = ("run_id", "project", "entity")
@@ -288,12 +296,19 @@ class WandbAdapter:
         if not metrics:
             return
         names, step = self._names, int(step)
-        row = {names(key): value for key, value in metrics.items()}
+        row = {names(key): _logged(value) for key, value in metrics.items()}
         held = self._written.get(step) if self._written else None
         if held:  # drop what an earlier folder of the run already holds at this step (see the module docstring)
             row = {key: value for key, value in row.items() if key not in held or not _same(held[key], value)}
-            if not row:
-                return
+        row = {key: value for key, value in row.items() if value is not None}
+        if not row:
+            return
+        if any(isinstance(value, dict) for value in row.values()):
+            import wandb
+
+            row = {
+                key: _wandb_histogram(wandb, value) if isinstance(value, dict) else value for key, value in row.items()
+            }
         self._run.log(row, step=step)
         if self._open_step is None or step > self._open_step:
             if self._open_step is not None and self._open_step >= self._first_step:
@@ -393,8 +408,32 @@ class _RunFile:
             time.sleep(0.005)
 
 
+def _logged(value: float) -> Any:
+    """``value`` as the adapter logs it: a float, or for a :class:`~metricbus.histogram.Histogram` the JSON that
+    ``wandb.Histogram`` stores (``{"_type": "histogram", "values": counts, "bins": edges}``, neighbouring bins merged
+    down to wandb's 512), or None for a histogram without bins (wandb refuses one; it is not logged)."""
+    if not isinstance(value, Histogram):
+        return value
+    counts, edges = list(value.counts), list(value.edges)
+    if not counts:
+        return None
+    size = -(-len(counts) // HISTOGRAM_MAX_BINS)
+    if size > 1:
+        counts = [sum(counts[i : i + size]) for i in range(0, len(counts), size)]
+        edges = [*edges[::size][: len(counts)], edges[-1]]
+    return {"_type": "histogram", "values": counts, "bins": edges}
+
+
+def _wandb_histogram(wandb: Any, value: dict[str, Any]) -> Any:
+    """The ``wandb.Histogram`` of what :func:`_logged` made of a Histogram."""
+    return wandb.Histogram(np_histogram=(value["values"], value["bins"]))
+
+
 def _same(held: Any, value: Any) -> bool:
-    """Whether two metric values are the same float, bit for bit (every NaN equal to every NaN)."""
+    """Whether two metric values are the same float, bit for bit (every NaN equal to every NaN), or the same
+    histogram (what :func:`_logged` makes of it, read back from a run file)."""
+    if isinstance(value, dict):
+        return bool(held == value)
     try:
         a, b = float(held), float(value)
     except (TypeError, ValueError):
@@ -425,10 +464,21 @@ def _history_of(path: str) -> tuple[tuple[int, int], int | None, dict[int, dict[
         elif kind == "history" and record.history.HasField("step"):
             row = rows.setdefault(record.history.step.num, {})
             for item in record.history.item:
-                key = item.key or "/".join(item.nested_key)
-                if not key.startswith("_"):
-                    row[key] = json.loads(item.value_json, parse_int=float)  # "-0" is -0.0
+                keys: list[str] = [item.key] if item.key else list(item.nested_key)
+                if keys and not keys[0].startswith("_"):
+                    _put(row, keys, json.loads(item.value_json, parse_int=float))  # "-0" is -0.0
     return start, branch, rows
+
+
+def _put(row: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set ``row[path[0]][path[1]]...`` to ``value``: wandb-core writes a logged dict (a histogram's ``_type``,
+    ``values`` and ``bins``) as one item per leaf, each with its ``nested_key`` path."""
+    for part in path[:-1]:
+        inner = row.get(part)
+        if not isinstance(inner, dict):
+            inner = row[part] = {}
+        row = inner
+    row[path[-1]] = value
 
 
 def _records(data: bytes, start: int) -> Iterator[tuple[bytes, int]]:

@@ -51,8 +51,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-for _key, _value in (("MLFLOW_DISABLE_TELEMETRY", "true"), ("DO_NOT_TRACK", "true"), ("WANDB_MODE", "offline"),
-                     ("WANDB_SILENT", "true"), ("MLFLOW_LOGGING_LEVEL", "WARNING")):  # before any backend import
+for _key, _value in (
+    ("MLFLOW_DISABLE_TELEMETRY", "true"),
+    ("DO_NOT_TRACK", "true"),
+    ("WANDB_MODE", "offline"),
+    ("WANDB_SILENT", "true"),
+    ("MLFLOW_LOGGING_LEVEL", "WARNING"),
+):  # before any backend import
     os.environ.setdefault(_key, _value)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -126,8 +131,15 @@ def make_bus(job: Job, *, rank: int) -> MetricBus:
         overrides["log_every"] = job.log_every
     run = dict(config.get("run") or {})
     run["name"] = f"{run.get('name', 'ppo_grad_accum')}-{job.layout}"
-    run["config"] = {**run.get("config", {}), **asdict(job.layout), "steps": job.steps, "seed": job.seed,
-                     "lr": job.lr, "kl_coef": KL_COEF, **asdict(job.shape)}
+    run["config"] = {
+        **run.get("config", {}),
+        **asdict(job.layout),
+        "steps": job.steps,
+        "seed": job.seed,
+        "lr": job.lr,
+        "kl_coef": KL_COEF,
+        **asdict(job.shape),
+    }
     overrides["run"] = run
     # commit() is a collective; adapters live on rank 0, every rank journals its own records
     return MetricBus.from_config(config, dist="torch", writer_rank=0, **overrides)
@@ -145,8 +157,7 @@ def lr_at(update: int, *, updates: int, base: float) -> float:
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def micro_step(policy: Policy, ref: Policy, batch: Batch, *, mini_batch_tokens: int, dp_size: int
-               ) -> dict[str, float]:
+def micro_step(policy: Policy, ref: Policy, batch: Batch, *, mini_batch_tokens: int, dp_size: int) -> dict[str, float]:
     """Forward and backward of one micro-batch; returns the values verl logs for it."""
     logp_all = policy(batch.context)
     logp = logp_all.gather(1, batch.target[:, None]).squeeze(1)
@@ -180,7 +191,9 @@ def log_micro_batch(bus: MetricBus, batch: Batch, stats: dict[str, float]) -> No
     bus.log("actor/kl_loss", stats["kl_loss"], agg=PRE_SCALED)
     for name in ("pg_clipfrac", "ppo_kl", "entropy"):  # local token means: token-weighted
         bus.log(f"actor/{name}", stats[name], weight=n, agg="mean")
-    bus.log("response_length", batch.lengths.to(DTYPE), agg=["mean", "max", "min"])
+    # distributions over the whole data-parallel batch: quantiles within 1% and a histogram (TensorBoard, wandb)
+    bus.log("response_length", batch.lengths.to(DTYPE), agg=["mean", "max", "min", "p50", "p90", "p99", "hist"])
+    bus.log("actor/advantages", batch.advantage, agg=["mean", "p50", "p90", "p99", "hist"])
     bus.log("batch/tokens", float(n), agg="sum")
     for name, (spec, _, _) in NAIVE.items():
         bus.log(name, stats["pg_loss"], agg=spec)
@@ -199,8 +212,9 @@ def all_reduce_mean(policy: Policy, ranks: int) -> None:
         offset += g.numel()
 
 
-def train_update(policy: Policy, ref: Policy, opt: torch.optim.Optimizer, bus: MetricBus, *, update: int,
-                 rank: int, job: Job) -> None:
+def train_update(
+    policy: Policy, ref: Policy, opt: torch.optim.Optimizer, bus: MetricBus, *, update: int, rank: int, job: Job
+) -> None:
     """One optimizer update (verl: one mini-batch): M micro-batches, the gradient mean over ranks, the step."""
     layout = job.layout
     lr = lr_at(update, updates=job.steps * layout.updates, base=job.lr)
@@ -224,8 +238,7 @@ def worker(rank: int, job: Job) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     updates = job.layout.updates
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=rank,
-                             world_size=job.layout.ranks)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{job.port}", rank=rank, world_size=job.layout.ranks)
     try:
         policy, ref = Policy(job.shape, seed=job.seed), Policy(job.shape, seed=job.seed).requires_grad_(False)
         opt = torch.optim.Adam(policy.parameters(), lr=job.lr)
@@ -301,12 +314,24 @@ def train_layouts(layouts: list[Layout], args: argparse.Namespace, config: dict[
         steps = args.steps * (window or 1)
         folder = args.out / "layouts" / str(layout)
         where = "the config's adapters" if i == 0 else f"{folder / 'metrics.jsonl'}"
-        print(f"== {layout}: R={layout.ranks} x M={layout.micro} x K={layout.updates} updates/step, {steps} steps"
-              f"{f', log_every {window}' if window and window > 1 else ''} -> {where}",
-              end="\n" if i == 0 else "", flush=True)
-        job = Job(layout=layout, steps=steps, log_every=window, seed=args.seed, lr=args.lr, out=str(folder),
-                  config=config if i == 0 else None, console_every=args.console_every, port=free_port(),
-                  shape=Shape(batch=args.batch, max_len=args.max_len))
+        print(
+            f"== {layout}: R={layout.ranks} x M={layout.micro} x K={layout.updates} updates/step, {steps} steps"
+            f"{f', log_every {window}' if window and window > 1 else ''} -> {where}",
+            end="\n" if i == 0 else "",
+            flush=True,
+        )
+        job = Job(
+            layout=layout,
+            steps=steps,
+            log_every=window,
+            seed=args.seed,
+            lr=args.lr,
+            out=str(folder),
+            config=config if i == 0 else None,
+            console_every=args.console_every,
+            port=free_port(),
+            shape=Shape(batch=args.batch, max_len=args.max_len),
+        )
         t0 = time.perf_counter()
         results[layout] = run_layout(job)
         print(f"{'== ' + str(layout) + ' done in' if i == 0 else ':'} {time.perf_counter() - t0:.1f} s", flush=True)
@@ -318,11 +343,15 @@ def report_compare(results: dict[Layout, Rows], out: Path) -> bool:
     table, ok = compare_table(results)
     ref, rows = next(iter(results.items()))
     per_row = math.lcm(*(layout.updates for layout in results))
-    print(f"\nAll layouts trained on the same {per_row * len(rows)} mini-batches; one row = {per_row} updates. "
-          f"Against {ref}, over {len(rows)} rows:")
+    print(
+        f"\nAll layouts trained on the same {per_row * len(rows)} mini-batches; one row = {per_row} updates. "
+        f"Against {ref}, over {len(rows)} rows:"
+    )
     print(table)
-    print(f"metricbus agrees with {ref} to rel {AGREE_REL:g} on all 9 metrics (losses, clipfrac, ppo_kl, entropy, "
-          f"lengths, tokens): {'YES' if ok else 'NO'}")
+    print(
+        f"metricbus agrees with {ref} to rel {AGREE_REL:g} on all 9 metrics (losses, clipfrac, ppo_kl, entropy, "
+        f"lengths, tokens): {'YES' if ok else 'NO'}"
+    )
     print("naive_*: median over rows of naive / metricbus pg_loss, then the predicted factor; clipfrac: max rel dev")
     png = out / "compare.png"
     plot(results, png, updates_per_row=per_row)
@@ -362,8 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("written by examples/ppo_grad_accum.py; rerunning into this folder replaces it\n")
     config = load_config(args.config, out)
-    print(f"PPO + KL loss to a reference policy, float64; mini-batches of {args.batch} sequences, 4..{args.max_len} "
-          "tokens each")
+    print(
+        f"PPO + KL loss to a reference policy, float64; mini-batches of {args.batch} sequences, 4..{args.max_len} "
+        "tokens each"
+    )
     started = time.perf_counter()
     results = train_layouts(layouts, args, config)
     rows = results[layouts[0]]
@@ -376,8 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in rows[-1][1].items():
             print(f"  {key:<24} {value:.10g}")
     entropy = series(rows, "actor/entropy")
-    print(f"Policy entropy {entropy[0]:.3f} -> {entropy[-1]:.3f} nats/token (uniform {math.log(Shape.vocab):.3f}), "
-          f"KL loss to the reference {rows[-1][1]['actor/kl_loss']:.3f}. Total {time.perf_counter() - started:.1f} s.")
+    print(
+        f"Policy entropy {entropy[0]:.3f} -> {entropy[-1]:.3f} nats/token (uniform {math.log(Shape.vocab):.3f}), "
+        f"KL loss to the reference {rows[-1][1]['actor/kl_loss']:.3f}. Total {time.perf_counter() - started:.1f} s."
+    )
     print("\n".join(how_to_look(out, config)))
     return 0 if ok else 1
 

@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from metricbus.spec import NanPolicy, Spec
-from metricbus.summary import EMPTY, Summary
+from metricbus.sketch import Sketch
+from metricbus.spec import NanPolicy, Spec, micro_sketch
+from metricbus.summary import EMPTY, Summary, with_sketch
 from metricbus.summary_arrays import of_arrays
 from metricbus.values import drop_nonfinite
 
@@ -34,11 +35,12 @@ FOLD_ELEMENTS = 1 << 16  # buffered array elements (512 KiB) that trigger a fold
 class Accumulator:
     """The uncommitted records of one metric on one worker (mutated under the collector's lock, except ``plain``)."""
 
-    __slots__ = ("chunked", "chunks", "name", "nan", "plain", "spec", "state", "values", "weights")
+    __slots__ = ("chunked", "chunks", "name", "nan", "plain", "sketched", "spec", "state", "values", "weights")
 
     def __init__(self, *, name: str, spec: Spec, nan: NanPolicy) -> None:
         self.name = name
         self.spec = spec
+        self.sketched = micro_sketch(spec)  # a distribution kind reads the micro level: keep a sketch too
         self.nan: NanPolicy = nan
         self.plain: list[float] = []  # the lock-free fast path appends here; never replaced
         self.values: list[float] = []  # weighted records, older than every plain record
@@ -93,6 +95,8 @@ class Accumulator:
             if not values:
                 return
         batch = Summary.of_batch(values, weights)
+        if self.sketched:
+            batch = with_sketch(batch, Sketch.of_values(np.array(values, dtype=np.float64)))
         self.state = batch if self.state.count == 0 else self.state.merge(batch)
 
     def _merge_arrays(self, chunks: list[np.ndarray[Any, Any]]) -> None:
@@ -101,12 +105,15 @@ class Accumulator:
             if not any(c.size for c in chunks):
                 return
         batch = of_arrays(chunks)
+        if self.sketched:
+            batch = with_sketch(batch, Sketch.of_values(chunks[0] if len(chunks) == 1 else np.concatenate(chunks)))
         self.state = batch if self.state.count == 0 else self.state.merge(batch)
 
     def take(self) -> Summary:
         """The state of everything since the last take (one update's micro level), and reset."""
         plain = self.plain
-        if not self.values and self.state.count == 0 and self.nan != "ignore" and plain and not self.chunks:
+        simple = plain and not self.values and not self.chunks and not self.sketched
+        if simple and not self.state.count and self.nan != "ignore":
             n = len(plain)  # the common commit: only unit-weight records, nothing folded yet
             chunk = plain[:n]
             del plain[:n]

@@ -97,7 +97,7 @@ def _at_least_one(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from metricbus.kinds import KIND_NAMES
+    from metricbus.kinds import KIND_HELP
     from metricbus.spec import LEVELS, NAN_POLICIES
 
     raw = argparse.RawDescriptionHelpFormatter
@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("journal", help="the journal folder")
         return parser
 
-    epilog = _REPLAY_EPILOG.format(levels=", ".join(LEVELS), nan=", ".join(NAN_POLICIES), kinds=", ".join(KIND_NAMES))
+    epilog = _REPLAY_EPILOG.format(levels=", ".join(LEVELS), nan=", ".join(NAN_POLICIES), kinds=", ".join(KIND_HELP))
     rp = command("replay", "re-send a journal's steps to adapters (the live reduction code; --rule re-aggregates)",
                  epilog=epilog)
     rp.add_argument("--config", help="config file whose adapters receive the replay")

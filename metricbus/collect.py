@@ -18,9 +18,9 @@ import numpy as np
 
 from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT, Accumulator
-from metricbus.errors import MetricTypeError, MetricValueError
+from metricbus.errors import MetricTypeError, MetricValueError, SpecError
 from metricbus.partial import Partial, Updates
-from metricbus.spec import NanPolicy, SpecLike
+from metricbus.spec import NanPolicy, SpecLike, micro_sketch
 from metricbus.spec_table import DEFAULT, SpecTable
 from metricbus.summary import EMPTY, Summary
 from metricbus.values import check_finite, is_tensor, to_values, to_weights
@@ -150,7 +150,16 @@ class Collector:
 
     def _respec(self, acc: Accumulator) -> None:
         """``acc``'s name got another spec (adopted, or a declaration replaced the default): use its nan policy."""
-        acc.spec = self.table.specs[acc.name]
+        spec = self.table.specs[acc.name]
+        if micro_sketch(spec) and not acc.sketched:
+            acc.fold()
+            if acc.state.count:  # records folded without a sketch: a distribution kind could not count them
+                raise SpecError(
+                    f"{acc.name!r} gets spec {spec}, which needs the records' distribution, after {acc.state.count} "
+                    "of its records were reduced without one; declare its spec (define() or agg=) before logging it"
+                )
+        acc.sketched = micro_sketch(spec)
+        acc.spec = spec
         nan = acc.spec.nan or self._nan
         acc.nan = nan  # buffered records are folded under it too (a fold of >= FOLD_AT records already happened)
         if nan == "propagate":
@@ -175,7 +184,7 @@ class Collector:
             if acc.nan == "error" and not np.isfinite(flat).all():
                 check_finite(metric, flat.tolist())  # raises, naming the first non-finite value
             return flat, None
-        if is_tensor(raw) and not raw.is_complex():
+        if is_tensor(raw) and not raw.is_complex() and not acc.sketched:  # a distribution: bucketed on the host
             from metricbus.tensors import check_device
 
             check_device(metric, raw)
@@ -218,7 +227,8 @@ class Collector:
             plain = acc.plain
             if plain or acc.values or acc.chunks or acc.state.count:  # acc.pending, inlined
                 try:
-                    if plain and acc.nan != "ignore" and not acc.values and not acc.chunks and not acc.state.count:
+                    simple = plain and not acc.values and not acc.chunks and not acc.sketched
+                    if simple and acc.nan != "ignore" and not acc.state.count:
                         n = len(plain)  # Accumulator.take's common case, inlined: once per metric per commit
                         chunk = plain[:n]
                         del plain[:n]  # records appended since the slice stay for the next update

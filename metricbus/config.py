@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from metricbus.errors import AdapterNotFoundError, ConfigError
-from metricbus.kinds import KIND_NAMES
+from metricbus.kinds import KIND_HELP
 from metricbus.options import VALIDATORS, check_rule, unknown_key
 from metricbus.spec import LEVELS, Agg, Spec, check_kind, check_nan
 
@@ -150,7 +150,7 @@ def _spec(value: Any, *, pattern: str, where: str, origin: str, nested: bool = F
         ]
     raise _error(
         where,
-        f"invalid spec {value!r}; use a kind ({', '.join(KIND_NAMES)}), a list of kinds, or a mapping with "
+        f"invalid spec {value!r}; use a kind ({', '.join(KIND_HELP)}), a list of kinds, or a mapping with "
         f"{', '.join(LEVEL_KEYS)}",
         origin,
     )

@@ -45,11 +45,12 @@ from typing import Any
 
 import numpy as np
 
-from metricbus import rank_level
+from metricbus import rank_level, sketch_level
 from metricbus.errors import DistributedError, MetricBusWarning, SpecError
 from metricbus.partial import Partial
 from metricbus.ranks import Commit, Exchange, with_specs
 from metricbus.reduce import Column, Ranked, StepReducer, WorkerStates, lift_columns
+from metricbus.sketch import Sketch
 from metricbus.spec import Spec
 from metricbus.spec_table import Claim, SpecTable, decide, output_keys
 from metricbus.summary import Summary
@@ -102,6 +103,7 @@ class TorchRanks:
         self._columns: list[tuple[int, int]] = []  # each name's (first column, number of columns)
         self._width = 0  # the number of columns
         self._moments: list[bool] = []  # per column: whether its merged m2 is read
+        self._sketched: list[int] = []  # the columns whose states carry a sketch
         self._held: list[tuple[Any, int]] = []  # (tensor, its use count before the collective): not yet let go
         backend = str(tdist.get_backend(group)).lower()
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
@@ -131,16 +133,29 @@ class TorchRanks:
             payload = b""
         specs = self._specs
         known = [{name: s for name, s in update.items() if name in specs} for update in commit.own_updates]
-        prep = rank_level.prepare(self._block(reducer.worker(known, specs)))
-        agreed = self._all_reduce(np.concatenate(([float(len(payload))], rank_level.maxima(prep).ravel())), "max")
-        longest, agreed = int(agreed[0]), agreed[1:].reshape(-1, rank_level.NM)
-        columns, names = self._columns, self._names  # the layout of this commit (the agreement may extend it)
+        block = self._block(reducer.worker(known, specs))
+        prep = rank_level.prepare(block)
+        sketched = self._sketched  # the layout of this commit (the agreement may extend it)
+        mine: list[Sketch | None] = [None] * len(sketched)
+        for _, c, sketch in block.sketches:
+            mine[sketched.index(c)] = sketch
+        maxima = rank_level.maxima(prep)
+        agreed = self._all_reduce(
+            np.concatenate(([float(len(payload))], maxima.ravel(), sketch_level.bounds(mine).ravel())), "max"
+        )
+        longest = int(agreed[0])
+        bounds = agreed[1 + maxima.size :].reshape(-1, sketch_level.NB)
+        agreed = agreed[1 : 1 + maxima.size].reshape(-1, rank_level.NM)
+        columns, names = self._columns, self._names
         dropped: dict[str, str] = {}
         fresh: Ranked = {}
         if longest:
             fresh, dropped = self._agree(payload, longest, table, reducer)
-        summed = self._all_reduce(rank_level.sums(prep, agreed), "sum")
-        merged = rank_level.finish(agreed, summed, prep.block.moments)
+        sums = rank_level.sums(prep, agreed)
+        summed = self._all_reduce(np.concatenate((sums, sketch_level.counts(mine, bounds))), "sum")
+        merged = rank_level.finish(agreed, summed[: sums.size], prep.block.moments)
+        if sketched:
+            rank_level.attach(merged, sketched, sketch_level.finish(bounds, summed[sums.size :]))
         ranked: Ranked = {}
         for name, (base, width) in zip(names, columns, strict=True):
             if any(m is not None for m in merged[base : base + width]):
@@ -303,9 +318,11 @@ class TorchRanks:
         self._lifts = {name: reducer.columns(name, self._specs[name]) for name in self._names}
         self._columns = []
         self._moments = []
+        self._sketched = []
         width = 0
         for name in self._names:
             self._columns.append((width, len(self._lifts[name])))
-            self._moments.extend(moment for _, _, moment in self._lifts[name])
+            self._moments.extend(moment for _, _, moment, _ in self._lifts[name])
+            self._sketched.extend(width + j for j, column in enumerate(self._lifts[name]) if column[3])
             width += len(self._lifts[name])
         self._width = width

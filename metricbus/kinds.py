@@ -1,18 +1,29 @@
-"""The reduction kinds: one lookup table from tag to the function that reads a Summary."""
+"""The reduction kinds: one lookup from tag to the function that reads a Summary.
+
+The fixed kinds read the Summary's statistics. The distribution kinds read its sketch (:mod:`metricbus.sketch`):
+``pNN`` (a quantile in percent: ``p50``, ``p90``, ``p99``, ``p99.9``; ``quantile(q)`` is the same kind written as a
+fraction, ``quantile(0.999)`` == ``p99.9``) and ``hist`` (a :class:`~metricbus.histogram.Histogram`).
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from functools import lru_cache
 from types import MappingProxyType
 
+from metricbus.histogram import HIST_BINS, HIST_QUANTILES, Histogram
+from metricbus.sketch import Sketch
 from metricbus.summary import Summary
+
+Kind = Callable[[Summary], float]
 
 
 def _count(s: Summary) -> float:
     return float(s.count)
 
 
-KINDS: MappingProxyType[str, Callable[[Summary], float]] = MappingProxyType(
+KINDS: MappingProxyType[str, Kind] = MappingProxyType(
     {
         "mean": Summary.mean,
         "sum": Summary.sum,  # reads s.total: the correctly rounded exact sum (see summary's docstring)
@@ -24,4 +35,73 @@ KINDS: MappingProxyType[str, Callable[[Summary], float]] = MappingProxyType(
         "std": Summary.std,
     }
 )
-KIND_NAMES: tuple[str, ...] = tuple(KINDS)
+HIST = "hist"
+KIND_NAMES: tuple[str, ...] = tuple(KINDS)  # the kinds that read a Summary's statistics
+KIND_HELP: tuple[str, ...] = (
+    *KINDS,
+    "p50",
+    "p90",
+    "p99",
+    "pNN",
+    "quantile(q)",
+    HIST,
+)  # every kind, as messages list them
+_PERCENT = re.compile(r"p(\d{1,2}(?:\.\d+)?|100)")
+_FRACTION = re.compile(r"quantile\(\s*([0-9.eE+-]+)\s*\)")
+
+
+def quantile(q: float) -> str:
+    """The kind of the ``q`` quantile (``0 <= q <= 1``): ``quantile(0.9)`` is ``"p90"``, usable in any spec."""
+    if not (isinstance(q, (int, float)) and 0.0 <= q <= 1.0):
+        raise ValueError(f"quantile(q) takes 0 <= q <= 1, got {q!r}")
+    return f"p{round(q * 100, 10):g}"
+
+
+def canonical(kind: object) -> str | None:
+    """The kind's tag (``"quantile(0.5)"`` -> ``"p50"``), or None if it is no kind."""
+    if not isinstance(kind, str):
+        return None
+    if kind in KINDS or kind == HIST:
+        return kind
+    match = _FRACTION.fullmatch(kind)
+    if match:
+        try:
+            q = float(match.group(1))
+        except ValueError:
+            return None
+        return quantile(q) if 0.0 <= q <= 1.0 else None
+    match = _PERCENT.fullmatch(kind)
+    if match and float(match.group(1)) <= 100.0:
+        return f"p{float(match.group(1)):g}"
+    return None
+
+
+def is_sketch(kind: str) -> bool:
+    """True for the kinds that read a sketch (quantiles and ``hist``)."""
+    return kind not in KINDS
+
+
+@lru_cache(maxsize=256)
+def kind_of(kind: str) -> Kind:
+    """The function of a (canonical) kind."""
+    held = KINDS.get(kind)
+    if held is not None:
+        return held
+    if kind == HIST:
+        return _histogram
+    q = float(kind[1:]) / 100.0
+    return lambda s: _sketch_of(s).quantile(q)
+
+
+def _sketch_of(s: Summary) -> Sketch:
+    sketch = s.sketch
+    if sketch is None:  # a state that should carry one does not: a bug, never the user's input
+        raise AssertionError("a distribution kind read a state without a sketch")
+    return sketch
+
+
+def _histogram(s: Summary) -> float:
+    sketch = _sketch_of(s)
+    edges, counts = sketch.histogram(bins=HIST_BINS)
+    quantiles = tuple((name, sketch.quantile(q)) for name, q in HIST_QUANTILES)
+    return Histogram(float(sketch.count - sketch.nan), edges=edges, counts=counts, quantiles=quantiles)

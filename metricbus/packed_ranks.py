@@ -18,6 +18,7 @@ from metricbus import rank_level
 from metricbus.fixed import Array
 from metricbus.partial import Partial
 from metricbus.reduce import Ranked, StepReducer, WorkerStates, lift_columns
+from metricbus.sketch import Sketch
 from metricbus.spec import Spec
 from metricbus.summary import N_FIELDS, Summary
 
@@ -59,12 +60,15 @@ def rank_levels(
     fields = np.empty((N_FIELDS, rows, total))
     moments: list[bool] = []
     rests: list[tuple[int, int, int, tuple[float, ...]]] = []
+    sketches: list[tuple[int, int, Sketch]] = []
     offset = 0
     for layout, (partials, others, specs) in zip(layouts, commits, strict=True):
-        layout.fill(fields[:, :, offset : offset + layout.width], partials, others, specs, rests, offset)
+        layout.fill(fields[:, :, offset : offset + layout.width], partials, others, specs, rests, sketches, offset)
         moments.extend(layout.moments)
         offset += layout.width
-    block = rank_level.Block(fields, np.arange(rows, dtype=np.int64), np.array(moments, dtype=bool), tuple(rests))
+    block = rank_level.Block(
+        fields, np.arange(rows, dtype=np.int64), np.array(moments, dtype=bool), tuple(rests), tuple(sketches)
+    )
     merged = rank_level.merge(block)
     out = []
     offset = 0
@@ -107,7 +111,7 @@ class _Layout:
         for name in sorted(names):
             columns = reducer.columns(name, specs[name])
             self.where[name] = (width, len(columns))
-            self.moments.extend(moment for _, _, moment in columns)
+            self.moments.extend(moment for _, _, moment, _ in columns)
             width += len(columns)
         self.width = width
         self.rows = len(partials) + len(others)
@@ -119,6 +123,7 @@ class _Layout:
         others: Sequence[WorkerStates],
         specs: Mapping[str, Spec],
         rests: list[tuple[int, int, int, tuple[float, ...]]],
+        sketches: list[tuple[int, int, Sketch]],
         offset: int,
     ) -> None:
         """Write this commit's rows into ``fields`` (its columns of the block), and its rests (block columns)."""
@@ -140,6 +145,8 @@ class _Layout:
             for i, rest in packed.rests:
                 column = offset + where[packed.names[i]][0]
                 rests.extend((r, column, which, parts) for which, parts in enumerate(rest) if parts)
+            for i, sketch in packed.sketches:
+                sketches.append((r, offset + where[packed.names[i]][0], sketch))
         slow.extend((len(partials) + i, states) for i, states in enumerate(others))
         for r, states in slow:
             fields[:, r, :] = _EMPTY[:, None]
@@ -151,6 +158,8 @@ class _Layout:
                         rests.extend(
                             (r, offset + base + j, which, parts) for which, parts in enumerate(state.rest) if parts
                         )
+                        if state.sketch is not None:
+                            sketches.append((r, offset + base + j, state.sketch))
         fields[:, self.rows :, :] = _EMPTY[:, None, None]  # rows of a longer commit in the batch
 
 

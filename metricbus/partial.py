@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from metricbus.sketch import Sketch
 from metricbus.spec import Spec
 from metricbus.summary import N_FIELDS, Rest, Summary
 
@@ -38,6 +39,7 @@ class Packed:
     rests: tuple[tuple[int, Rest], ...]  # (entry index, its Summary's rest) where not ()
     layout: bytes
     single: bool
+    sketches: tuple[tuple[int, Sketch], ...] = ()  # (entry index, its Summary's sketch) where it has one
 
 
 class Partial:
@@ -150,10 +152,13 @@ def pack(entries: tuple[Entry, ...], undeclared: frozenset[str], *, layout: byte
     specs = tuple(spec for _, spec, _ in entries)
     flat: list[float] = []
     rests = []
+    sketches = []
     for i, (_, _, summary) in enumerate(entries):
         flat.extend(summary.as_tuple())
         if summary.rest:
             rests.append((i, summary.rest))
+        if summary.sketch is not None:
+            sketches.append((i, summary.sketch))
     fields = np.array(flat, dtype=np.float64).reshape(len(entries), N_FIELDS).T.copy()
     fields.flags.writeable = False
     return Packed(
@@ -163,6 +168,7 @@ def pack(entries: tuple[Entry, ...], undeclared: frozenset[str], *, layout: byte
         tuple(rests),
         layout if layout is not None else layout_of(names, specs, undeclared),
         len(set(names)) == len(names),
+        tuple(sketches),
     )
 
 
@@ -170,8 +176,9 @@ def _unpack(packed: Packed | None) -> tuple[Entry, ...]:
     if packed is None:
         return ()
     rests = dict(packed.rests)
+    sketches = dict(packed.sketches)
     new = tuple.__new__
     out = []
     for i, (name, spec, row) in enumerate(zip(packed.names, packed.specs, packed.fields.T.tolist(), strict=True)):
-        out.append((name, spec, new(Summary, (int(row[0]), *row[1:], rests.get(i, ())))))
+        out.append((name, spec, new(Summary, (int(row[0]), *row[1:], rests.get(i, ()), sketches.get(i)))))
     return tuple(out)

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from metricbus import exact, extract, fixed, second_moment
+from metricbus import exact, extract, fixed, second_moment, sketch_level
 from metricbus.fixed import Array
-from metricbus.summary import N_FIELDS, Rest, Summary
+from metricbus.sketch import Sketch
+from metricbus.summary import N_FIELDS, Rest, Summary, with_sketch
 
 SLOTS = 4  # the exact sums of a column: weight, wsum, total, t
 # maxima, per column: E of each slot, -Q of each slot, max, -min, -rank, whether any worker has weights
@@ -65,6 +66,7 @@ class Block:
     ranks: Array  # (R,) int64: each row's rank (the order first/last follow)
     moments: Array  # (C,) bool: the columns whose merged m2 is read (see the module docstring)
     rests: tuple[tuple[int, int, int, tuple[float, ...]], ...] = ()  # (row, column, sum 0..2, further components)
+    sketches: tuple[tuple[int, int, Sketch], ...] = ()  # (row, column, its sketch) where a state carries one
 
 
 def block_of(rows: Sequence[Sequence[Summary | None]], ranks: Sequence[int], moments: Sequence[bool]) -> Block:
@@ -72,6 +74,7 @@ def block_of(rows: Sequence[Sequence[Summary | None]], ranks: Sequence[int], mom
     width = len(moments)
     flat: list[float] = []
     rests: list[tuple[int, int, int, tuple[float, ...]]] = []
+    sketches: list[tuple[int, int, Sketch]] = []
     for r, row in enumerate(rows):
         for c, state in enumerate(row):
             if state is None or not state.count:
@@ -80,8 +83,11 @@ def block_of(rows: Sequence[Sequence[Summary | None]], ranks: Sequence[int], mom
             flat.extend(state.as_tuple())
             if state.rest:
                 rests.extend((r, c, which, parts) for which, parts in enumerate(state.rest) if parts)
+            if state.sketch is not None:
+                sketches.append((r, c, state.sketch))
     fields = np.array(flat, dtype=np.float64).reshape(len(rows), width, N_FIELDS).transpose(2, 0, 1).copy()
-    return Block(fields, np.asarray(ranks, dtype=np.int64), np.asarray(moments, dtype=bool), tuple(rests))
+    ranks_of = np.asarray(ranks, dtype=np.int64)
+    return Block(fields, ranks_of, np.asarray(moments, dtype=bool), tuple(rests), tuple(sketches))
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,10 +265,37 @@ def finish(agreed: Array, summed: Array, moments: Array) -> list[Summary | None]
 
 
 def merge_collective(block: Block) -> list[Summary | None]:
-    """Both passes of the collective merge run on one process (what torch.distributed computes, for checks)."""
+    """Both passes of the collective merge run on one process (what torch.distributed computes, for checks): each
+    row stands for one participant, so the sketches' passes run per row and are reduced here."""
     prep = prepare(block)
     agreed = maxima(prep)
-    return finish(agreed, sums(prep, agreed), block.moments)
+    out = finish(agreed, sums(prep, agreed), block.moments)
+    columns = sorted({c for _, c, _ in block.sketches})
+    if columns:
+        rows: dict[int, list[Sketch | None]] = {}
+        for r, c, sketch in block.sketches:
+            rows.setdefault(r, [None] * len(columns))[columns.index(c)] = sketch
+        bounds = np.max([sketch_level.bounds(row) for row in rows.values()], axis=0)
+        summed = np.sum([sketch_level.counts(row, bounds) for row in rows.values()], axis=0)
+        attach(out, columns, sketch_level.finish(bounds, summed))
+    return out
+
+
+def attach(out: list[Summary | None], columns: Sequence[int], sketches: Sequence[Sketch]) -> None:
+    """Put each merged sketch on its column's merged Summary (in place)."""
+    for c, sketch in zip(columns, sketches, strict=True):
+        held = out[c]
+        if held is not None:
+            out[c] = with_sketch(held, sketch)
+
+
+def _merge_sketches(out: list[Summary | None], block: Block) -> list[Summary | None]:
+    if block.sketches:
+        by_column: dict[int, list[Sketch]] = {}
+        for _, c, sketch in block.sketches:
+            by_column.setdefault(c, []).append(sketch)
+        attach(out, list(by_column), sketch_level.merge(list(by_column.values())))
+    return out
 
 
 def merge(block: Block) -> list[Summary | None]:
@@ -285,7 +318,7 @@ def merge(block: Block) -> list[Summary | None]:
     try:
         parts = {slot: extract.column_parts(np.concatenate(matrices)) for slot, matrices in by_slot.items()}
     except OverflowError:  # values near the top of the double range: the limbs take any finite double
-        return merge_collective(block)
+        return _merge_sketches(merge_collective(replace(block, sketches=())), block)
     quick = {}  # slot -> per column (hi, lo, ok): the double-double of the parts where that is exact
     for slot, arrays in parts.items():
         hi, lo, ok = extract.double_double(arrays, width)
@@ -312,7 +345,7 @@ def merge(block: Block) -> list[Summary | None]:
             floats.extend(more)
         return exact.components(floats) if any(floats) else None
 
-    return _assemble(head, extrema, block.moments, extracted)
+    return _merge_sketches(_assemble(head, extrema, block.moments, extracted), block)
 
 
 def _assemble(
@@ -359,7 +392,7 @@ def _assemble(
                     weight[0], weight[1] if len(weight) > 1 else 0.0,
                     wsum[0], wsum[1] if len(wsum) > 1 else 0.0,
                     total[0], total[1] if len(total) > 1 else 0.0,
-                    m2, lowest, highest, floats[c][0], floats[c][1], rest,
+                    m2, lowest, highest, floats[c][0], floats[c][1], rest, None,
                 ),
             )
         )

@@ -17,20 +17,30 @@ of the next level.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from metricbus.kinds import KINDS
-from metricbus.spec import Spec
-from metricbus.summary import Summary
+from metricbus.kinds import Kind, is_sketch, kind_of
+from metricbus.sketch import Sketch
+from metricbus.spec import Spec, micro_sketch
+from metricbus.summary import Summary, with_sketch
 
 WorkerStates = dict[str, tuple[Summary, ...]]  # metric -> its update-level states, in state_keys(spec) order
 Ranked = dict[str, tuple[Summary | None, ...]]  # metric -> each column's rank-level result, in columns_of order
-Column = tuple[int, str | None, bool]  # (the worker-level state it reads, the update kind it is lifted by or None,
-# whether the rank level must merge its second moment: see columns_of)
+Column = tuple[int, str | None, bool, bool]  # (the worker-level state it reads, the update kind it is lifted by or
+# None, whether the rank level must merge its second moment, whether its states carry a sketch: see columns_of)
 _of_value = Summary.of_value
+
+
+def lift(value: float, *, sketched: bool) -> Summary:
+    """A level's result as one unit-weight record of the next level (with its sketch where a distribution kind
+    reads that level)."""
+    state = _of_value(value)
+    return with_sketch(state, Sketch.of_value(value)) if sketched else state
 _MERGED = ("",)  # the state keys of a spec whose chains all keep the micro kind at the update level
+# a name's decisions: its spec, plans, state keys, columns and whether each state key carries a sketch
+_Held = tuple[Spec, tuple["Plan", ...], tuple[str, ...], tuple[Column, ...], tuple[bool, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +49,12 @@ class Plan:
 
     key: str  # the emitted name
     state: int  # the worker-level state it reads: its index in state_keys(spec) ("" or the micro kind)
-    rank_lift: Callable[[Summary], float] | None  # the update kind, where the rank kind differs
+    rank_lift: Kind | None  # the update kind, where the rank kind differs
+    rank_sketch: bool  # whether the rank kind reads a sketch (so a lift into it makes one)
     column: int  # its rank-level input: the index in columns_of(spec)
-    step_lift: Callable[[Summary], float] | None  # the rank kind, where the step kind differs
-    emit: Callable[[Summary], float]  # the step kind
+    step_lift: Kind | None  # the rank kind, where the step kind differs
+    step_sketch: bool  # whether the step kind reads a sketch
+    emit: Kind  # the step kind
 
 
 def plans_of(name: str, spec: Spec) -> tuple[Plan, ...]:
@@ -53,10 +65,12 @@ def plans_of(name: str, spec: Spec) -> tuple[Plan, ...]:
         Plan(
             key=f"{name}/{c.suffix}" if c.suffix else name,
             state=keys.index("" if c.micro == c.update else c.micro),
-            rank_lift=None if c.update == c.rank else KINDS[c.update],
+            rank_lift=None if c.update == c.rank else kind_of(c.update),
+            rank_sketch=is_sketch(c.rank),
             column=[col[:2] for col in columns].index(_column(c, keys)),
-            step_lift=None if c.rank == c.step else KINDS[c.rank],
-            emit=KINDS[c.step],
+            step_lift=None if c.rank == c.step else kind_of(c.rank),
+            step_sketch=is_sketch(c.step),
+            emit=kind_of(c.step),
         )
         for c in spec.chains
     )
@@ -69,20 +83,28 @@ def _column(chain: Any, keys: list[str]) -> tuple[int, str | None]:
 
 
 def columns_of(spec: Spec) -> list[Column]:
-    """The distinct rank-level inputs of ``spec``'s chains, in a fixed order: ``(state, lift, moment)``, where
-    ``moment`` says whether a chain reads the second moment of the merged state (its rank kind is ``std``)."""
+    """The distinct rank-level inputs of ``spec``'s chains, in a fixed order: ``(state, lift, moment, sketch)``,
+    where ``moment`` says whether a chain reads the second moment of the merged state (its rank kind is ``std``) and
+    ``sketch`` whether the states carry a sketch (a lifted column: a chain's rank kind reads one; else the state
+    carries one)."""
     keys = state_keys(spec)
-    found: dict[tuple[int, str | None], bool] = {}
+    carried = state_sketches(spec)
+    found: dict[tuple[int, str | None], tuple[bool, bool]] = {}
     for chain in spec.chains:
         column = _column(chain, keys)
-        found[column] = found.get(column, False) or chain.rank == "std"
-    return [(state, lift, found[state, lift]) for state, lift in sorted(found, key=lambda c: (c[0], c[1] or ""))]
+        moment, sketch = found.get(column, (False, False))
+        found[column] = (moment or chain.rank == "std", sketch or is_sketch(chain.rank))
+    return [
+        (state, lift, found[state, lift][0], found[state, lift][1] if lift is not None else carried[state])
+        for state, lift in sorted(found, key=lambda c: (c[0], c[1] or ""))
+    ]
 
 
 def lift_columns(states: tuple[Summary, ...], columns: Sequence[Column]) -> tuple[Summary, ...]:
     """One worker's rank-level inputs of a metric: each column's state, lifted where it says."""
     return tuple(
-        states[state] if lift is None else _of_value(KINDS[lift](states[state])) for state, lift, _ in columns
+        states[state] if up is None else lift(kind_of(up)(states[state]), sketched=sketched)
+        for state, up, _, sketched in columns
     )
 
 
@@ -91,19 +113,30 @@ def state_keys(spec: Spec) -> list[str]:
     return sorted({"" if c.micro == c.update else c.micro for c in spec.chains})
 
 
-def worker_state(keys: Iterable[str], updates: Sequence[Summary]) -> tuple[Summary, ...]:
+def state_sketches(spec: Spec) -> list[bool]:
+    """Per state key (:func:`state_keys`): whether its states carry a sketch (``""``: the micro summaries carry one
+    where a micro kind is a distribution; a lifted key: where an update kind reading it is one)."""
+    return [
+        micro_sketch(spec)
+        if key == ""
+        else any(is_sketch(c.update) for c in spec.chains if c.micro == key and c.update != c.micro)
+        for key in state_keys(spec)
+    ]
+
+
+def worker_state(keys: Iterable[str], updates: Sequence[Summary], sketches: Sequence[bool]) -> tuple[Summary, ...]:
     """One worker's update-level states of one metric from its per-update micro summaries (in update order)."""
     out: list[Summary] = []
-    for key in keys:
+    for key, sketched in zip(keys, sketches, strict=True):
         if key == "":
             state = updates[0]
             for part in updates[1:]:
                 state = state.merge(part)
         else:
-            kind = KINDS[key]
-            state = _of_value(kind(updates[0]))
+            kind = kind_of(key)
+            state = lift(kind(updates[0]), sketched=sketched)
             for part in updates[1:]:
-                state = state.merge(_of_value(kind(part)))
+                state = state.merge(lift(kind(part), sketched=sketched))
         out.append(state)
     return tuple(out)
 
@@ -117,18 +150,19 @@ class StepReducer:
         self._log_every = log_every
         self._commits = 0
         self._window: dict[str, tuple[Plan, Summary]] = {}
-        self._plans: dict[str, tuple[Spec, tuple[Plan, ...], tuple[str, ...], tuple[Column, ...]]] = {}
+        self._plans: dict[str, _Held] = {}
 
     @property
     def pending(self) -> int:
         """Commits in the window that have not been emitted yet."""
         return self._commits
 
-    def _plan(self, name: str, spec: Spec) -> tuple[Spec, tuple[Plan, ...], tuple[str, ...], tuple[Column, ...]]:
+    def _plan(self, name: str, spec: Spec) -> _Held:
         held = self._plans.get(name)
         if held is None or held[0] is not spec:
             if held is None or held[0] != spec:
-                held = (spec, plans_of(name, spec), tuple(state_keys(spec)), tuple(columns_of(spec)))
+                keys = tuple(state_keys(spec))
+                held = (spec, plans_of(name, spec), keys, tuple(columns_of(spec)), tuple(state_sketches(spec)))
             else:  # an equal spec object (a journal's name table read again): compare by identity from now on
                 held = (spec, *held[1:])
             self._plans[name] = held
@@ -141,7 +175,7 @@ class StepReducer:
     def plain(self, name: str, spec: Spec) -> bool:
         """True when a worker's micro summary of ``name`` (one update) is its one rank-level input as it is: every
         chain keeps one kind from the micro to the rank level."""
-        _, _, keys, columns = self._plan(name, spec)
+        _, _, keys, columns, _ = self._plan(name, spec)
         return keys == _MERGED and len(columns) == 1 and columns[0][1] is None
 
     def worker(self, updates: Sequence[Mapping[str, Summary]], specs: Mapping[str, Spec]) -> WorkerStates:
@@ -154,8 +188,9 @@ class StepReducer:
                 if summary.count:
                     spec = specs[name]
                     held = plans.get(name)
-                    keys = held[2] if held is not None and held[0] is spec else self._plan(name, spec)[2]
-                    out[name] = (summary,) if keys == _MERGED else worker_state(keys, [summary])
+                    if held is None or held[0] is not spec:
+                        held = self._plan(name, spec)
+                    out[name] = (summary,) if held[2] == _MERGED else worker_state(held[2], [summary], held[4])
             return out
         grouped: dict[str, list[Summary]] = {}
         for update in updates:
@@ -163,7 +198,8 @@ class StepReducer:
                 if summary.count:
                     grouped.setdefault(name, []).append(summary)
         for name, parts in grouped.items():
-            out[name] = worker_state(self._plan(name, specs[name])[2], parts)
+            held = self._plan(name, specs[name])
+            out[name] = worker_state(held[2], parts, held[4])
         return out
 
     def rank_level(self, workers: Sequence[WorkerStates], specs: Mapping[str, Spec]) -> Ranked:
@@ -190,7 +226,7 @@ class StepReducer:
                 result = merged[plan.column]
                 if result is None:
                     continue
-                state = result if plan.step_lift is None else _of_value(plan.step_lift(result))
+                state = result if plan.step_lift is None else lift(plan.step_lift(result), sketched=plan.step_sketch)
                 seen = window.get(plan.key)
                 window[plan.key] = (plan, state if seen is None else seen[1].merge(state))
         self._commits += 1
@@ -208,9 +244,9 @@ class StepReducer:
             for plan in held[1] if held is not None and held[0] is spec else self._plan(name, spec)[1]:
                 state = by_key[plan.state]
                 if plan.rank_lift is not None:
-                    state = _of_value(plan.rank_lift(state))
+                    state = lift(plan.rank_lift(state), sketched=plan.rank_sketch)
                 if plan.step_lift is not None:
-                    state = _of_value(plan.step_lift(state))
+                    state = lift(plan.step_lift(state), sketched=plan.step_sketch)
                 out[plan.key] = plan.emit(state)
         return {key: out[key] for key in sorted(out)}
 

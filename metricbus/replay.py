@@ -23,14 +23,14 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from metricbus.adapter import Adapter, RunInfo, Status
-from metricbus.errors import JournalError
+from metricbus.errors import JournalError, SpecError
 from metricbus.journal import CursorStore, Journal
 from metricbus.journal.cursors import identity_of, resume_adapter
 from metricbus.journal.reader import JournalStream, stream_journal, timeline
 from metricbus.partial import Partial
 from metricbus.reduce import StepReducer
 from metricbus.replay_levels import reduced
-from metricbus.spec import Spec, parse_spec_text
+from metricbus.spec import Spec, micro_sketch, parse_spec_text
 
 Progress = Callable[[int, int], None]
 Source = Journal | JournalStream
@@ -81,7 +81,15 @@ class _Respec:
         if name not in self._cache:
             self._cache[name] = next((s for p, s in self._overrides if fnmatchcase(name, p)), None)
         found = self._cache[name]
-        return spec if found is None else found
+        if found is None:
+            return spec
+        if micro_sketch(found) and not micro_sketch(spec):
+            raise SpecError(
+                f"the rule {found} for {name!r} reads the distribution of its records, but the journal has no sketch "
+                f"of {name!r} (it was logged with spec {spec}); a quantile over a level's results works on any "
+                f"journal, e.g. {name}=micro:mean,step:p90"
+            )
+        return found
 
 
 def emitted(

@@ -11,12 +11,13 @@ commit) and **step** (the commits of a ``log_every`` window).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from metricbus.errors import SpecError
-from metricbus.kinds import KIND_NAMES, KINDS
+from metricbus.kinds import HIST, KIND_HELP, canonical, is_sketch
 
 NanPolicy = Literal["propagate", "ignore", "error"]
 NAN_POLICIES: tuple[str, ...] = ("propagate", "ignore", "error")
@@ -25,12 +26,15 @@ LEVELS: tuple[str, ...] = ("micro", "update", "rank", "step")
 
 
 def check_kind(kind: object, *, metric: str, level: str) -> str:
-    """Return ``kind`` if it is a known kind, else raise SpecError naming the metric and the valid kinds."""
-    if not isinstance(kind, str) or kind not in KINDS:
+    """Return ``kind``'s tag (``quantile(0.5)`` -> ``p50``) if it is a known kind, else raise SpecError naming the
+    metric and the valid kinds."""
+    tag = canonical(kind)
+    if tag is None:
         raise SpecError(
-            f"unknown aggregation {kind!r} for {metric!r} ({level} level); use one of {', '.join(KIND_NAMES)}"
+            f"unknown aggregation {kind!r} for {metric!r} ({level} level); use one of {', '.join(KIND_HELP)} "
+            "(pNN: a percentile such as p95 or p99.9; quantile(q): 0 <= q <= 1)"
         )
-    return kind
+    return tag
 
 
 def check_nan(policy: object, *, metric: str) -> NanPolicy:
@@ -99,13 +103,20 @@ def _chain(item: str | Agg, *, metric: str, suffix: bool) -> tuple[Chain, NanPol
         kind = check_kind(item, metric=metric, level="every")
         return Chain(kind, kind, kind, kind, kind if suffix else ""), None
     if isinstance(item, Agg):
-        micro = item.micro or DEFAULT_KIND
-        update = item.update or micro
-        rank = item.rank or update
-        step = item.step or rank
+        micro = check_kind(item.micro or DEFAULT_KIND, metric=metric, level="micro")
+        update = check_kind(item.update, metric=metric, level="update") if item.update else micro
+        rank = check_kind(item.rank, metric=metric, level="rank") if item.rank else update
+        step = check_kind(item.step, metric=metric, level="step") if item.step else rank
+        levels = (micro, update, rank, step)
+        for level, (kind, above) in zip(LEVELS, itertools.pairwise(levels), strict=False):
+            if kind == HIST and above != HIST:
+                raise SpecError(
+                    f"'hist' at the {level} level of {metric!r} is followed by {above!r}; a histogram is not a "
+                    "number a higher level can reduce, so 'hist' may only be followed by 'hist' (use a quantile below)"
+                )
         return Chain(micro, update, rank, step, step if suffix else ""), item.nan
     raise SpecError(
-        f"invalid spec {item!r} for {metric!r}; use a kind ({', '.join(KIND_NAMES)}), "
+        f"invalid spec {item!r} for {metric!r}; use a kind ({', '.join(KIND_HELP)}), "
         "an Agg(micro=, update=, rank=, step=), or a list of those"
     )
 
@@ -131,7 +142,7 @@ def parse_spec(spec: SpecLike, *, metric: str) -> Spec:
             raise SpecError(f"spec list for {metric!r} mixes nan policies {sorted(nans)}; use one")
         return Spec(chains, nans.pop() if nans else None)
     raise SpecError(
-        f"invalid spec {spec!r} for {metric!r}; use a kind ({', '.join(KIND_NAMES)}), "
+        f"invalid spec {spec!r} for {metric!r}; use a kind ({', '.join(KIND_HELP)}), "
         "an Agg(micro=, update=, rank=, step=), or a list of those"
     )
 
@@ -156,3 +167,8 @@ def parse_spec_text(text: str, *, metric: str) -> Spec:
 
 
 DEFAULT_SPEC = parse_spec(DEFAULT_KIND, metric="default")
+
+
+def micro_sketch(spec: Spec) -> bool:
+    """True when a chain of ``spec`` reads the records' distribution (its micro kind is a quantile or ``hist``)."""
+    return any(is_sketch(chain.micro) for chain in spec.chains)

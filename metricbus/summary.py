@@ -28,6 +28,7 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from metricbus import exact
+from metricbus.sketch import Sketch
 
 _INF = math.inf
 _NAN = math.nan
@@ -59,12 +60,13 @@ class Summary(NamedTuple):
     first: float = _NAN
     last: float = _NAN
     rest: Rest = ()
+    sketch: Sketch | None = None  # the records' bucket counts, where a distribution kind reads them (kinds.py)
 
     @staticmethod
     def of_value(value: float) -> Summary:
         """A summary of one unit-weight record."""
         m2 = 0.0 if value - value == 0.0 else _NAN
-        return _new(Summary, (1, 1.0, 0.0, value, 0.0, value, 0.0, m2, value, value, value, value, ()))
+        return _new(Summary, (1, 1.0, 0.0, value, 0.0, value, 0.0, m2, value, value, value, value, (), None))
 
     @staticmethod
     def of_batch(values: list[float], weights: list[float] | None) -> Summary:
@@ -112,7 +114,7 @@ class Summary(NamedTuple):
             highest = _NAN if has_nan else max(values)
         return _new(
             Summary,
-            (n, weight, weight_lo, wsum, wsum_lo, total, total_lo, m2, lowest, highest, values[0], values[-1], rest),
+            (n, weight, weight_lo, wsum, wsum_lo, total, total_lo, m2, lowest, highest, values[0], values[-1], rest, None),  # noqa: E501
         )
 
     def merge(self, other: Summary) -> Summary:
@@ -145,6 +147,7 @@ class Summary(NamedTuple):
                 self.first,
                 other.last,
                 (rest_w, rest_ws, rest_t) if rest_w or rest_ws or rest_t else (),
+                _merge_sketches(self.sketch, other.sketch),
             ),
         )
 
@@ -196,11 +199,14 @@ class Summary(NamedTuple):
         )
 
     def rest_flat(self) -> tuple[float, ...]:
-        """``rest`` as floats: ``()``, or ``(len_w, len_ws, len_t, *w, *ws, *t)``."""
+        """``rest`` and ``sketch`` as floats: ``()``, or ``(len_w, len_ws, len_t, *w, *ws, *t, *sketch)`` where
+        ``sketch`` is ``Sketch.to_ints()`` (absent without a sketch; integers below 2**53 are exact as floats)."""
+        sketch = self.sketch
         if not self.rest:
-            return ()
+            return () if sketch is None else (0.0, 0.0, 0.0, *map(float, sketch.to_ints()))
         w, ws, t = self.rest
-        return (float(len(w)), float(len(ws)), float(len(t)), *w, *ws, *t)
+        head = (float(len(w)), float(len(ws)), float(len(t)), *w, *ws, *t)
+        return head if sketch is None else (*head, *map(float, sketch.to_ints()))
 
     @staticmethod
     def from_tuple(fields: Sequence[float], rest_flat: Sequence[float] = ()) -> Summary:
@@ -208,17 +214,21 @@ class Summary(NamedTuple):
         if len(fields) != N_FIELDS:
             raise ValueError(f"a Summary has {N_FIELDS} fields, got {len(fields)}")
         rest: Rest = ()
+        sketch = None
         if len(rest_flat):
             sizes = [int(f) for f in rest_flat[:3]]
-            if len(sizes) != 3 or min(sizes) < 0 or 3 + sum(sizes) != len(rest_flat):
+            end = 3 + sum(sizes)
+            if len(sizes) != 3 or min(sizes) < 0 or end > len(rest_flat):
                 raise ValueError(f"a Summary's rest is (len_w, len_ws, len_t, *parts), got {len(rest_flat)} floats")
             start = 3
             parts = []
             for size in sizes:
                 parts.append(tuple(float(f) for f in rest_flat[start : start + size]))
                 start += size
-            rest = tuple(parts)
-        return _new(Summary, (int(fields[0]), *(float(f) for f in fields[1:]), rest))
+            rest = tuple(parts) if end > 3 else ()
+            if end < len(rest_flat):
+                sketch = Sketch.from_ints(rest_flat[end:])
+        return _new(Summary, (int(fields[0]), *(float(f) for f in fields[1:]), rest, sketch))
 
     def _parts(self, which: int) -> tuple[float, ...]:
         """The components of weight (0), wsum (1) or total (2)."""
@@ -229,6 +239,7 @@ class Summary(NamedTuple):
 
 
 N_FIELDS = 12
+SKETCH = 13  # the sketch's index in the tuple
 EMPTY = Summary()
 _NO_REST: Rest = ((), (), ())
 _NO_RESTS: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
@@ -343,6 +354,17 @@ def _dd_div(num: float, num_lo: float, den: float, den_lo: float) -> tuple[float
         return q, 0.0
     p, e = exact.two_product(q, den)
     return q, (((num - p) - e) + num_lo - q * den_lo) / den
+
+
+def _merge_sketches(a: Sketch | None, b: Sketch | None) -> Sketch | None:
+    if b is None:
+        return a
+    return b if a is None else a.merge(b)
+
+
+def with_sketch(summary: Summary, sketch: Sketch | None) -> Summary:
+    """``summary`` carrying ``sketch``."""
+    return _new(Summary, (*summary[:SKETCH], sketch))
 
 
 def _nan_min(a: float, b: float) -> float:

@@ -84,4 +84,6 @@ def _of_block(values: np.ndarray[Any, Any]) -> Summary:
             m2 = float(np.dot(deviations, deviations))
     rest = ((), rest_t, rest_t) if rest_t else ()
     first, last = float(values[0]), float(values[-1])
-    return _new(Summary, (n, float(n), 0.0, total, total_lo, total, total_lo, m2, lowest, highest, first, last, rest))
+    return _new(
+        Summary, (n, float(n), 0.0, total, total_lo, total, total_lo, m2, lowest, highest, first, last, rest, None)
+    )

@@ -73,20 +73,32 @@ def count_worker(rank: int, size: int, port: int, out: Any) -> None:
     """Count torch.distributed calls per steady-state commit for 10 and 1000 metrics."""
     init_gloo(rank, size, port)
     try:
-        names = ("all_gather_single", "all_gather_into_tensor", "all_gather_object", "all_reduce", "broadcast",
-                 "barrier",
-                 "all_gather", "gather", "reduce", "broadcast_object_list", "reduce_scatter")
+        names = (
+            "all_gather_single",
+            "all_gather_into_tensor",
+            "all_gather_object",
+            "all_reduce",
+            "broadcast",
+            "barrier",
+            "all_gather",
+            "gather",
+            "reduce",
+            "broadcast_object_list",
+            "reduce_scatter",
+        )
         calls: dict[str, int] = {}
         sent: dict[str, int] = {}  # bytes of the tensors handed to each kind of call
         import metricbus.dist as mdist
 
         real = {n: getattr(tdist, n) for n in names if hasattr(tdist, n)}
         for n, fn in real.items():
+
             def wrap(*a: Any, _n: str = n, _fn: Any = fn, **k: Any) -> Any:
                 calls[_n] = calls.get(_n, 0) + 1
                 tensors = [t for t in a if hasattr(t, "element_size")]
                 sent[_n] = sent.get(_n, 0) + sum(t.numel() * t.element_size() for t in tensors[-1:])
                 return _fn(*a, **k)
+
             setattr(tdist, n, wrap)
         assert mdist  # the transport looks functions up on torch.distributed at call time
         result = {}
@@ -242,3 +254,37 @@ def review_worker(rank: int, size: int, port: int, scenario: str, out: Any) -> N
     finally:
         tdist.destroy_process_group()
 
+
+def sketch_worker(rank: int, size: int, port: int, out: Any) -> None:
+    """Ten distribution metrics (p50/p99/hist) per rank: the calls and bytes of a steady commit, and the results."""
+    import numpy as np
+
+    init_gloo(rank, size, port)
+    try:
+        calls: dict[str, int] = {}
+        sent: dict[str, int] = {}
+        real = tdist.all_reduce
+
+        def counted(tensor: Any, *a: Any, **k: Any) -> Any:
+            calls["all_reduce"] = calls.get("all_reduce", 0) + 1
+            sent["all_reduce"] = sent.get("all_reduce", 0) + tensor.numel() * tensor.element_size()
+            return real(tensor, *a, **k)
+
+        tdist.all_reduce = counted
+        bus = MetricBus(dist="torch")
+        for i in range(10):
+            bus.define(f"d{i}", ["mean", "p50", "p99", "hist"])
+        rows = []
+        for step in range(3):
+            for i in range(10):
+                rng = np.random.default_rng(1000 * step + 10 * rank + i)
+                bus.log(f"d{i}", rng.lognormal(3.0, 1.0, 64 * (rank + 1)))
+            calls.clear()
+            sent.clear()
+            rows.append(bus.commit(step=step))
+            steady = {"calls": dict(calls), "bytes": sent.get("all_reduce", 0)}
+        bus.close()
+        out.put((rank, {**steady, "rows": rows}))
+    finally:
+        tdist.all_reduce = real
+        tdist.destroy_process_group()

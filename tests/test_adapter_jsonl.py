@@ -12,6 +12,7 @@ from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 
 from metricbus.adapter import RunInfo
 from metricbus.errors import ConfigError
+from metricbus.histogram import Histogram
 from metricbus.journal import adapter_key
 from metricbus.registry import make_adapter
 
@@ -106,9 +107,7 @@ def test_flush_fsyncs_the_file(jsonl_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize(("after_step", "kept"), [(None, 0), (-1, 0), (0, 1), (4, 5), (9, 10), (50, 10)])
-def test_resume_cuts_the_lines_after_the_acknowledged_step(
-    jsonl_path: Path, after_step: int | None, kept: int
-) -> None:
+def test_resume_cuts_the_lines_after_the_acknowledged_step(jsonl_path: Path, after_step: int | None, kept: int) -> None:
     """resume(after_step=N) keeps exactly the lines of steps <= N (None: none); the next writes append after them."""
     _write(JsonlAdapter(path=jsonl_path), _lines(range(10)))
     adapter = JsonlAdapter(path=jsonl_path)
@@ -309,3 +308,66 @@ def test_resume_keeps_both_lines_of_the_acknowledged_step(jsonl_path: Path) -> N
     _write(JsonlAdapter(path=jsonl_path), TRAIN_EVAL)
     JsonlAdapter(path=jsonl_path).resume(after_step=3)
     assert read_jsonl(jsonl_path) == TRAIN_EVAL[:2]
+
+
+HIST = Histogram(
+    9.0,
+    edges=(-0.25, 0.1, 0.123456789, 1e300),
+    counts=(3, 0, 6),
+    quantiles=(("p50", 0.1), ("p90", 0.123456789), ("p99", 1e300)),
+)
+
+
+def test_histogram_is_a_json_object(jsonl_path: Path) -> None:
+    """A Histogram is written as an object of its count, edges, counts and quantiles, next to the plain floats."""
+    _write(JsonlAdapter(path=jsonl_path), [(4, {"loss": 0.5, "len/hist": HIST})])
+    (record,) = [json.loads(line) for line in jsonl_path.read_text(encoding="utf-8").splitlines()]
+    assert record["metrics"] == {
+        "loss": 0.5,
+        "len/hist": {
+            "count": 9.0,
+            "edges": [-0.25, 0.1, 0.123456789, 1e300],
+            "counts": [3, 0, 6],
+            "quantiles": {"p50": 0.1, "p90": 0.123456789, "p99": 1e300},
+        },
+    }
+
+
+def test_histogram_reads_back_as_the_same_histogram(jsonl_path: Path) -> None:
+    """read_jsonl gives back a Histogram with the same count, edges, counts and quantiles (NaN ones too)."""
+    nan_quantiles = Histogram(0.0, edges=(), counts=(), quantiles=(("p50", math.nan), ("p99", math.inf)))
+    _write(JsonlAdapter(path=jsonl_path), [(0, {"h": HIST, "x": 1.5}), (1, {"h": nan_quantiles})])
+    ((_, first), (_, second)) = read_jsonl(jsonl_path)
+    assert isinstance(first["h"], Histogram)
+    assert (float(first["h"]), first["h"].edges, first["h"].counts) == (9.0, HIST.edges, HIST.counts)
+    assert first["h"].quantiles == HIST.quantiles
+    assert first["x"] == 1.5
+    back = second["h"]
+    assert isinstance(back, Histogram)
+    assert (float(back), back.edges, back.counts) == (0.0, (), ())
+    assert [name for name, _ in back.quantiles] == ["p50", "p99"]
+    assert math.isnan(back.quantiles[0][1])
+    assert back.quantiles[1][1] == math.inf
+
+
+def test_edges_and_counts_object_reads_back(jsonl_path: Path) -> None:
+    """An object with only edges and counts reads back as a Histogram of sum(counts) records, no quantiles."""
+    jsonl_path.parent.mkdir()
+    jsonl_path.write_text('{"step":2,"time_unix_ns":1,"metrics":{"h":{"edges":[0,1,2],"counts":[4,1]}}}\n')
+    ((step, metrics),) = read_jsonl(jsonl_path)
+    assert step == 2
+    assert metrics["h"] == Histogram(5.0, edges=(0.0, 1.0, 2.0), counts=(4, 1), quantiles=())
+
+
+def test_resume_cuts_lines_holding_histograms(jsonl_path: Path) -> None:
+    """Lines holding histograms are cut by a resume like any other line."""
+    _write(JsonlAdapter(path=jsonl_path), [(step, {"h": HIST}) for step in range(5)])
+    adapter = JsonlAdapter(path=jsonl_path)
+    adapter.resume(after_step=2)
+    _write(adapter, [(3, {"x": 1.0})])
+    assert [(step, list(metrics)) for step, metrics in read_jsonl(jsonl_path)] == [
+        (0, ["h"]),
+        (1, ["h"]),
+        (2, ["h"]),
+        (3, ["x"]),
+    ]

@@ -7,6 +7,7 @@ import math
 import shutil
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,8 @@ from metricbus.adapters._names import mlflow_key, mlflow_mapper
 from metricbus.adapters.mlflow import DEFAULT_TRACKING_URI, MAX_PARAM_VALUE_CHARS, MlflowAdapter
 
 from metricbus.adapter import RunInfo
-from metricbus.errors import AdapterNotFoundError, ConfigError, MetricValueError
+from metricbus.errors import AdapterNotFoundError, ConfigError, MetricBusWarning, MetricValueError
+from metricbus.histogram import Histogram
 from metricbus.registry import make_adapter
 
 MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
@@ -188,6 +190,68 @@ def test_two_writes_at_one_step_keep_both_parts(sqlite_uri: str) -> None:
     assert adapter.run_id is not None
     assert client.get_run(adapter.run_id).data.metrics == {"train/loss": 1.5, "eval/loss": 2.5, "eval/acc": 0.5}
     assert [_history(client, adapter.run_id, key) for key in ("train/loss", "eval/loss")] == [[(5, 1.5)], [(5, 2.5)]]
+
+
+def _hist(p50: float, p90: float, p99: float) -> Histogram:
+    return Histogram(
+        10.0, edges=(0.0, p50, p99 + 1), counts=(5, 5), quantiles=(("p50", p50), ("p90", p90), ("p99", p99))
+    )
+
+
+def test_histogram_is_logged_as_its_quantiles(sqlite_uri: str) -> None:
+    """A Histogram becomes metrics <key>/p50, /p90, /p99 (not its count), with one warning for the key."""
+    from mlflow.tracking import MlflowClient
+
+    hists = [_hist(1.25, 3.5, 7.0), _hist(0.1, math.nan, 1e300)]
+    adapter = MlflowAdapter(tracking_uri=sqlite_uri)
+    adapter.open(run=RunInfo(project="hist"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, h in enumerate(hists):
+            adapter.write(step=step, metrics={"loss": 0.5 + step, "len/hist": h})
+    adapter.close(status="finished")
+    assert [str(w.message) for w in caught if issubclass(w.category, MetricBusWarning)] == [
+        "MLflow has no histograms, so 'len/hist' is logged as its quantiles 'len/hist/p50', 'len/hist/p90', "
+        "'len/hist/p99'"
+    ]
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    assert adapter.run_id is not None
+    assert set(client.get_run(adapter.run_id).data.metrics) == {"loss", "len/hist/p50", "len/hist/p90", "len/hist/p99"}
+    assert _history(client, adapter.run_id, "loss") == [(0, 0.5), (1, 1.5)]
+    for suffix, _ in hists[0].quantiles:
+        points = _history(client, adapter.run_id, f"len/hist/{suffix}")
+        want = [(step, dict(h.quantiles)[suffix]) for step, h in enumerate(hists)]
+        assert [step for step, _ in points] == [step for step, _ in want]
+        assert all(
+            got == value or (math.isnan(got) and math.isnan(value))
+            for (_, got), (_, value) in zip(points, want, strict=True)
+        )
+
+
+def test_histogram_quantiles_are_mapped_and_warned_per_key(sqlite_uri: str) -> None:
+    """Quantile names go through MLflow's key mapping, and the warning names the mapped keys, once per key."""
+    from mlflow.tracking import MlflowClient
+
+    adapter = MlflowAdapter(tracking_uri=sqlite_uri)
+    adapter.open(run=RunInfo(project="hist-names"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            adapter.write(step=step, metrics={"len?": _hist(1.0, 2.0, 3.0), "other": _hist(4.0, 5.0, 6.0)})
+    adapter.close(status="finished")
+    assert [str(w.message) for w in caught if issubclass(w.category, MetricBusWarning)] == [
+        "MLflow has no histograms, so 'len?' is logged as its quantiles 'len_/p50', 'len_/p90', 'len_/p99'",
+        "MLflow has no histograms, so 'other' is logged as its quantiles 'other/p50', 'other/p90', 'other/p99'",
+    ]
+    assert adapter.run_id is not None
+    assert MlflowClient(tracking_uri=sqlite_uri).get_run(adapter.run_id).data.metrics == {
+        "len_/p50": 1.0,
+        "len_/p90": 2.0,
+        "len_/p99": 3.0,
+        "other/p50": 4.0,
+        "other/p90": 5.0,
+        "other/p99": 6.0,
+    }
 
 
 def test_step_outside_int64_is_refused(sqlite_uri: str) -> None:

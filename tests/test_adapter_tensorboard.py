@@ -22,10 +22,18 @@ import numpy as np
 import pytest
 from backend_env import free_port, get_json, isolate_env, poll_until, start_server, stop_server, wait_http
 from metricbus.adapters.tensorboard import RUN_TEXT_TAG, TensorBoardAdapter, hparams_of
-from tb_reader import legacy_accumulator, multiplexer_accumulator, read_tensors, tensor_points
+from tb_reader import (
+    histogram_points,
+    histogram_rows,
+    legacy_accumulator,
+    multiplexer_accumulator,
+    read_tensors,
+    tensor_points,
+)
 
 from metricbus.adapter import RunInfo
 from metricbus.errors import AdapterNotFoundError, ConfigError
+from metricbus.histogram import Histogram
 from metricbus.registry import make_adapter
 
 HOSTILE = [
@@ -132,6 +140,70 @@ def test_two_writes_at_one_step_both_read_back(tmp_path: Path) -> None:
     adapter.close(status="finished")
     assert read_tensors(tmp_path / "tb", "train/loss") == [(0, 1.0), (1, 2.0), (2, 3.0)]
     assert read_tensors(tmp_path / "tb", "eval/loss") == [(0, 2.0), (1, 3.0), (2, 4.0)]
+
+
+def _hist(counts: tuple[int, ...], edges: tuple[float, ...]) -> Histogram:
+    quantiles = (("p50", edges[len(edges) // 2]), ("p90", edges[-2]), ("p99", edges[-1])) if edges else ()
+    return Histogram(float(sum(counts)), edges=edges, counts=counts, quantiles=quantiles)
+
+
+def _write_histograms(log_dir: Path, rows: list[dict[str, float]]) -> None:
+    adapter = TensorBoardAdapter(log_dir=log_dir)
+    adapter.open(run=_run())
+    for step, metrics in enumerate(rows):
+        adapter.write(step=step, metrics=metrics)
+    adapter.close(status="finished")
+
+
+def test_histogram_reads_back_as_a_histogram(tmp_path: Path) -> None:
+    """A Histogram is a histogram summary: Histograms() gives its right edges and counts exactly, the histogram
+    plugin's rows its [left, right, count] bins; the scalars of the same step stay float64 tensors."""
+    hists = [
+        _hist((3, 0, 5, 1), (-0.3, 0.1, 0.7, 1.1, 2.5)),
+        _hist((1, 1000, 7), (1e-3, 0.123456789, 17.5, 1e9)),
+    ]
+    _write_histograms(tmp_path / "tb", [{"loss": 0.5 + i, "len/hist": h} for i, h in enumerate(hists)])
+    acc = legacy_accumulator(tmp_path / "tb")
+    assert acc.Tags()["histograms"] == ["len/hist"]
+    assert histogram_points(acc, "len/hist") == [(i, list(h.edges[1:]), list(h.counts)) for i, h in enumerate(hists)]
+    for event, h in zip(acc.Histograms("len/hist"), hists, strict=True):
+        assert (event.histogram_value.min, event.histogram_value.max) == (h.edges[0], h.edges[-1])
+        assert event.histogram_value.num == sum(h.counts) == float(h)
+    assert len(acc.CompressedHistograms("len/hist")) == len(hists)
+    assert read_tensors(tmp_path / "tb", "loss") == [(0, 0.5), (1, 1.5)]
+    plugin = multiplexer_accumulator(tmp_path / "tb")
+    assert plugin.SummaryMetadata("len/hist").plugin_data.plugin_name == "histograms"
+    want = [
+        (
+            i,
+            [
+                [np.float32(lo), np.float32(hi), c]
+                for lo, hi, c in zip(h.edges[:-1], h.edges[1:], h.counts, strict=True)
+            ],
+        )
+        for i, h in enumerate(hists)
+    ]
+    assert histogram_rows(plugin, "len/hist") == want
+
+
+def test_histogram_with_empty_outer_bins_keeps_its_edges(tmp_path: Path) -> None:
+    """Empty outermost bins: the plugin (which drops them) still gets the inner bins' exact edges."""
+    h = _hist((0, 0, 4, 0, 2, 0), (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0))
+    _write_histograms(tmp_path / "tb", [{"h": h}])
+    assert histogram_points(legacy_accumulator(tmp_path / "tb"), "h") == [
+        (0, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [0, 0, 4, 0, 2, 0])
+    ]
+    rows = histogram_rows(multiplexer_accumulator(tmp_path / "tb"), "h")
+    assert rows == [(0, [[2.0, 3.0, 4.0], [3.0, 4.0, 0.0], [4.0, 5.0, 2.0]])]
+
+
+def test_empty_histogram_has_no_buckets(tmp_path: Path) -> None:
+    """A Histogram without bins (no finite records) is a histogram of nothing, not an error."""
+    _write_histograms(
+        tmp_path / "tb", [{"h": Histogram(0.0, edges=(), counts=(), quantiles=())}, {"h": _hist((2,), (1.0, 2.0))}]
+    )
+    assert histogram_points(legacy_accumulator(tmp_path / "tb"), "h") == [(0, [], []), (1, [2.0], [2])]
+    assert histogram_rows(multiplexer_accumulator(tmp_path / "tb"), "h") == [(0, []), (1, [[1.0, 2.0, 2.0]])]
 
 
 def test_run_metadata_is_written_as_text(tmp_path: Path) -> None:

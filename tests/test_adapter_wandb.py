@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from metricbus.adapters.wandb import MODES, WandbAdapter
 
 from metricbus.adapter import RunInfo
 from metricbus.errors import AdapterNotFoundError, ConfigError
+from metricbus.histogram import Histogram
 from metricbus.registry import make_adapter
 
 RUN_ID = "20261203-150237-df2645"
@@ -339,11 +340,11 @@ def _metrics(step: int, *, x: float | None = None) -> dict[str, float]:
     return {"x": step + 0.1 if x is None else x, "nan": math.nan, "neg": -0.0}
 
 
-def _killed(adapter: WandbAdapter, steps: range) -> Path:
+def _killed(adapter: WandbAdapter, steps: range, metrics: Callable[[int], dict[str, float]] = _metrics) -> Path:
     """Write ``steps`` and flush, then leave the run folder as a SIGKILL right then would: the closed rows only, no
     exit record, a torn last record. (The run is finished to release wandb's state, then its file is put back.)"""
     for step in steps:
-        adapter.write(step=step, metrics=_metrics(step))
+        adapter.write(step=step, metrics=metrics(step))
     adapter.flush()
     run_dir = _run_dir(adapter)
     (path,) = run_dir.glob("*.wandb")
@@ -406,3 +407,66 @@ def test_resent_step_with_another_value_is_written(tmp_path: Path) -> None:
         (4, {"eval": 0.5}),
     ]
     assert [row["_step"] for row in read_wandb_history(rewound_dir)] == [5, 6]
+
+
+def _hist(counts: list[int], edges: list[float]) -> Histogram:
+    quantiles = (("p50", edges[0]), ("p90", edges[-1]), ("p99", edges[-1])) if edges else ()
+    return Histogram(float(sum(counts)), edges=tuple(edges), counts=tuple(counts), quantiles=quantiles)
+
+
+def _histogram_of(row: dict[str, Any], key: str) -> tuple[Any, list[float], list[float]]:
+    """wandb-core writes a logged histogram as three items, nested keys ``[key, "_type" | "values" | "bins"]``."""
+    return row[f"{key}/_type"], row[f"{key}/values"], row[f"{key}/bins"]
+
+
+def test_histogram_is_logged_in_the_steps_row(tmp_path: Path) -> None:
+    """A Histogram is a wandb histogram (counts and edges exactly) in the same history row as the step's scalars."""
+    hists = [_hist([3, 0, 5], [-0.25, 0.1, 0.7, 1e9]), _hist([1, 1000], [1e-3, 0.123456789, 17.5])]
+    rows = [{"loss": 0.5 + i, "len/hist": h} for i, h in enumerate(hists)]
+    history = read_wandb_history(_offline_run(tmp_path, rows, status="finished"))
+    assert [row["_step"] for row in history] == [0, 2]
+    for row, h in zip(history, hists, strict=True):
+        assert _user(row).keys() == {"loss", "len/hist/_type", "len/hist/values", "len/hist/bins"}
+        assert _histogram_of(row, "len/hist") == ("histogram", list(h.counts), list(h.edges))
+    assert [row["loss"] for row in history] == [0.5, 1.5]
+
+
+def test_histogram_over_wandbs_bin_limit_is_merged(tmp_path: Path) -> None:
+    """More than wandb's 512 bins: neighbouring bins are merged (counts summed, the outer edges kept)."""
+    edges = [i / 8 for i in range(1026)]  # 1025 bins: merged 3 by 3 into 342
+    counts = [i % 7 for i in range(1025)]
+    history = read_wandb_history(_offline_run(tmp_path, [{"h": _hist(counts, edges)}], status="finished"))
+    _, values, bins = _histogram_of(history[0], "h")
+    assert values == [sum(counts[i : i + 3]) for i in range(0, 1025, 3)]
+    assert bins == [*edges[:-1:3], edges[-1]]
+    assert len(values) == 342
+    assert sum(values) == sum(counts)
+
+
+def test_histogram_without_bins_is_not_logged(tmp_path: Path) -> None:
+    """A Histogram without bins (wandb refuses one) is left out; the rest of the row is logged."""
+    empty = Histogram(0.0, edges=(), counts=(), quantiles=())
+    history = read_wandb_history(_offline_run(tmp_path, [{"x": 1.0, "h": empty}, {"h": empty}], status="finished"))
+    assert [(row["_step"], _user(row)) for row in history] == [(0, {"x": 1})]
+
+
+def test_resent_histogram_is_written_once(tmp_path: Path) -> None:
+    """After a resume, a histogram an earlier folder holds at that step is not logged again; a changed one is."""
+
+    def metrics(step: int, *, shift: float = 0.0) -> dict[str, float]:
+        return {"x": step + 0.5, "h": _hist([step, 2], [0.1 + shift, 0.2, 0.3])}
+
+    _killed(first := _open(), range(6), metrics)  # its file holds rows 0..4
+    second = WandbAdapter()
+    second.resume(after_step=1, identity=first.identity)
+    second.open(run=RunInfo(id=RUN_ID))
+    for step in range(2, 7):
+        second.write(step=step, metrics=metrics(step, shift=0.05 if step == 3 else 0.0))
+    second.close(status="finished")
+    history = read_wandb_history(_run_dir(second))
+    assert [(row["_step"], sorted(_user(row))) for row in history] == [
+        (3, ["h/_type", "h/bins", "h/values"]),
+        (5, ["h/_type", "h/bins", "h/values", "x"]),
+        (6, ["h/_type", "h/bins", "h/values", "x"]),
+    ]
+    assert _histogram_of(history[0], "h") == ("histogram", [3, 2], [0.1 + 0.05, 0.2, 0.3])

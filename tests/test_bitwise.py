@@ -1,8 +1,9 @@
 """Live (torch.distributed, R = 1, 2, 4, 8), the driver's ingest and journal replay emit the same bits.
 
 The rank level is an exact merge in every path (see metricbus.rank_level), so the three agree bit for bit on the
-same records split the same way, for every kind, lifted chains, weights, several optimizer updates, values from
-1e-300 to 1e300 and data with a large mean and a tiny spread. Seeds choose the data and the split.
+same records split the same way, for every kind (quantiles and histograms included), lifted chains, weights,
+several optimizer updates, values from 1e-300 to 1e300 and data with a large mean and a tiny spread. Seeds choose
+the data and the split.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from metricbus import Agg, MetricBus
+from metricbus.histogram import Histogram
 from metricbus.journal import read_journal
 from metricbus.replay import emitted
 
@@ -25,6 +27,9 @@ RULES = {
     "tight": ["mean", "std"],
     "wide": ["sum", "mean"],
     "tokens": "sum",
+    "resp": ["mean", "p50", "p90", "p99", "hist"],  # distributions: sketches merge in the same collectives
+    "adv": Agg(micro="mean", rank="p90"),
+    "upd": Agg(micro="p90", update="p50", rank="mean"),
 }
 
 
@@ -45,6 +50,11 @@ def make_plan(seed: int, *, ranks: int, steps: int = 3) -> dict[str, Any]:
                     records.append((update, "tight", [1e6 + 1e-3 * rng.gauss(0, 1) for _ in range(n)], None))
                     records.append((update, "wide", [rng.choice((1e300, -1e-300, 1e-20, 3.0)) for _ in range(n)], None))
                     records.append((update, "tokens", [float(rng.randint(1, 512))], None))
+                    records.append(
+                        (update, "resp", [rng.lognormvariate(5, 1) * rng.choice((1, 1, -1, 0)) for _ in range(n)], None)
+                    )
+                    records.append((update, "adv", [rng.gauss(0.0, 1.0) for _ in range(n)], None))
+                    records.append((update, "upd", [rng.expovariate(1.0) for _ in range(n)], None))
             if rng.random() < 0.3:
                 records = [r for r in records if r[1] != "clip"]  # a rank without a metric
             per_rank.append(records)
@@ -79,8 +89,15 @@ def ingested(plan: dict[str, Any], *, ranks: int, journal: str | None = None) ->
     return rows
 
 
-def bits(rows: list[dict[str, float]]) -> list[dict[str, bytes]]:
-    return [{k: struct.pack("<d", v) for k, v in row.items()} for row in rows]
+def bits(rows: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """Each value's bits (a histogram's edges' bits and counts too)."""
+    return [{k: (struct.pack("<d", v), _histogram_bits(v)) for k, v in row.items()} for row in rows]
+
+
+def _histogram_bits(value: float) -> Any:
+    if not isinstance(value, Histogram):
+        return None
+    return [struct.pack("<d", e) for e in value.edges], value.counts, value.quantiles
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])

@@ -229,7 +229,7 @@ MISTAKES = [
      'metrics["actor/pg_loss"].micro: unknown aggregation \'total\''),
     ({"metrics": {"x": {"mikro": "sum"}}}, 'metrics["x"].mikro: unknown key \'mikro\' (did you mean \'micro\'?)'),
     ({"metrics": {"x": ["mean", "median"]}}, 'metrics["x"][1]: unknown aggregation \'median\''),
-    ({"metrics": {"x": ["mean", {"micro": "sum", "step": "p99"}]}}, 'metrics["x"][1].step: unknown aggregation'),
+    ({"metrics": {"x": ["mean", {"micro": "sum", "step": "p999x"}]}}, 'metrics["x"][1].step: unknown aggregation'),
     ({"metrics": {"x": ["mean", "mean"]}}, 'metrics["x"]: spec list for \'x\' emits x/mean twice'),
     ({"metrics": {"x": []}}, 'metrics["x"]: empty spec list for \'x\'; give at least one kind'),
     ({"metrics": {"x": {"nan": "skip"}}},

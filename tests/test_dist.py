@@ -199,3 +199,29 @@ def test_a_resume_at_an_earlier_step_is_one_timeline_on_every_rank(tmp_path: Pat
     assert list(emitted(replayed)) == [(s, {"x": 1.0 * s + 0.5}) for s in range(5)] + [
         (s, {"x": 100.0 * s + 0.5}) for s in range(5, 8)
     ]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_distributions_ride_the_same_two_collectives(size: int) -> None:
+    """Ten quantile/hist metrics: a steady commit is still two all_reduces, every rank emits the same values, and
+    they are the sketch of all ranks' records together (as one process would compute them)."""
+    import numpy as np
+
+    from metricbus.sketch import Sketch
+
+    results = _spawn(dist_workers.sketch_worker, size)
+    for rank in range(size):
+        assert results[rank]["calls"] == {"all_reduce": 2}
+        assert results[rank]["rows"] == results[0]["rows"]
+    for step, row in enumerate(results[0]["rows"]):
+        for i in range(10):
+            data = np.concatenate(
+                [np.random.default_rng(1000 * step + 10 * r + i).lognormal(3.0, 1.0, 64 * (r + 1)) for r in range(size)]
+            )
+            sketch = Sketch.of_values(data)
+            assert row[f"d{i}/p50"] == sketch.quantile(0.5)
+            assert row[f"d{i}/p99"] == sketch.quantile(0.99)
+            assert row[f"d{i}/hist"].counts == sketch.histogram()[1]
+            assert float(row[f"d{i}/hist"]) == len(data)
+    # the sketches' counts span the data's key range (~35 keys per octave), not the number of ranks
+    assert results[0]["bytes"] < 10 * 8 * (rank_level.NM + rank_level.NS + 4 * 6 + 8 + 35 * 16)

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,8 +24,17 @@ ROWS = 3  # emitted rows per layout; each covers K_OTHER optimizer updates
 R, M, K_OTHER = 2, 4, 3  # the second layout: the naive factors 1/M, R and K all differ
 LAYOUTS = ("1x1x1", f"{R}x{M}x{K_OTHER}")
 REL = 1e-9
-EXACT = ("actor/pg_loss", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
-         "response_length/mean", "response_length/max", "response_length/min", "batch/tokens")
+EXACT = (
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/min",
+    "batch/tokens",
+)
 Rows = list[tuple[int, dict[str, float]]]
 
 
@@ -114,42 +124,65 @@ def test_plot_is_a_readable_png(compare_run: tuple[Path, str]) -> None:
 
 
 def test_backends_hold_the_emitted_values(compare_run: tuple[Path, str]) -> None:
-    """jsonl, TensorBoard (float32), MLflow sqlite and wandb offline hold layout 1x1x1's rows; the console the last."""
+    """jsonl, TensorBoard (float32), MLflow sqlite and wandb offline hold layout 1x1x1's rows; the console the last;
+    the histograms are TensorBoard histograms, wandb histograms, jsonl edges and counts and MLflow quantiles."""
     from metricbus.adapters.console import format_value
     from metricbus.adapters.jsonl import read_jsonl
     from mlflow.tracking import MlflowClient
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.util import tensor_util
+
+    from metricbus.histogram import Histogram
+    from tests.tb_reader import histogram_points, legacy_accumulator, tensor_points
 
     out, stdout = compare_run
     ref = _rows(out / f"layouts/{LAYOUTS[0]}/values.json")
     names = sorted(ref[0][1])
-    expected = {name: [(s, m[name]) for s, m in ref] for name in names}
+    hists = [name for name in names if name.endswith("/hist")]
+    assert hists == ["actor/advantages/hist", "response_length/hist"]
+    scalars = [name for name in names if name not in hists]
+    expected = {name: [(s, m[name]) for s, m in ref] for name in scalars}
 
-    assert read_jsonl(out / "metrics.jsonl") == ref
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert rows == ref
     assert read_jsonl(out / f"layouts/{LAYOUTS[1]}/metrics.jsonl") == _rows(out / f"layouts/{LAYOUTS[1]}/values.json")
+    drawn = {name: [(s, m[name]) for s, m in rows] for name in hists}  # jsonl keeps edges and counts
+    for name in hists:
+        for _, h in drawn[name]:
+            assert isinstance(h, Histogram)
+            assert sum(h.counts) == float(h)
+            assert len(h.edges) == len(h.counts) + 1
 
-    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
-    acc.Reload()
+    acc = legacy_accumulator(out / "tensorboard")
     tags = sorted(t for t in acc.Tags()["tensors"] if acc.SummaryMetadata(t).plugin_data.plugin_name == "scalars")
-    tb = {tag: [(e.step, tensor_util.make_ndarray(e.tensor_proto).item()) for e in acc.Tensors(tag)] for tag in tags}
-    assert tb == expected  # float64, exact
+    assert {tag: tensor_points(acc, tag) for tag in tags} == expected  # float64, exact
+    assert sorted(acc.Tags()["histograms"]) == hists
+    for name in hists:
+        points = histogram_points(acc, name)
+        assert [(step, counts) for step, _, counts in points] == [(s, list(h.counts)) for s, h in drawn[name]]
 
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("metricbus-demo")
     assert experiment is not None
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FINISHED"
-    history = {n: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, n)) for n in names}
+    history = {n: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, n)) for n in scalars}
     assert history == expected
+    for name in hists:  # MLflow has no histograms: their quantiles
+        for suffix in ("p50", "p90", "p99"):
+            got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, f"{name}/{suffix}"))
+            assert got == [(s, dict(h.quantiles)[suffix]) for s, h in drawn[name]]
 
     (run_dir,) = (out / "wandb").glob("offline-run-*")
-    wb: dict[str, list[tuple[int, float]]] = {}
+    wb: dict[str, list[tuple[int, Any]]] = {}
     for row in read_wandb_history(run_dir):
         for key, value in row.items():
             if not key.startswith("_"):
-                wb.setdefault(key, []).append((row["_step"], float(value)))
-    assert dict(sorted(wb.items())) == expected
+                wb.setdefault(key, []).append((row["_step"], value))
+    for name in hists:  # wandb keeps a histogram as its bins and values
+        assert wb.pop(f"{name}/_type") == [(s, "histogram") for s, _ in drawn[name]]
+        assert wb.pop(f"{name}/values") == [(s, list(h.counts)) for s, h in drawn[name]]
+        bins = wb.pop(f"{name}/bins")
+        assert [len(b) for _, b in bins] == [len(h.edges) for _, h in drawn[name]]
+    assert {k: [(s, float(v)) for s, v in pts] for k, pts in sorted(wb.items())} == expected
 
     last_step, last = ref[-1]
     line = next(ln for ln in stdout.splitlines() if re.match(rf"step\s+{last_step} \|", ln))

@@ -33,7 +33,7 @@ def journal_dir(tmp_path: Path) -> Path:
 def test_header_holds_run_rules_and_version(journal_dir: Path) -> None:
     """The header records the format, metricbus version, rank, rules and log_every."""
     journal = read_journal(journal_dir)
-    assert journal.header["format"] == FORMAT_VERSION == 3
+    assert journal.header["format"] == FORMAT_VERSION == 4
     assert journal.header["metricbus"]
     assert journal.log_every == 1
     assert [p for p, _ in journal.rules] == list(RULES)

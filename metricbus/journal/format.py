@@ -1,6 +1,6 @@
 """The journal's byte format: magic, frames, a commit's entries, and the JSON of specs, runs and headers.
 
-File format (version 3), little-endian::
+File format (version 4), little-endian::
 
     magic   b"MBJOURN\\x00"                      8 bytes, once
     frame   <I length> <I crc32(payload)> payload   repeated; payload[0] is the frame type
@@ -28,9 +28,12 @@ addition loses the entries naming it until the next checkpoint of the whole tabl
 file, ~0.5% of it for 50 names). A writer that could not write a commit writes a "G" frame with its next write, so
 the reader reports the hole instead of presenting the journal as complete.
 
-Format 2 has no "G" frames and writes its header and name-table additions once; format 1 has no "R" frames either
-and its chains have four levels (no ``update``). Both are read as they are. A reader refuses newer formats: a
-format-2 reader would read a journal with holes as complete, a format-1 one would skip "R" frames.
+Format 4 adds sketches (the state of the quantile and ``hist`` kinds): an entry with one has its
+``Sketch.to_ints()`` after its rest floats in an "R" frame (``rest_flat()`` says how). Format 3 is format 4 without
+sketches. Format 2 has no "G" frames and writes its header and name-table additions once; format 1 has no "R"
+frames either and its chains have four levels (no ``update``). All are read as they are. A reader refuses newer
+formats: a format-3 reader would take a sketch for damage, a format-2 one would read a journal with holes as
+complete, a format-1 one would skip "R" frames.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from metricbus.adapter import RunInfo
 from metricbus.spec import Chain, Spec, check_nan
 from metricbus.summary import N_FIELDS
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MAGIC = b"MBJOURN\x00"
 SUFFIX = ".mbj"
 FSYNC_MODES = ("commit", "interval", "never")

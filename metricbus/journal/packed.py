@@ -15,6 +15,7 @@ import numpy as np
 
 from metricbus.journal.scan import Names, RawPart, entries_of
 from metricbus.partial import Packed, Partial, from_packed
+from metricbus.sketch import Sketch
 from metricbus.spec import Spec
 from metricbus.summary import Summary
 
@@ -75,16 +76,20 @@ class PackedRows:
         names, specs, known, layout, single, _ = held
         fields = rows["fields"].T
         rests: list[tuple[int, tuple[tuple[float, ...], ...]]] = []
+        sketches: list[tuple[int, Sketch]] = []
         if part.rests:
             kept = range(len(rows)) if known is None else known.tolist()  # type: ignore[attr-defined]
             position = {row: i for i, row in enumerate(kept)}
             for index, flat in part.rests.items():
                 if start <= index < stop and index - start in position:
-                    rest = Summary.from_tuple(rows["fields"][index - start].tolist(), flat).rest
-                    rests.append((position[index - start], rest))
+                    entry = Summary.from_tuple(rows["fields"][index - start].tolist(), flat)
+                    if entry.rest:
+                        rests.append((position[index - start], entry.rest))
+                    if entry.sketch is not None:
+                        sketches.append((position[index - start], entry.sketch))
         if known is not None:
             fields = fields[:, known]
-        return from_packed(Packed(names, specs, fields, tuple(rests), layout, single), frozenset())
+        return from_packed(Packed(names, specs, fields, tuple(rests), layout, single, tuple(sketches)), frozenset())
 
     def _layout(self, table: Names, ids: list[int], key: _Key) -> _Held:
         respec = self._respec

@@ -115,6 +115,7 @@ def entries_of(part: RawPart) -> dict[int, list[Entry]]:
         else:  # Summary.from_tuple without its checks: the fields list becomes the tuple (count back to int)
             fields[0] = int(fields[0])
             fields.append(())
+            fields.append(None)
             summary = _new(Summary, fields)
         entries.append((known[0], known[1], summary))
     return out

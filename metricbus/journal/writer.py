@@ -165,7 +165,7 @@ class JournalWriter:
                 flat.append(rank)
                 flat.append(known[0])
                 flat.extend(fields(summary))
-                if summary.rest:  # a field read: the common entry has none, and pays no call
+                if summary.rest or summary.sketch is not None:  # field reads: the common entry has neither
                     rests.append((n, summary.rest_flat()))
                 n += 1
         flat[1] = n
