@@ -20,9 +20,10 @@ from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT, Accumulator
 from metricbus.errors import MetricTypeError, MetricValueError, SpecError
 from metricbus.partial import Partial, Updates
+from metricbus.sketch import unknown
 from metricbus.spec import NanPolicy, SpecLike, micro_sketch
 from metricbus.spec_table import DEFAULT, SpecTable
-from metricbus.summary import EMPTY, Summary
+from metricbus.summary import EMPTY, Summary, with_sketch
 from metricbus.values import check_finite, is_tensor, to_values, to_weights
 
 _MAX_SHAPES = 256  # dict shapes the log(dict) fast path keeps; others take the validated path
@@ -134,6 +135,8 @@ class Collector:
         elif agg is not None and not held.declared and not table.sealed(name):
             claim = table.own(name, agg)  # the default gives way to a declaration until the first commit
             if claim.spec != held.spec:
+                if acc is not None:
+                    _check_distribution(acc, claim.spec)
                 table.check_outputs(name, claim.spec)
                 table.fix(name, claim)
                 if acc is not None:
@@ -153,11 +156,8 @@ class Collector:
         spec = self.table.specs[acc.name]
         if micro_sketch(spec) and not acc.sketched:
             acc.fold()
-            if acc.state.count:  # records folded without a sketch: a distribution kind could not count them
-                raise SpecError(
-                    f"{acc.name!r} gets spec {spec}, which needs the records' distribution, after {acc.state.count} "
-                    "of its records were reduced without one; declare its spec (define() or agg=) before logging it"
-                )
+            if acc.state.count:  # adopted from another worker: the records reduced so far count as unknown (NaN)
+                acc.state = with_sketch(acc.state, unknown(acc.state.count))
         acc.sketched = micro_sketch(spec)
         acc.spec = spec
         nan = acc.spec.nan or self._nan
@@ -303,3 +303,13 @@ class Collector:
         self.fast = {}
 
 
+def _check_distribution(acc: Accumulator, spec: Any) -> None:
+    """Refuse a declaration whose distribution kinds would miss records already reduced without a sketch."""
+    if micro_sketch(spec) and not acc.sketched:
+        acc.fold()
+        if acc.state.count:
+            raise SpecError(
+                f"{acc.name!r} is declared {spec}, which reads the distribution of its records, after "
+                f"{acc.state.count} of its records were reduced without one; declare its spec (define(), rules= or "
+                "agg= on its first log()) before logging it"
+            )

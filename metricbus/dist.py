@@ -50,7 +50,7 @@ from metricbus.errors import DistributedError, MetricBusWarning, SpecError
 from metricbus.partial import Partial
 from metricbus.ranks import Commit, Exchange, with_specs
 from metricbus.reduce import Column, Ranked, StepReducer, WorkerStates, lift_columns
-from metricbus.sketch import Sketch
+from metricbus.sketch import Sketch, unknown
 from metricbus.spec import Spec
 from metricbus.spec_table import Claim, SpecTable, decide, output_keys
 from metricbus.summary import Summary
@@ -139,6 +139,9 @@ class TorchRanks:
         mine: list[Sketch | None] = [None] * len(sketched)
         for _, c, sketch in block.sketches:
             mine[sketched.index(c)] = sketch
+        for i, c in enumerate(sketched):  # records without a sketch (logged before the spec reached this rank)
+            if mine[i] is None and block.fields[0][0, c] > 0:
+                mine[i] = unknown(int(block.fields[0][0, c]))
         maxima = rank_level.maxima(prep)
         agreed = self._all_reduce(
             np.concatenate(([float(len(payload))], maxima.ravel(), sketch_level.bounds(mine).ravel())), "max"

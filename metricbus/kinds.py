@@ -13,7 +13,7 @@ from functools import lru_cache
 from types import MappingProxyType
 
 from metricbus.histogram import HIST_BINS, HIST_QUANTILES, Histogram
-from metricbus.sketch import Sketch
+from metricbus.sketch import Sketch, unknown
 from metricbus.summary import Summary
 
 Kind = Callable[[Summary], float]
@@ -94,10 +94,9 @@ def kind_of(kind: str) -> Kind:
 
 
 def _sketch_of(s: Summary) -> Sketch:
-    sketch = s.sketch
-    if sketch is None:  # a state that should carry one does not: a bug, never the user's input
-        raise AssertionError("a distribution kind read a state without a sketch")
-    return sketch
+    """The state's sketch; one without (records logged before their distribution spec reached that worker): its
+    records unknown, so the quantiles are NaN."""
+    return s.sketch if s.sketch is not None else unknown(s.count)
 
 
 def _histogram(s: Summary) -> float:

@@ -41,7 +41,7 @@ import numpy as np
 
 from metricbus import exact, extract, fixed, second_moment, sketch_level
 from metricbus.fixed import Array
-from metricbus.sketch import Sketch
+from metricbus.sketch import Sketch, unknown
 from metricbus.summary import N_FIELDS, Rest, Summary, with_sketch
 
 SLOTS = 4  # the exact sums of a column: weight, wsum, total, t
@@ -275,6 +275,11 @@ def merge_collective(block: Block) -> list[Summary | None]:
         rows: dict[int, list[Sketch | None]] = {}
         for r, c, sketch in block.sketches:
             rows.setdefault(r, [None] * len(columns))[columns.index(c)] = sketch
+        for i, c in enumerate(columns):
+            for r in np.flatnonzero(block.fields[0][:, c] > 0).tolist():
+                row = rows.setdefault(r, [None] * len(columns))
+                if row[i] is None:
+                    row[i] = unknown(int(block.fields[0][r, c]))
         bounds = np.max([sketch_level.bounds(row) for row in rows.values()], axis=0)
         summed = np.sum([sketch_level.counts(row, bounds) for row in rows.values()], axis=0)
         attach(out, columns, sketch_level.finish(bounds, summed))
@@ -294,8 +299,17 @@ def _merge_sketches(out: list[Summary | None], block: Block) -> list[Summary | N
         by_column: dict[int, list[Sketch]] = {}
         for _, c, sketch in block.sketches:
             by_column.setdefault(c, []).append(sketch)
+        for c, held in by_column.items():
+            held.extend(missing(block, c))
         attach(out, list(by_column), sketch_level.merge(list(by_column.values())))
     return out
+
+
+def missing(block: Block, column: int) -> list[Sketch]:
+    """The rows of a sketched column that have records but no sketch, as unknown records (see sketch.unknown)."""
+    counts = block.fields[0][:, column]
+    have = {r for r, c, _ in block.sketches if c == column}
+    return [unknown(int(n)) for r, n in enumerate(counts.tolist()) if n > 0 and r not in have]
 
 
 def merge(block: Block) -> list[Summary | None]:

@@ -14,16 +14,18 @@ computed here, vectorized with numpy from the float's bits, because the library 
 **Guarantee.** ``quantile(q)`` reports, for the order statistic ``x_k``, ``k = floor(q·(n−1))`` (0-based, the
 ``method="lower"`` rank of :func:`numpy.quantile`) of the ``n`` records, a value within ``ALPHA·|x_k|`` of it, for
 ``TINY <= |x_k| < HUGE`` (``HUGE`` = 2**64); a zero-bucket record is reported as 0 (error below ``TINY``), and one of
-magnitude ``HUGE`` or more counts in the outermost bucket and is reported as ±``HUGE`` (the bound on memory).
+magnitude ``HUGE`` or more counts in the outermost bucket (the bound on memory) and is reported as that bucket's value,
+±``value_of(MAX_KEY)`` (~0.9915·2**64, within ALPHA of the bucket's records below HUGE).
 ±inf records are reported as ±inf; any NaN record makes every quantile NaN (as ``min``/``max``).
 
 **Memory.** Counts are kept densely between a sketch's lowest and highest key, per sign: at most
-``2 · (MAX_KEY − MIN_KEY + 1)`` = 8,962 counts (70 KB) whatever the number of records; data spanning three decades
+``2 · (MAX_KEY − MIN_KEY + 1)`` = 8,960 counts (70 KB) whatever the number of records; data spanning three decades
 uses ~350 counts.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +42,7 @@ TINY = 2.0**-64
 HUGE = 2.0**64
 _ONE = 0x3FF0000000000000  # the exponent bits of [1, 2)
 _MANTISSA = 0x000FFFFFFFFFFFFF
+MAX_KEYS = 4480  # MAX_KEY - MIN_KEY + 1: the keys of one sign (value_of remembers each one it computed)
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
 
@@ -47,9 +50,30 @@ _EMPTY.flags.writeable = False
 def keys(magnitudes: Array, *, below_huge: bool = False) -> Array:
     """The bucket keys of positive finite float64 ``magnitudes`` of TINY or more (ddsketch's cubic mapping, offset
     0, its operations in its order; those of ``HUGE`` or more get ``MAX_KEY``), minus ``MIN_KEY`` (so >= 0).
-    ``below_huge``: the caller knows every magnitude is below HUGE."""
+    ``below_huge``: the caller knows every magnitude is below HUGE.
+
+    Most keys come from a table of *cells* (an exponent and the top ``_CELL_BITS`` bits of the significand): a cell
+    whose every value has one key holds it; the rest (~3% of the cells, those a bucket boundary crosses) are
+    computed by :func:`exact_keys`, so the result is exact_keys' bit for bit (tests/test_sketch.py)."""
     if not below_huge and len(magnitudes) and magnitudes.max() >= HUGE:
         magnitudes = np.minimum(magnitudes, HUGE)
+    bits = np.ascontiguousarray(magnitudes).view(np.int64)
+    cell = bits >> (52 - _CELL_BITS)
+    cell -= _FIRST_CELL
+    found = _cells()[cell]
+    crossed = np.flatnonzero(found < 0)
+    if len(crossed):
+        found[crossed] = exact_keys(magnitudes[crossed])
+    return found
+
+
+def exact_keys(magnitudes: Array) -> Array:
+    """:func:`keys` computed for every value (the cubic's operations, vectorized)."""
+    return _keys_of_scaled(_scaled(magnitudes))
+
+
+def _scaled(magnitudes: Array) -> Array:
+    """``log_gamma`` of each magnitude: the cubic's log2 times MULTIPLIER, before the ceiling (a new array)."""
     bits = np.ascontiguousarray(magnitudes).view(np.int64)
     # frexp(x) = (m, e) with 2m - 1 = the significand's fraction f, and e - 1 = the unbiased exponent E - 1023.
     # Integers move between int64 and float64 through their bits (exact below 2**51; twice as fast as astype).
@@ -68,11 +92,37 @@ def keys(magnitudes: Array, *, below_huge: bool = False) -> Array:
     unbiased -= _TWO_52 + 1023.0  # E - 1023, exactly
     log2 += unbiased
     log2 *= MULTIPLIER
+    return log2
+
+
+def _keys_of_scaled(log2: Array) -> Array:
     np.ceil(log2, out=log2)
     log2 += _ROUNDER  # the key, now in the low bits
     found = log2.view(np.int64)
     found -= _ROUNDER_BITS + _MIN_KEY
     return found
+
+
+_CELL_BITS = 10  # a cell: an exponent and this many top bits of the significand
+_FIRST_CELL = (1023 - 64) << _CELL_BITS  # the cell of TINY (2**-64)
+_MARGIN = 1e-9  # a cell's scaled logarithms must stay this far inside one key's interval (rounding is ~1e-12)
+_TABLE: list[Array] = []  # the cell table, built on first use
+
+
+def _cells() -> Array:
+    """Per cell from TINY's to HUGE's: its one key (minus MIN_KEY), or -1 where a key boundary crosses it."""
+    if _TABLE:
+        return _TABLE[0]
+    first = np.arange(_FIRST_CELL, ((1023 + 64) << _CELL_BITS) + 1, dtype=np.int64)
+    lowest = (first << (52 - _CELL_BITS)).view(np.float64)
+    highest = (((first + 1) << (52 - _CELL_BITS)) - 1).view(np.float64)
+    low, high = _scaled(lowest), _scaled(highest)
+    key = np.ceil(high)
+    inside = (np.ceil(low) == key) & (low - (key - 1.0) > _MARGIN) & (key - high > _MARGIN)
+    table = np.where(inside, key - _MIN_KEY, -1.0).astype(np.int16)  # keys - MIN_KEY < 2**15: a 264 KB table
+    table.flags.writeable = False
+    _TABLE.append(table)
+    return table
 
 
 _TWO_52 = 2.0**52
@@ -84,7 +134,7 @@ _MIN_KEY = -2239  # MIN_KEY (checked below)
 
 def key_of(magnitude: float) -> int:
     """The bucket key of one value (:func:`keys` without the shift)."""
-    return int(keys(np.array([magnitude], dtype=np.float64))[0] + _MIN_KEY)
+    return int(exact_keys(np.array([min(magnitude, HUGE)], dtype=np.float64))[0] + _MIN_KEY)
 
 
 MIN_KEY = key_of(TINY)
@@ -92,6 +142,7 @@ MAX_KEY = key_of(HUGE)
 assert MIN_KEY == _MIN_KEY
 
 
+@functools.lru_cache(maxsize=MAX_KEYS)
 def value_of(key: int) -> float:
     """The value a bucket reports: ddsketch's ``value(key)``, within ALPHA of every magnitude with that key."""
     target = key / MULTIPLIER
@@ -102,10 +153,6 @@ def value_of(key: int) -> float:
     cardano = -(abs(inner) ** (1.0 / 3.0)) if inner < 0 else inner ** (1.0 / 3.0)
     significand_plus_one = -(_B + cardano + delta_0 / cardano) / (3.0 * _A) + 1.0
     return math.ldexp(significand_plus_one / 2, exponent + 1) * (2.0 / (1.0 + GAMMA))
-
-
-def _reported(key: int) -> float:
-    return value_of(key) if key < MAX_KEY else HUGE
 
 
 def lower_of(key: int) -> float:
@@ -132,6 +179,7 @@ class Sketch:
     pos: Array = field(default_factory=lambda: _EMPTY)
     neg_lo: int = 0
     neg: Array = field(default_factory=lambda: _EMPTY)
+    _cumulative: Array = field(default=None, init=False, repr=False)  # ordered()'s running sum, made on first use
 
     @staticmethod
     def of_values(values: Array) -> Sketch:
@@ -161,6 +209,9 @@ class Sketch:
     @property
     def count(self) -> int:
         """The number of records."""
+        cumulative = self._cumulative
+        if cumulative is not None:
+            return int(cumulative[-1]) + self.nan
         return self.zero + self.nan + self.inf + self.ninf + int(self.pos.sum()) + int(self.neg.sum())
 
     def merge(self, other: Sketch) -> Sketch:
@@ -205,12 +256,12 @@ class Sketch:
             return -math.inf, -math.inf, -math.inf
         if position <= n_neg:
             key = self.neg_lo + n_neg - position
-            return -upper_of(key), -lower_of(key), -_reported(key)
+            return -upper_of(key), -lower_of(key), -value_of(key)
         if position == n_neg + 1:
             return -TINY, TINY, 0.0
         if position <= n_neg + 1 + len(self.pos):
             key = self.pos_lo + position - n_neg - 2
-            return lower_of(key), upper_of(key), _reported(key)
+            return lower_of(key), upper_of(key), value_of(key)
         return math.inf, math.inf, math.inf
 
     def quantile(self, q: float) -> float:
@@ -219,7 +270,11 @@ class Sketch:
         if n == 0 or self.nan:
             return math.nan
         rank = math.floor(q * (n - 1))
-        return self.span(int(np.searchsorted(np.cumsum(self.ordered()), rank, side="right")))[2]
+        cumulative = self._cumulative
+        if cumulative is None:
+            cumulative = np.cumsum(self.ordered())
+            object.__setattr__(self, "_cumulative", cumulative)  # a cache of frozen data: the sketch stays frozen
+        return self.span(int(np.searchsorted(cumulative, rank, side="right")))[2]
 
     def histogram(self, *, bins: int = 64) -> tuple[tuple[float, ...], tuple[int, ...]]:
         """``(edges, counts)``: the positions from the lowest to the highest finite one that holds records, in at
@@ -255,6 +310,13 @@ class Sketch:
 
 
 EMPTY_SKETCH = Sketch()
+
+
+def unknown(count: int) -> Sketch:
+    """The sketch of ``count`` records whose values it never saw (a state that reached a distribution kind without
+    its sketch: see the README's "Distributions"): they count as NaN, so the quantiles are NaN, never a quantile of
+    part of the records."""
+    return Sketch(nan=count)
 
 
 def make(head: tuple[int, int, int, int], pos_lo: int, pos: Array, neg_lo: int, neg: Array) -> Sketch:
@@ -315,3 +377,6 @@ def _add_many(parts: list[tuple[int, Array]]) -> tuple[int, Array]:
     for start, counts in parts:
         out[start - lo : start - lo + len(counts)] += counts
     return _trim(lo, out)
+
+
+assert MAX_KEYS == MAX_KEY - MIN_KEY + 1

@@ -28,7 +28,7 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from metricbus import exact
-from metricbus.sketch import Sketch
+from metricbus.sketch import Sketch, unknown
 
 _INF = math.inf
 _NAN = math.nan
@@ -147,7 +147,7 @@ class Summary(NamedTuple):
                 self.first,
                 other.last,
                 (rest_w, rest_ws, rest_t) if rest_w or rest_ws or rest_t else (),
-                _merge_sketches(self.sketch, other.sketch),
+                _merge_sketches(self, other) if self.sketch is not None or other.sketch is not None else None,
             ),
         )
 
@@ -356,10 +356,9 @@ def _dd_div(num: float, num_lo: float, den: float, den_lo: float) -> tuple[float
     return q, (((num - p) - e) + num_lo - q * den_lo) / den
 
 
-def _merge_sketches(a: Sketch | None, b: Sketch | None) -> Sketch | None:
-    if b is None:
-        return a
-    return b if a is None else a.merge(b)
+def _merge_sketches(a: Summary, b: Summary) -> Sketch:
+    """The sketch of both (one has one): the other's records, if it has none, count as unknown (NaN)."""
+    return (a.sketch or unknown(a.count)).merge(b.sketch or unknown(b.count))
 
 
 def with_sketch(summary: Summary, sketch: Sketch | None) -> Summary:
