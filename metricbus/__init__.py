@@ -21,7 +21,10 @@ from metricbus.errors import (
     SpecError,
     StepError,
 )
+from metricbus.histogram import Histogram
+from metricbus.kinds import quantile
 from metricbus.partial import Partial
+from metricbus.sketch import Sketch
 from metricbus.spec import Agg
 from metricbus.summary import Summary
 
@@ -33,6 +36,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "DistributedError",
+    "Histogram",
     "JournalError",
     "JournalWarning",
     "MetricBus",
@@ -42,8 +46,10 @@ __all__ = [
     "MetricValueError",
     "Partial",
     "RunInfo",
+    "Sketch",
     "SpecError",
     "StepError",
     "Summary",
     "__version__",
+    "quantile",
 ]

@@ -288,3 +288,20 @@ def sketch_worker(rank: int, size: int, port: int, out: Any) -> None:
     finally:
         tdist.all_reduce = real
         tdist.destroy_process_group()
+
+
+def late_sketch_worker(rank: int, size: int, port: int, out: Any) -> None:
+    """Rank 0 declares 'x' with p50; the others log it under the default: two commits' results."""
+    init_gloo(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch")
+        if rank == 0:
+            bus.define("x", ["mean", "p50"])
+        rows = []
+        for step in range(2):
+            bus.log("x", [float(rank + 1), float(rank + 2 + step)])
+            rows.append(bus.commit(step=step))
+        bus.close()
+        out.put((rank, rows))
+    finally:
+        tdist.destroy_process_group()

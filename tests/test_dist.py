@@ -225,3 +225,17 @@ def test_distributions_ride_the_same_two_collectives(size: int) -> None:
             assert float(row[f"d{i}/hist"]) == len(data)
     # the sketches' counts span the data's key range (~35 keys per octave), not the number of ranks
     assert results[0]["bytes"] < 10 * 8 * (rank_level.NM + rank_level.NS + 4 * 6 + 8 + 35 * 16)
+
+
+def test_a_rank_that_logged_before_a_distribution_was_declared_gives_nan_quantiles_once() -> None:
+    """Rank 1 logs 'x' under the default while rank 0 declares ["mean", "p50"]: at the first commit rank 1 kept no
+    sketch, so p50 is NaN on every rank (never the quantile of rank 0's records alone); from the next commit rank 1
+    keeps one and p50 is the sketch's over both ranks."""
+    from metricbus.sketch import Sketch
+
+    results = _spawn(dist_workers.late_sketch_worker, 2)
+    first, second = results[0]
+    assert repr(results[1]) == repr(results[0])  # NaN included
+    assert first["x/mean"] == 2.0
+    assert math.isnan(first["x/p50"])
+    assert second["x/p50"] == Sketch.of_values([1.0, 3.0, 2.0, 4.0]).quantile(0.5)

@@ -365,3 +365,14 @@ def test_a_default_that_gives_way_to_a_driver_declaration_gives_nan_quantiles() 
     driver.close()
     assert out["x/mean"] == 2.0
     assert math.isnan(out["x/p50"])
+
+
+def test_a_config_file_declares_distribution_kinds() -> None:
+    """A config's metrics section takes quantile(q), pNN and hist like any kind."""
+    bus = MetricBus.from_config({"metrics": {"x": ["mean", "quantile(0.9)", "p99.9", "hist"]}, "adapters": []})
+    bus.log("x", [1.0, 2.0, 3.0, 4.0])
+    out = bus.commit()
+    bus.close()
+    assert sorted(out) == ["x/hist", "x/mean", "x/p90", "x/p99.9"]
+    assert isinstance(out["x/hist"], Histogram)
+    assert float(out["x/hist"]) == 4.0
