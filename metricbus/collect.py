@@ -136,7 +136,7 @@ class Collector:
             claim = table.own(name, agg)  # the default gives way to a declaration until the first commit
             if claim.spec != held.spec:
                 if acc is not None:
-                    _check_distribution(acc, claim.spec)
+                    self._check_distribution(acc, claim.spec)
                 table.check_outputs(name, claim.spec)
                 table.fix(name, claim)
                 if acc is not None:
@@ -184,14 +184,21 @@ class Collector:
             if acc.nan == "error" and not np.isfinite(flat).all():
                 check_finite(metric, flat.tolist())  # raises, naming the first non-finite value
             return flat, None
-        if is_tensor(raw) and not raw.is_complex() and not acc.sketched:  # a distribution: bucketed on the host
+        if is_tensor(raw) and not raw.is_complex():
             from metricbus.tensors import check_device
 
             check_device(metric, raw)
-            if is_tensor(weight):
+            if acc.sketched and weight is None:  # a distribution: its values are bucketed on the host (one copy)
+                flat = np.array(raw.detach().reshape(-1).double().cpu().numpy(), dtype=np.float64)  # our own copy
+                if acc.nan == "error" and not np.isfinite(flat).all():
+                    check_finite(metric, flat.tolist())
+                return flat, None
+            if acc.sketched:  # a distribution with weights: the host records path below
+                pass
+            elif is_tensor(weight):
                 check_device(metric, weight, "weight")
                 return raw, weight  # device tensors: accumulated on device, no host sync
-            if weight is None or type(weight) in (int, float):
+            elif weight is None or type(weight) in (int, float):
                 to_weights(metric, weight, 1, 0.0)  # a scalar weight: checked now
                 return raw, weight
         values = to_values(metric, raw)
@@ -199,6 +206,21 @@ class Collector:
         if acc.nan == "error":
             check_finite(metric, values)
         return values, weights
+
+    def _check_distribution(self, acc: Accumulator, spec: Any) -> None:
+        """Refuse a declaration whose distribution kinds would miss records already reduced without a sketch (in
+        the current update, an update already ended, or on the device)."""
+        if not micro_sketch(spec) or acc.sketched:
+            return
+        acc.fold()
+        reduced = acc.state.count + sum(update[acc.name].count for update in self._done if acc.name in update)
+        on_device = self._device is not None and acc.name in self._device.names()
+        if reduced or on_device:
+            held = f"{reduced} of its records were" if reduced else "its tensor records were"
+            raise SpecError(
+                f"{acc.name!r} is declared {spec}, which reads the distribution of its records, after {held} "
+                "reduced without one; declare its spec (define(), rules= or agg= on its first log()) before logging it"
+            )
 
     def _forget(self, names: list[str]) -> None:
         for name in names:
@@ -302,14 +324,3 @@ class Collector:
         """Drop the fast path (the bus is closed)."""
         self.fast = {}
 
-
-def _check_distribution(acc: Accumulator, spec: Any) -> None:
-    """Refuse a declaration whose distribution kinds would miss records already reduced without a sketch."""
-    if micro_sketch(spec) and not acc.sketched:
-        acc.fold()
-        if acc.state.count:
-            raise SpecError(
-                f"{acc.name!r} is declared {spec}, which reads the distribution of its records, after "
-                f"{acc.state.count} of its records were reduced without one; declare its spec (define(), rules= or "
-                "agg= on its first log()) before logging it"
-            )

@@ -137,8 +137,10 @@ class TorchRanks:
         prep = rank_level.prepare(block)
         sketched = self._sketched  # the layout of this commit (the agreement may extend it)
         mine: list[Sketch | None] = [None] * len(sketched)
+        where = {c: i for i, c in enumerate(sketched)}
         for _, c, sketch in block.sketches:
-            mine[sketched.index(c)] = sketch
+            if c in where:  # a sketch of a column the agreed spec does not sketch (this rank's own rule) is not sent
+                mine[where[c]] = sketch
         for i, c in enumerate(sketched):  # records without a sketch (logged before the spec reached this rank)
             if mine[i] is None and block.fields[0][0, c] > 0:
                 mine[i] = unknown(int(block.fields[0][0, c]))

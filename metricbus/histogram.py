@@ -9,6 +9,7 @@ float, which the adapters' ``write(step=, metrics=)`` protocol promises.)
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 HIST_BINS = 64  # the most bins an emitted histogram has (sketch buckets are grouped into them)
@@ -49,13 +50,17 @@ class Histogram(float):
         return f"Histogram(count={float(self):g}, bins={len(self.counts)})"
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Histogram):
-            same = (self.edges, self.counts, self.quantiles) == (other.edges, other.counts, other.quantiles)
-            return same and float(self) == float(other)
+        if isinstance(other, Histogram):  # bit for bit: a NaN quantile equals a NaN quantile
+            return _bits(self) == _bits(other)
         return float.__eq__(self, other)
 
     def __hash__(self) -> int:
         return float.__hash__(self)
+
+
+def _bits(h: Histogram) -> tuple[object, ...]:
+    floats = (float(h), *h.edges, *(q for _, q in h.quantiles))
+    return struct.pack(f"<{len(floats)}d", *floats), h.counts, tuple(name for name, _ in h.quantiles)
 
 
 def _rebuild(

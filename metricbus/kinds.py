@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
 from functools import lru_cache
 from types import MappingProxyType
 
@@ -46,15 +47,20 @@ KIND_HELP: tuple[str, ...] = (
     "quantile(q)",
     HIST,
 )  # every kind, as messages list them
-_PERCENT = re.compile(r"p(\d{1,2}(?:\.\d+)?|100)")
+_PERCENT = re.compile(r"p(\d+(?:\.\d+)?)")
 _FRACTION = re.compile(r"quantile\(\s*([0-9.eE+-]+)\s*\)")
 
 
 def quantile(q: float) -> str:
     """The kind of the ``q`` quantile (``0 <= q <= 1``): ``quantile(0.9)`` is ``"p90"``, usable in any spec."""
-    if not (isinstance(q, (int, float)) and 0.0 <= q <= 1.0):
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
         raise ValueError(f"quantile(q) takes 0 <= q <= 1, got {q!r}")
-    return f"p{round(q * 100, 10):g}"
+    return _percent(Decimal(repr(float(q))) * 100)
+
+
+def _percent(percent: Decimal) -> str:
+    """``p`` and the percentage with every digit it has, no exponent and no trailing zero (``p99.99999``)."""
+    return "p" + format(percent.normalize(), "f")
 
 
 def canonical(kind: object) -> str | None:
@@ -66,13 +72,13 @@ def canonical(kind: object) -> str | None:
     match = _FRACTION.fullmatch(kind)
     if match:
         try:
-            q = float(match.group(1))
-        except ValueError:
+            q = Decimal(match.group(1))
+        except InvalidOperation:
             return None
-        return quantile(q) if 0.0 <= q <= 1.0 else None
+        return _percent(q * 100) if q.is_finite() and 0 <= q <= 1 else None
     match = _PERCENT.fullmatch(kind)
-    if match and float(match.group(1)) <= 100.0:
-        return f"p{float(match.group(1)):g}"
+    if match and Decimal(match.group(1)) <= 100:
+        return _percent(Decimal(match.group(1)))
     return None
 
 
@@ -89,7 +95,7 @@ def kind_of(kind: str) -> Kind:
         return held
     if kind == HIST:
         return _histogram
-    q = float(kind[1:]) / 100.0
+    q = float(Decimal(kind[1:]) / 100)  # the fraction nearest to the decimal percentage
     return lambda s: _sketch_of(s).quantile(q)
 
 
@@ -103,4 +109,5 @@ def _histogram(s: Summary) -> float:
     sketch = _sketch_of(s)
     edges, counts = sketch.histogram(bins=HIST_BINS)
     quantiles = tuple((name, sketch.quantile(q)) for name, q in HIST_QUANTILES)
-    return Histogram(float(sketch.count - sketch.nan), edges=edges, counts=counts, quantiles=quantiles)
+    # the number is every record; NaN (and unknown) records have no bin, so the bins then hold fewer
+    return Histogram(float(sketch.count), edges=edges, counts=counts, quantiles=quantiles)

@@ -299,17 +299,24 @@ def _merge_sketches(out: list[Summary | None], block: Block) -> list[Summary | N
         by_column: dict[int, list[Sketch]] = {}
         for _, c, sketch in block.sketches:
             by_column.setdefault(c, []).append(sketch)
-        for c, held in by_column.items():
-            held.extend(missing(block, c))
-        attach(out, list(by_column), sketch_level.merge(list(by_column.values())))
+        columns = list(by_column)
+        for c, found in zip(columns, missing(block, columns), strict=True):
+            by_column[c].extend(found)
+        attach(out, columns, sketch_level.merge(list(by_column.values())))
     return out
 
 
-def missing(block: Block, column: int) -> list[Sketch]:
-    """The rows of a sketched column that have records but no sketch, as unknown records (see sketch.unknown)."""
-    counts = block.fields[0][:, column]
-    have = {r for r, c, _ in block.sketches if c == column}
-    return [unknown(int(n)) for r, n in enumerate(counts.tolist()) if n > 0 and r not in have]
+def missing(block: Block, columns: list[int]) -> list[list[Sketch]]:
+    """Per sketched column: its rows that have records but no sketch, as unknown records (see sketch.unknown)."""
+    counts = block.fields[0][:, columns]  # (R, len(columns))
+    held = np.zeros(counts.shape, dtype=bool)
+    at = {c: i for i, c in enumerate(columns)}
+    rows = [r for r, _, _ in block.sketches]
+    held[rows, [at[c] for _, c, _ in block.sketches]] = True
+    lacking = (counts > 0) & ~held
+    if not lacking.any():
+        return [[] for _ in columns]
+    return [[unknown(int(n)) for n in counts[lacking[:, i], i].tolist()] for i in range(len(columns))]
 
 
 def merge(block: Block) -> list[Summary | None]:

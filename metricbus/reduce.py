@@ -23,7 +23,7 @@ from typing import Any
 
 from metricbus.kinds import Kind, is_sketch, kind_of
 from metricbus.sketch import Sketch
-from metricbus.spec import Spec, micro_sketch
+from metricbus.spec import Spec
 from metricbus.summary import Summary, with_sketch
 
 WorkerStates = dict[str, tuple[Summary, ...]]  # metric -> its update-level states, in state_keys(spec) order
@@ -114,10 +114,12 @@ def state_keys(spec: Spec) -> list[str]:
 
 
 def state_sketches(spec: Spec) -> list[bool]:
-    """Per state key (:func:`state_keys`): whether its states carry a sketch (``""``: the micro summaries carry one
-    where a micro kind is a distribution; a lifted key: where an update kind reading it is one)."""
+    """Per state key (:func:`state_keys`): whether its states carry a sketch (``""``: where a chain that merges the
+    micro summaries has a distribution kind; a lifted key: where an update kind reading it is one). The micro
+    summaries carry one whenever any micro kind is a distribution (:func:`metricbus.spec.micro_sketch`); a ``""``
+    state that no distribution kind reads drops it (see :func:`worker_state`)."""
     return [
-        micro_sketch(spec)
+        any(is_sketch(c.micro) for c in spec.chains if c.micro == c.update)
         if key == ""
         else any(is_sketch(c.update) for c in spec.chains if c.micro == key and c.update != c.micro)
         for key in state_keys(spec)
@@ -132,6 +134,8 @@ def worker_state(keys: Iterable[str], updates: Sequence[Summary], sketches: Sequ
             state = updates[0]
             for part in updates[1:]:
                 state = state.merge(part)
+            if not sketched and state.sketch is not None:  # only a lifted key's micro kind reads the sketch
+                state = with_sketch(state, None)
         else:
             kind = kind_of(key)
             state = lift(kind(updates[0]), sketched=sketched)

@@ -180,12 +180,14 @@ def replay(
     journal = _open(source)
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     info = run or journal.run
+    stream = emitted(journal, rules=items, steps=steps, progress=progress)
+    first = next(stream, None)  # a rule the journal cannot serve (its first commit's names) fails before any open
     for adapter in adapters:
         adapter.open(run=info)
     sent = 0
     status: Any = "failed"
     try:
-        for step, metrics in emitted(journal, rules=items, steps=steps, progress=progress):
+        for step, metrics in itertools.chain([first] if first is not None else [], stream):
             for adapter in adapters:
                 adapter.write(step=step, metrics=metrics)
             sent += 1

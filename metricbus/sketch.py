@@ -106,13 +106,9 @@ def _keys_of_scaled(log2: Array) -> Array:
 _CELL_BITS = 10  # a cell: an exponent and this many top bits of the significand
 _FIRST_CELL = (1023 - 64) << _CELL_BITS  # the cell of TINY (2**-64)
 _MARGIN = 1e-9  # a cell's scaled logarithms must stay this far inside one key's interval (rounding is ~1e-12)
-_TABLE: list[Array] = []  # the cell table, built on first use
-
-
+@functools.cache  # built on first use (two threads may both build it: the same table, harmless)
 def _cells() -> Array:
     """Per cell from TINY's to HUGE's: its one key (minus MIN_KEY), or -1 where a key boundary crosses it."""
-    if _TABLE:
-        return _TABLE[0]
     first = np.arange(_FIRST_CELL, ((1023 + 64) << _CELL_BITS) + 1, dtype=np.int64)
     lowest = (first << (52 - _CELL_BITS)).view(np.float64)
     highest = (((first + 1) << (52 - _CELL_BITS)) - 1).view(np.float64)
@@ -121,7 +117,6 @@ def _cells() -> Array:
     inside = (np.ceil(low) == key) & (low - (key - 1.0) > _MARGIN) & (key - high > _MARGIN)
     table = np.where(inside, key - _MIN_KEY, -1.0).astype(np.int16)  # keys - MIN_KEY < 2**15: a 264 KB table
     table.flags.writeable = False
-    _TABLE.append(table)
     return table
 
 

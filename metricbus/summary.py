@@ -216,10 +216,7 @@ class Summary(NamedTuple):
         rest: Rest = ()
         sketch = None
         if len(rest_flat):
-            sizes = [int(f) for f in rest_flat[:3]]
-            end = 3 + sum(sizes)
-            if len(sizes) != 3 or min(sizes) < 0 or end > len(rest_flat):
-                raise ValueError(f"a Summary's rest is (len_w, len_ws, len_t, *parts), got {len(rest_flat)} floats")
+            sizes, end = rest_layout(rest_flat)
             start = 3
             parts = []
             for size in sizes:
@@ -245,6 +242,20 @@ _NO_REST: Rest = ((), (), ())
 _NO_RESTS: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
 _HI_LO = (attrgetter("weight", "weight_lo"), attrgetter("wsum", "wsum_lo"), attrgetter("total", "total_lo"))
 _new = tuple.__new__  # builds a Summary from a ready tuple without NamedTuple's argument parsing
+
+
+def rest_layout(rest_flat: Sequence[float]) -> tuple[list[int], int]:
+    """The three component counts of a :meth:`Summary.rest_flat` and where its sketch starts; raise ValueError if
+    the lengths do not agree (what a reader checks without building the Summary)."""
+    sizes = [int(f) for f in rest_flat[:3]]
+    end = 3 + sum(sizes)
+    if len(sizes) != 3 or min(sizes) < 0 or end > len(rest_flat):
+        raise ValueError(f"a Summary's rest is (len_w, len_ws, len_t, *parts), got {len(rest_flat)} floats")
+    if end < len(rest_flat):
+        head = [int(f) for f in rest_flat[end : end + 8]]
+        if len(head) < 8 or min(head[5], head[7]) < 0 or end + 8 + head[5] + head[7] != len(rest_flat):
+            raise ValueError(f"a Summary's sketch is 8 integers and its counts, got {len(rest_flat) - end} floats")
+    return sizes, end
 
 
 def split_parts(parts: tuple[float, ...]) -> tuple[float, float, tuple[float, ...]]:

@@ -305,3 +305,24 @@ def late_sketch_worker(rank: int, size: int, port: int, out: Any) -> None:
         out.put((rank, rows))
     finally:
         tdist.destroy_process_group()
+
+
+def late_rule_worker(rank: int, size: int, port: int, out: Any) -> None:
+    """Rank 0 commits 'x' under the default; rank 1 (a rule: p90) logs it at the next step: what each rank raises."""
+    from metricbus.errors import DistributedError
+
+    init_gloo(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch", rules={"x": "p90"} if rank == 1 else None)
+        raised = ""
+        try:
+            for step in range(2):
+                if (rank, step) != (1, 0):
+                    bus.log("x", float(rank + step))
+                bus.commit(step=step)
+        except DistributedError as exc:
+            raised = str(exc)
+        bus.close(status="failed")
+        out.put((rank, raised))
+    finally:
+        tdist.destroy_process_group()

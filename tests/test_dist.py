@@ -239,3 +239,11 @@ def test_a_rank_that_logged_before_a_distribution_was_declared_gives_nan_quantil
     assert first["x/mean"] == 2.0
     assert math.isnan(first["x/p50"])
     assert second["x/p50"] == Sketch.of_values([1.0, 3.0, 2.0, 4.0]).quantile(0.5)
+
+
+def test_a_ranks_distribution_rule_against_a_committed_default_raises_on_every_rank() -> None:
+    """Rank 1's rule gives 'x' p90 after rank 0 committed it under the default: a DistributedError naming 'x' on
+    every rank (rank 1's sketch of a column the agreement does not sketch is never sent)."""
+    results = _spawn(dist_workers.late_rule_worker, 2)
+    for rank in range(2):
+        assert "'x'" in results[rank], results

@@ -163,10 +163,11 @@ def test_hist_emits_a_histogram_of_the_records() -> None:
 
 
 def test_a_nan_record_makes_the_quantiles_nan() -> None:
-    """Under nan='propagate' a NaN record makes every pNN NaN; hist counts only the other records."""
+    """Under nan='propagate' a NaN record makes every pNN NaN; hist's number counts it, its bins hold the others."""
     out = whole(np.array([1.0, math.nan, 2.0, 3.0]))
     assert all(math.isnan(out[name]) for name in QUANTILES)
-    assert float(out["x/hist"]) == 3.0
+    assert float(out["x/hist"]) == 4.0
+    assert sum(out["x/hist"].counts) == 3
 
 
 def exact_mean(xs: list[float]) -> float:
@@ -376,3 +377,48 @@ def test_a_config_file_declares_distribution_kinds() -> None:
     assert sorted(out) == ["x/hist", "x/mean", "x/p90", "x/p99.9"]
     assert isinstance(out["x/hist"], Histogram)
     assert float(out["x/hist"]) == 4.0
+
+
+def test_declaring_a_distribution_after_an_ended_update_or_tensor_records_is_refused() -> None:
+    """Records of an update already ended, or tensor records, were reduced without a sketch: a later declaration
+    of a distribution kind is a SpecError naming the metric, and the records stay under their spec."""
+    torch = pytest.importorskip("torch")
+    bus = MetricBus(adapters=[], dist=None, strict=True)
+    bus.log("x", 1.0)
+    bus.end_update()
+    with pytest.raises(SpecError, match="'x'.*1 of its records"):
+        bus.log("x", 2.0, agg="p90")
+    bus.log("y", torch.tensor([1.0, 2.0]))
+    with pytest.raises(SpecError, match="'y'.*tensor records"):
+        bus.log("y", 2.0, agg=["mean", "p50"])
+    assert bus.commit() == {"x": 1.0, "y": 1.5}
+    bus.close()
+
+
+def test_long_percentiles_keep_every_digit() -> None:
+    """p99.99999 is not rounded to p100: its name keeps its digits and it reads rank floor(0.9999999 * (n - 1))."""
+    from metricbus.kinds import canonical
+
+    assert canonical("p99.99999") == canonical("quantile(0.9999999)") == "p99.99999"
+    assert canonical("quantile(1e-7)") == "p0.00001"
+    values = np.concatenate([np.ones(10**5), [1000.0]])
+    bus = MetricBus(adapters=[], dist=None, strict=True)
+    bus.log("x", values, agg=["p99.99999", "p100"])
+    out = bus.commit()
+    bus.close()
+    assert out["x/p99.99999"] == Sketch.of_values(values).quantile(0.9999999) == Sketch.of_value(1.0).quantile(0.5)
+    assert out["x/p100"] == Sketch.of_value(1000.0).quantile(0.5)
+
+
+def test_a_replay_rule_the_journal_cannot_serve_is_a_usage_error(tmp_path: Path) -> None:
+    """metricbus replay --rule 'loss=p90' on a journal of a plain-mean 'loss' exits 2 naming it, before any
+    backend opens (the target jsonl file is not created)."""
+    from metricbus.cli import main
+
+    bus = MetricBus(adapters=[], dist=None, journal=str(tmp_path / "j"))
+    bus.log("loss", 1.0)
+    bus.commit()
+    bus.close()
+    target = tmp_path / "out.jsonl"
+    assert main(["replay", str(tmp_path / "j"), "--to", f"jsonl:{target}", "--rule", "loss=p90"]) == 2
+    assert not target.exists()

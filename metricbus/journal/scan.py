@@ -35,7 +35,7 @@ from metricbus.journal.format import (
     unpack_commit,
 )
 from metricbus.spec import Spec
-from metricbus.summary import N_FIELDS, Summary
+from metricbus.summary import N_FIELDS, Summary, rest_layout
 
 Entry = tuple[str, Spec, Summary]
 Names = Mapping[int, tuple[str, Spec]]
@@ -229,9 +229,9 @@ def _commit_step(kind: bytes, body: memoryview) -> int:
     step, n = STEP.unpack_from(body, 0)
     end = STEP.size + n * ENTRY.size
     if kind == b"R":  # rare: checked by decoding it
-        for _, _, fields, rest in unpack_commit(kind, bytes(body))[1]:
+        for _, _, _, rest in unpack_commit(kind, bytes(body))[1]:
             if rest:
-                Summary.from_tuple(fields, rest)
+                rest_layout(rest)  # the lengths only: the summaries are built in the second pass
     elif len(body) != end:
         raise ValueError(f"a commit of {n} entries cannot be {len(body)} bytes long")
     counts = np.frombuffer(body, ENTRY_DTYPE, count=n, offset=STEP.size)["fields"][:, 0]
