@@ -386,10 +386,10 @@ def test_declaring_a_distribution_after_an_ended_update_or_tensor_records_is_ref
     bus = MetricBus(adapters=[], dist=None, strict=True)
     bus.log("x", 1.0)
     bus.end_update()
-    with pytest.raises(SpecError, match="'x'.*1 of its records"):
+    with pytest.raises(SpecError, match=r"'x'.*1 of its records"):
         bus.log("x", 2.0, agg="p90")
     bus.log("y", torch.tensor([1.0, 2.0]))
-    with pytest.raises(SpecError, match="'y'.*tensor records"):
+    with pytest.raises(SpecError, match=r"'y'.*tensor records"):
         bus.log("y", 2.0, agg=["mean", "p50"])
     assert bus.commit() == {"x": 1.0, "y": 1.5}
     bus.close()
