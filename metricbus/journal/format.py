@@ -109,6 +109,9 @@ def gap_frame(first: int, last: int) -> bytes:
 # -- a commit's entries ------------------------------------------------------------------------------------------
 
 
+_S_CRC = zlib.crc32(b"S")
+
+
 def entries_layout(n: int) -> struct.Struct:
     """The layout of an "S" body with ``n`` entries (writers build it once per entry count)."""
     return struct.Struct("<qI" + f"II{N_FIELDS}d" * n)
@@ -117,8 +120,8 @@ def entries_layout(n: int) -> struct.Struct:
 def commit_frame(layout: struct.Struct, flat: Sequence[float], rests: Sequence[tuple[int, Sequence[float]]]) -> bytes:
     """A commit's frame: ``flat`` is step, n and each entry's rank, id and fields; ``rests`` (index, floats)."""
     body = layout.pack(*flat)
-    if not rests:
-        return frame(b"S", body)
+    if not rests:  # frame(b"S", body), copying the body once: its CRC continues from b"S"'s
+        return b"".join((FRAME.pack(len(body) + 1, zlib.crc32(body, _S_CRC)), b"S", body))
     lengths = [x for index, rest in rests for x in (index, len(rest))]
     floats = [x for _, rest in rests for x in rest]
     extra = struct.pack(f"<I{len(lengths)}I{len(floats)}d", len(rests), *lengths, *floats)

@@ -134,9 +134,11 @@ class JournalWriter:
 
     def _write(self, data: bytes) -> None:
         assert self._fd is not None
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        written = os.write(self._fd, data)
+        if written < len(data):  # a short write (a signal, a nearly full disk): write the rest
+            view = memoryview(data)[written:]
+            while view:
+                view = view[os.write(self._fd, view) :]
 
     def append(self, *, step: int, entries: list[tuple[int, Partial]]) -> None:
         """Write one commit (every entry of every partial, in order) in one ``os.write``, before commit() returns.
