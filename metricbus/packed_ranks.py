@@ -2,21 +2,23 @@
 
 Workers rank in the order given. A partial whose metrics all have one update and plain columns (no lift between
 the update and rank levels, see :func:`metricbus.reduce.columns_of`) goes into the block straight from its packed
-fields, one numpy assignment per partial; any other worker's states (``others``: already update-level, as
-:meth:`metricbus.reduce.StepReducer.rank_level` and torch.distributed's new names hand them) are lifted the usual
-way first. The merge is :func:`metricbus.rank_level.merge`, the one every path uses, so the result is bit for bit
-what the collectives compute from the same states.
+fields, one numpy assignment per partial (per run of workers of one layout, for :class:`Ranks`); any other
+worker's states (``others``: already update-level, as :meth:`metricbus.reduce.StepReducer.rank_level` and
+torch.distributed's new names hand them) are lifted the usual way first. The merge is
+:func:`metricbus.rank_level.merge`, the one every path uses, so the result is bit for bit what the collectives
+compute from the same states.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from metricbus import rank_level
 from metricbus.fixed import Array
-from metricbus.partial import Partial
+from metricbus.partial import Packed, Partial, from_packed
 from metricbus.reduce import Ranked, StepReducer, WorkerStates, lift_columns
 from metricbus.sketch import Sketch
 from metricbus.spec import Spec
@@ -24,9 +26,33 @@ from metricbus.summary import N_FIELDS, Summary
 
 _EMPTY = np.array(Summary().as_tuple())
 _LAYOUTS_KEPT = 64
+_COPY_ENTRIES = 1 << 12  # entries of Ranks copied into a block at a time (~400 KB)
 
 
-Batch = tuple[Sequence[Partial], Sequence[WorkerStates], Mapping[str, Spec]]  # one commit's workers and specs
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """Several workers' partials, none with a rest or a sketch, in rank order, as one array per run of workers of
+    one layout: ``groups[g]`` is ``(packed, fields)``, ``fields[:, r, :]`` the run's ``r``-th worker's packed fields
+    and ``packed`` their layout (its fields are the run's first worker's). A journal commit whose rank files each
+    hold ranks that log the same names is read as one."""
+
+    groups: tuple[tuple[Packed, Array], ...]  # fields: (N_FIELDS, workers, entries) float64
+
+    def __len__(self) -> int:
+        return sum(int(fields.shape[1]) for _, fields in self.groups)
+
+    def partials(self) -> list[Partial]:
+        """Each worker's partial."""
+        return [
+            from_packed(Packed(packed.names, packed.specs, fields[:, r, :], (), packed.layout, packed.single),
+                        frozenset())
+            for packed, fields in self.groups
+            for r in range(fields.shape[1])
+        ]
+
+
+Workers = Sequence[Partial] | Ranks
+Batch = tuple[Workers, Sequence[WorkerStates], Mapping[str, Spec]]  # one commit's workers and specs
 
 
 def rank_level_of(
@@ -46,10 +72,10 @@ def rank_levels(
     whose specs of a layout never change (replay)."""
     layouts = []
     for partials, others, specs in commits:
-        key = tuple(p.packed.layout for p in partials) if seen is not None and not others else None
+        key = _key(partials) if seen is not None and not others else None
         layout = seen.get(key) if seen is not None and key is not None else None
         if layout is None:
-            layout = _Layout(partials, others, specs, reducer)
+            layout = _Layout(_listed(partials), others, specs, reducer)
             if seen is not None and key is not None:
                 if len(seen) >= _LAYOUTS_KEPT:
                     seen.clear()
@@ -58,29 +84,46 @@ def rank_levels(
     rows = max((layout.rows for layout in layouts), default=0)
     total = sum(layout.width for layout in layouts)
     fields = np.empty((N_FIELDS, rows, total))
-    moments: list[bool] = []
     rests: list[tuple[int, int, int, tuple[float, ...]]] = []
     sketches: list[tuple[int, int, Sketch]] = []
     offset = 0
     for layout, (partials, others, specs) in zip(layouts, commits, strict=True):
         layout.fill(fields[:, :, offset : offset + layout.width], partials, others, specs, rests, sketches, offset)
-        moments.extend(layout.moments)
         offset += layout.width
-    block = rank_level.Block(
-        fields, np.arange(rows, dtype=np.int64), np.array(moments, dtype=bool), tuple(rests), tuple(sketches)
-    )
+    moments = np.concatenate([layout.moments for layout in layouts]) if layouts else np.zeros(0, dtype=bool)
+    block = rank_level.Block(fields, np.arange(rows, dtype=np.int64), moments, tuple(rests), tuple(sketches))
     merged = rank_level.merge(block)
     out = []
     offset = 0
     for layout in layouts:
-        ranked: Ranked = {}
-        for name, (base, n) in layout.where.items():
-            results = tuple(merged[offset + base : offset + base + n])
-            if any(c is not None for c in results):
-                ranked[name] = results
+        ranked: Ranked
+        if layout.unit:  # one column per metric: no slicing
+            columns = merged[offset : offset + layout.width]
+            ranked = {name: (m,) for name, m in zip(layout.where, columns, strict=True) if m is not None}
+        else:
+            ranked = {}
+            for name, (base, n) in layout.where.items():
+                results = tuple(merged[offset + base : offset + base + n])
+                if any(c is not None for c in results):
+                    ranked[name] = results
         out.append(ranked)
         offset += layout.width
     return out
+
+
+def _listed(partials: Workers) -> Sequence[Partial]:
+    """A commit's workers as partials (of :class:`Ranks`: a run's first worker's once per worker of the run: a
+    layout is all a :class:`_Layout` reads of them)."""
+    if isinstance(partials, Ranks):
+        return [p for packed, fields in partials.groups for p in [from_packed(packed, frozenset())] * fields.shape[1]]
+    return partials
+
+
+def _key(partials: Workers) -> tuple[bytes, ...]:
+    """The layouts of a commit's workers, in order."""
+    if isinstance(partials, Ranks):
+        return tuple(layout for packed, fields in partials.groups for layout in [packed.layout] * fields.shape[1])
+    return tuple(p.packed.layout for p in partials)
 
 
 class _Layout:
@@ -106,20 +149,23 @@ class _Layout:
         for states in others:
             names.update(states)
         self.where: dict[str, tuple[int, int]] = {}
-        self.moments: list[bool] = []
+        moments: list[bool] = []
         width = 0
         for name in sorted(names):
             columns = reducer.columns(name, specs[name])
             self.where[name] = (width, len(columns))
-            self.moments.extend(moment for _, _, moment, _ in columns)
+            moments.extend(moment for _, _, moment, _ in columns)
             width += len(columns)
+        self.moments = np.array(moments, dtype=bool)
         self.width = width
+        self.unit = width == len(self.where)  # one column per metric
         self.rows = len(partials) + len(others)
+        self.index: dict[bytes, slice | Array] = {}  # per plain layout: where its entries go
 
     def fill(  # noqa: PLR0917  (one commit's share of the block)
         self,
         fields: Array,
-        partials: Sequence[Partial],
+        partials: Workers,
         others: Sequence[WorkerStates],
         specs: Mapping[str, Spec],
         rests: list[tuple[int, int, int, tuple[float, ...]]],
@@ -128,18 +174,20 @@ class _Layout:
     ) -> None:
         """Write this commit's rows into ``fields`` (its columns of the block), and its rests (block columns)."""
         reducer, where = self.reducer, self.where
-        whole = slice(0, self.width)
-        index: dict[bytes, slice | Array] = {}  # per plain layout: where its entries go
+        if isinstance(partials, Ranks):
+            if all(self.plain[packed.layout] for packed, _ in partials.groups):
+                self._copy(fields, partials)
+                partials = ()
+            else:
+                partials = partials.partials()
         slow: list[tuple[int, WorkerStates]] = []
         for r, partial in enumerate(partials):
             packed = partial.packed
             if not self.plain[packed.layout]:
                 slow.append((r, reducer.worker(partial.updates(), specs)))
                 continue
-            at = index.get(packed.layout)
-            if at is None:
-                at = index[packed.layout] = _positions([where[name][0] for name in packed.names])
-            if not (isinstance(at, slice) and at == whole):  # the partial lacks some columns
+            at = self._at(packed)
+            if not (isinstance(at, slice) and at == slice(0, self.width)):  # the partial lacks some columns
                 fields[:, r, :] = _EMPTY[:, None]
             fields[:, r, at] = packed.fields
             for i, rest in packed.rests:
@@ -147,7 +195,7 @@ class _Layout:
                 rests.extend((r, column, which, parts) for which, parts in enumerate(rest) if parts)
             for i, sketch in packed.sketches:
                 sketches.append((r, offset + where[packed.names[i]][0], sketch))
-        slow.extend((len(partials) + i, states) for i, states in enumerate(others))
+        slow.extend((self.rows - len(others) + i, states) for i, states in enumerate(others))
         for r, states in slow:
             fields[:, r, :] = _EMPTY[:, None]
             for name, by_key in states.items():
@@ -161,6 +209,26 @@ class _Layout:
                         if state.sketch is not None:
                             sketches.append((r, offset + base + j, state.sketch))
         fields[:, self.rows :, :] = _EMPTY[:, None, None]  # rows of a longer commit in the batch
+
+    def _copy(self, fields: Array, ranks: Ranks) -> None:
+        """Write plain :class:`Ranks` into ``fields``: a run of workers in a few numpy assignments."""
+        first = 0
+        for packed, source in ranks.groups:
+            at = self._at(packed)
+            n = source.shape[1]
+            if not (isinstance(at, slice) and at == slice(0, self.width)):  # the workers lack some columns
+                fields[:, first : first + n, :] = _EMPTY[:, None, None]
+            step = max(1, _COPY_ENTRIES // max(1, source.shape[2]))
+            for r in range(0, n, step):  # a few workers at a time: the transposing copy stays in cache
+                fields[:, first + r : first + min(r + step, n), at] = source[:, r : r + step]
+            first += n
+
+    def _at(self, packed: Packed) -> slice | Array:
+        """Where a plain layout's entries go in this commit's columns."""
+        at = self.index.get(packed.layout)
+        if at is None:
+            at = self.index[packed.layout] = _positions([self.where[name][0] for name in packed.names])
+        return at
 
 
 def _positions(columns: list[int]) -> slice | Array:

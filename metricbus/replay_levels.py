@@ -3,7 +3,10 @@
 Each commit of the timeline becomes its partials (packed from the raw rows by
 :class:`metricbus.journal.packed.PackedRows`, or the decoded Summaries of a single rank), and commits of several
 workers are merged column-wise together (:func:`metricbus.packed_ranks.rank_levels`), at most ``_BATCH_ENTRIES``
-entries at once; a commit of one worker keeps its partial, for the live single-worker path.
+entries at once; a commit of one worker keeps its partial, for the live single-worker path. A commit whose ranks
+log the same names in the same order (a writer's commits, one after the other) is read as one
+:class:`metricbus.packed_ranks.Ranks`: its layout, specs and block positions are decided once for the journal and
+the commit costs a few numpy slices, with no Partial per rank.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 from metricbus.journal.packed import PackedRows
 from metricbus.journal.reader import Commit
-from metricbus.packed_ranks import rank_levels
+from metricbus.packed_ranks import Ranks, Workers, rank_levels
 from metricbus.partial import Partial
 from metricbus.ranks import with_specs
 from metricbus.reduce import Ranked, StepReducer
@@ -30,10 +33,14 @@ def reduced(
     most ``_BATCH_ENTRIES`` entries are held."""
     rows = PackedRows(respec)
     seen: dict[Any, Any] = {}  # rank-level layouts of the row layouts met so far
-    batch: list[tuple[Commit, list[Partial], dict[str, Spec]]] = []
+    batch: list[tuple[Commit, Workers, dict[str, Spec]]] = []
     held = 0
     for commit in commits:
-        if commit.parts and not _one_rank(commit):
+        partials: Workers
+        alike = rows.ranks(commit.parts) if commit.parts else None
+        if alike is not None:  # every rank logs the same names: the commit is a few numpy slices
+            partials, specs = alike
+        elif commit.parts and not _one_rank(commit):
             partials = rows.partials(commit.parts)
             specs = rows.specs(partials)
         else:  # one rank (its Summaries are what the single path reads), or a Journal read whole (decoded already)
@@ -45,7 +52,7 @@ def reduced(
                         specs[name] = respec(name, spec)
             partials = [with_specs(p, specs) for p in partials]
         batch.append((commit, partials, specs))
-        held += sum(len(p) for p in partials)
+        held += _entries(partials)
         if held >= _BATCH_ENTRIES or len(batch) >= _BATCH_COMMITS:
             yield _levels(batch, reducer, seen)
             batch, held = [], 0
@@ -61,15 +68,27 @@ def _one_rank(commit: Commit) -> bool:
     return not len(ranks) or bool((ranks == ranks[0]).all())
 
 
+def _entries(partials: Workers) -> int:
+    """A commit's entries."""
+    if isinstance(partials, Ranks):
+        return sum(fields[0].size for _, fields in partials.groups)
+    return sum(len(p) for p in partials)
+
+
+def _several(partials: Workers) -> bool:
+    """True when a commit has several workers (a :class:`Ranks` always has)."""
+    return isinstance(partials, Ranks) or len(partials) > 1
+
+
 def _levels(
-    batch: list[tuple[Commit, list[Partial], dict[str, Spec]]], reducer: StepReducer, seen: dict[Any, Any]
+    batch: list[tuple[Commit, Workers, dict[str, Spec]]], reducer: StepReducer, seen: dict[Any, Any]
 ) -> list[tuple[Commit, dict[str, Spec], Ranked | Partial]]:
     """Each commit's rank level: merged column-wise for several workers; a lone worker's partial as it is."""
-    several = [(partials, (), specs) for _, partials, specs in batch if len(partials) > 1]
+    several = [(partials, (), specs) for _, partials, specs in batch if _several(partials)]
     merged = iter(rank_levels(several, reducer, seen=seen) if several else [])
     out: list[tuple[Commit, dict[str, Spec], Ranked | Partial]] = []
     for commit, partials, specs in batch:
-        if len(partials) > 1:
+        if isinstance(partials, Ranks) or len(partials) > 1:
             out.append((commit, specs, next(merged)))
         else:
             out.append((commit, specs, partials[0] if partials else {}))

@@ -43,6 +43,8 @@ Names = Mapping[int, tuple[str, Spec]]
 ENTRY_DTYPE = np.dtype([("rank", "<u4"), ("id", "<u4"), ("fields", "<f8", (N_FIELDS,))])
 _MAGIC_SLACK = 2  # a magic with at most this many wrong bytes is damage, not a foreign file
 _CHUNK = 1 << 22  # a file is read this many bytes at a time
+_WHOLE = 1 << 24  # a frame up to this long is read whole before its CRC is checked (a longer one, a chunk at a time:
+# a damaged length field costs at most this much memory)
 _COMMITS = (b"S", b"R")
 _new = tuple.__new__
 _DAMAGE = (ValueError, KeyError, TypeError, struct.error)
@@ -157,10 +159,17 @@ class _Source:
             if pos + FRAME.size <= end:
                 length, crc = FRAME.unpack(self.view(pos, FRAME.size))
                 stop = pos + FRAME.size + length
-                if 0 < length <= MAX_FRAME and stop <= end and self.crc(pos + FRAME.size, length) == crc:
-                    yield pos, self.view(pos + FRAME.size, length)
-                    pos = stop
-                    continue
+                if 0 < length <= MAX_FRAME and stop <= end:
+                    if length <= _WHOLE:  # read once: the CRC is checked on the payload it yields
+                        payload = self.view(pos + FRAME.size, length)
+                        if zlib.crc32(payload) == crc:
+                            yield pos, payload
+                            pos = stop
+                            continue
+                    elif self.crc(pos + FRAME.size, length) == crc:
+                        yield pos, self.view(pos + FRAME.size, length)
+                        pos = stop
+                        continue
             resume = self._resync(pos + 1)
             if report is not None:
                 report(pos, resume)
@@ -278,7 +287,7 @@ def index_file(path: Path) -> FileIndex:
     with file:
         size = os.fstat(file.fileno()).st_size
         _check_magic(path, file.read(len(MAGIC)))
-        ordinal, last, new_segment, prior = 0, None, False, b""
+        ordinal, last, new_segment, prior, checked = 0, None, False, b"", b""
         for pos, payload in _Source(file, size).frames(damage):
             kind = bytes(payload[:1])
             header, prior = prior, (bytes(payload) if kind == b"H" else b"")
@@ -289,9 +298,11 @@ def index_file(path: Path) -> FileIndex:
                     rf.headers.append(_check_header(path, json.loads(bytes(payload[1:]))))
                     new_segment = True
                 elif kind == b"N":
-                    error = _names(payload[1:], {})[1]
-                    if error is not None:
-                        raise error
+                    if payload != checked:  # a checkpoint repeating the table just checked is not decoded again
+                        error = _names(payload[1:], {})[1]
+                        if error is not None:
+                            raise error
+                        checked = bytes(payload)
                 elif kind in _COMMITS:
                     step = _commit_step(kind, payload[1:])
                     if last is not None and step <= last and (new_segment or step < last):  # drops steps >= step
@@ -332,6 +343,8 @@ def file_commits(index: FileIndex, *, decode: bool) -> Iterator[FileItem]:
     """Second pass over one file: its kept commits in order (``decode`` False: steps only, no part)."""
     path, bad, limits = index.file.path, index.bad, index.limits
     names: Names = {}
+    table, body = names, b""  # the last table read from an "N" frame, and that frame
+    sized, dense = names, 0  # a table and its _dense count
     ordinal, at, last, nth, new_segment, prior, unknown = 0, 0, None, 0, False, b"", 0
     with path.open("rb", buffering=0) as file:
         for pos, payload in _Source(file, index.size).frames(None):
@@ -341,7 +354,9 @@ def file_commits(index: FileIndex, *, decode: bool) -> Iterator[FileItem]:
                 if prior != header and pos not in bad:
                     names, new_segment = {}, True
             elif kind == b"N" and decode:
-                names = _names(payload[1:], names)[0]  # an error was reported by the first pass
+                if names is not table or payload != body:  # a checkpoint repeating the table keeps it (and its id)
+                    names = _names(payload[1:], names)[0]  # an error was reported by the first pass
+                    table, body = names, bytes(payload)
             elif kind in _COMMITS and pos not in bad:
                 step, n = STEP.unpack_from(payload, 1)
                 while at < len(limits) and limits[at][0] <= ordinal:
@@ -354,17 +369,29 @@ def file_commits(index: FileIndex, *, decode: bool) -> Iterator[FileItem]:
                 if not decode:
                     yield step, nth, starts, None
                     continue
-                data = bytes(payload)  # the commit's own copy: a kept part never holds a whole chunk
-                rows = np.frombuffer(data, ENTRY_DTYPE, count=n, offset=1 + STEP.size)
-                ids = rows["id"].tolist()
-                if not names.keys() >= set(ids):
-                    unknown += sum(i not in names for i in ids)
+                rows = np.frombuffer(_own(payload), ENTRY_DTYPE, count=n, offset=1 + STEP.size)
+                if names is not sized:
+                    sized, dense = names, _dense(names)
+                if n and not int(rows["id"].max()) < dense:  # else every id is in the table: no per-entry lookup
+                    ids = rows["id"].tolist()
+                    if not names.keys() >= set(ids):
+                        unknown += sum(i not in names for i in ids)
                 rests = {}
                 if kind == b"R":
-                    rests = {k: rest for k, (_, _, _, rest) in enumerate(unpack_commit(kind, data[1:])[1]) if rest}
+                    rests = {k: rest for k, (_, _, _, rest) in enumerate(unpack_commit(kind, bytes(payload[1:]))[1])
+                             if rest}
                 yield step, nth, starts, RawPart(rows, rests, names)
     if unknown and not index.warned:
         index.warned = True
         _warn(path, f"{unknown} entries refer to a lost name table record; skipped")
 
 
+def _own(payload: memoryview) -> memoryview | bytes:
+    """A commit's bytes to keep: its own copy, so that a kept part never holds a whole chunk, unless the payload is
+    most of the buffer it was read into (a long frame is read alone)."""
+    return payload if 2 * payload.nbytes >= memoryview(payload.obj).nbytes else bytes(payload)
+
+
+def _dense(names: Names) -> int:
+    """``len(names)`` when its ids are exactly ``0 .. len - 1`` (as a writer numbers them), else 0."""
+    return len(names) if names and min(names) == 0 and max(names) == len(names) - 1 else 0
