@@ -394,11 +394,9 @@ class MlflowAdapter:
             if key not in self._warned:
                 self._warned.add(key)
                 names = ", ".join(repr(self._names(name)) for name, _ in points) or "(none)"
-                warnings.warn(  # stacklevel 1: writes run in a delivery thread, with no user code to point at
-                    f"MLflow has no histograms, so {key!r} is logged as its quantiles {names}",
-                    MetricBusWarning,
-                    stacklevel=1,
-                )
+                message = f"MLflow has no histograms, so {key!r} is logged as its quantiles {names}"
+                # stacklevel 1: writes run in a delivery thread, with no user code to point at
+                warnings.warn(message, MetricBusWarning, stacklevel=1)
             yield from points
 
     def rewind(self, *, step: int) -> None:
