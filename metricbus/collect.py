@@ -188,13 +188,13 @@ class Collector:
             from metricbus.tensors import check_device
 
             check_device(metric, raw)
-            if acc.sketched and weight is None:  # a distribution: its values are bucketed on the host (one copy)
-                flat = np.array(raw.detach().reshape(-1).double().cpu().numpy(), dtype=np.float64)  # our own copy
-                if acc.nan == "error" and not np.isfinite(flat).all():
-                    check_finite(metric, flat.tolist())
-                return flat, None
-            if acc.sketched:  # a distribution with weights: the host records path below
-                pass
+            if acc.sketched:  # a distribution: its values are bucketed on the host (one copy)
+                if weight is None:
+                    flat = np.array(raw.detach().reshape(-1).double().cpu().numpy(), dtype=np.float64)  # our own copy
+                    if acc.nan == "error" and not np.isfinite(flat).all():
+                        check_finite(metric, flat.tolist())
+                    return flat, None
+                # with weights: the host records path below
             elif is_tensor(weight):
                 check_device(metric, weight, "weight")
                 return raw, weight  # device tensors: accumulated on device, no host sync

@@ -50,7 +50,6 @@ from metricbus.errors import DistributedError, MetricBusWarning, SpecError
 from metricbus.partial import Partial
 from metricbus.ranks import Commit, Exchange, with_specs
 from metricbus.reduce import Column, Ranked, StepReducer, WorkerStates, lift_columns
-from metricbus.sketch import Sketch, unknown
 from metricbus.spec import Spec
 from metricbus.spec_table import Claim, SpecTable, decide, output_keys
 from metricbus.summary import Summary
@@ -136,14 +135,8 @@ class TorchRanks:
         block = self._block(reducer.worker(known, specs))
         prep = rank_level.prepare(block)
         sketched = self._sketched  # the layout of this commit (the agreement may extend it)
-        mine: list[Sketch | None] = [None] * len(sketched)
-        where = {c: i for i, c in enumerate(sketched)}
-        for _, c, sketch in block.sketches:
-            if c in where:  # a sketch of a column the agreed spec does not sketch (this rank's own rule) is not sent
-                mine[where[c]] = sketch
-        for i, c in enumerate(sketched):  # records without a sketch (logged before the spec reached this rank)
-            if mine[i] is None and block.fields[0][0, c] > 0:
-                mine[i] = unknown(int(block.fields[0][0, c]))
+        # this rank's sketches of the agreed sketched columns (one of a column its own rule alone sketches is not sent)
+        mine = rank_level.sketch_rows(block, sketched).get(0, [None] * len(sketched))
         maxima = rank_level.maxima(prep)
         agreed = self._all_reduce(
             np.concatenate(([float(len(payload))], maxima.ravel(), sketch_level.bounds(mine).ravel())), "max"

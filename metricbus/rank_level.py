@@ -272,14 +272,7 @@ def merge_collective(block: Block) -> list[Summary | None]:
     out = finish(agreed, sums(prep, agreed), block.moments)
     columns = sorted({c for _, c, _ in block.sketches})
     if columns:
-        rows: dict[int, list[Sketch | None]] = {}
-        for r, c, sketch in block.sketches:
-            rows.setdefault(r, [None] * len(columns))[columns.index(c)] = sketch
-        for i, c in enumerate(columns):
-            for r in np.flatnonzero(block.fields[0][:, c] > 0).tolist():
-                row = rows.setdefault(r, [None] * len(columns))
-                if row[i] is None:
-                    row[i] = unknown(int(block.fields[0][r, c]))
+        rows = sketch_rows(block, columns)
         bounds = np.max([sketch_level.bounds(row) for row in rows.values()], axis=0)
         summed = np.sum([sketch_level.counts(row, bounds) for row in rows.values()], axis=0)
         attach(out, columns, sketch_level.finish(bounds, summed))
@@ -296,27 +289,30 @@ def attach(out: list[Summary | None], columns: Sequence[int], sketches: Sequence
 
 def _merge_sketches(out: list[Summary | None], block: Block) -> list[Summary | None]:
     if block.sketches:
-        by_column: dict[int, list[Sketch]] = {}
-        for _, c, sketch in block.sketches:
-            by_column.setdefault(c, []).append(sketch)
-        columns = list(by_column)
-        for c, found in zip(columns, missing(block, columns), strict=True):
-            by_column[c].extend(found)
-        attach(out, columns, sketch_level.merge(list(by_column.values())))
+        columns = sorted({c for _, c, _ in block.sketches})
+        rows = list(sketch_rows(block, columns).values())
+        held = [[sketch for row in rows if (sketch := row[i]) is not None] for i in range(len(columns))]
+        attach(out, columns, sketch_level.merge(held))
     return out
 
 
-def missing(block: Block, columns: list[int]) -> list[list[Sketch]]:
-    """Per sketched column: its rows that have records but no sketch, as unknown records (see sketch.unknown)."""
-    counts = block.fields[0][:, columns]  # (R, len(columns))
-    held = np.zeros(counts.shape, dtype=bool)
+def sketch_rows(block: Block, columns: Sequence[int]) -> dict[int, list[Sketch | None]]:
+    """Per row that has any of ``columns``: its sketch of each (None: no records there). A row with records of a
+    column but no sketch (logged before a distribution spec reached that worker) counts them as unknown
+    (:func:`metricbus.sketch.unknown`); a sketch of a column not in ``columns`` is left out."""
     at = {c: i for i, c in enumerate(columns)}
-    rows = [r for r, _, _ in block.sketches]
-    held[rows, [at[c] for _, c, _ in block.sketches]] = True
-    lacking = (counts > 0) & ~held
-    if not lacking.any():
-        return [[] for _ in columns]
-    return [[unknown(int(n)) for n in counts[lacking[:, i], i].tolist()] for i in range(len(columns))]
+    rows: dict[int, list[Sketch | None]] = {}
+    for r, c, sketch in block.sketches:
+        i = at.get(c)
+        if i is not None:
+            rows.setdefault(r, [None] * len(columns))[i] = sketch
+    counts = block.fields[0][:, list(columns)]  # (R, len(columns))
+    held = np.zeros(counts.shape, dtype=bool)
+    for r, row in rows.items():
+        held[r] = [sketch is not None for sketch in row]
+    for r, i in zip(*np.nonzero((counts > 0) & ~held), strict=True):
+        rows.setdefault(int(r), [None] * len(columns))[int(i)] = unknown(int(counts[r, i]))
+    return rows
 
 
 def merge(block: Block) -> list[Summary | None]:
