@@ -19,7 +19,8 @@ import numpy as np
 from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT, Accumulator
 from metricbus.errors import MetricTypeError, MetricValueError, SpecError
-from metricbus.partial import Partial, Updates
+from metricbus.micro_columns import MicroUpdate, packed_update, summarize
+from metricbus.partial import Partial, Updates, from_packed
 from metricbus.sketch import unknown
 from metricbus.spec import NanPolicy, SpecLike, micro_sketch
 from metricbus.spec_table import DEFAULT, SpecTable
@@ -242,29 +243,46 @@ class Collector:
     # -- updates and taking ------------------------------------------------------------------------------------
 
     def _end_update(self) -> None:
-        """Close the current update (caller holds the lock)."""
-        update = {}
-        of_batch = Summary.of_batch
+        """Close the current update (caller holds the lock): the metrics holding only plain records, as most do,
+        are summarised together in columns (:mod:`metricbus.micro_columns`), the others one at a time."""
+        names: list[str] = []
+        chunks: list[list[float]] = []
+        others: dict[str, Summary] = {}
         for name, acc in self.accs.items():
             plain = acc.plain
             if plain or acc.values or acc.chunks or acc.state.count:  # acc.pending, inlined
+                simple = plain and not acc.values and not acc.chunks and not acc.sketched
+                if simple and acc.nan != "ignore" and not acc.state.count:
+                    n = len(plain)  # Accumulator.take's common case, inlined: once per metric per commit
+                    chunk = plain[:n]
+                    del plain[:n]  # records appended since the slice stay for the next update
+                    names.append(name)
+                    chunks.append(chunk)
+                    continue
                 try:
-                    simple = plain and not acc.values and not acc.chunks and not acc.sketched
-                    if simple and acc.nan != "ignore" and not acc.state.count:
-                        n = len(plain)  # Accumulator.take's common case, inlined: once per metric per commit
-                        chunk = plain[:n]
-                        del plain[:n]  # records appended since the slice stay for the next update
-                        update[name] = of_batch(chunk, None)
-                    else:
-                        update[name] = acc.take()
+                    others[name] = acc.take()
                 except Exception as exc:  # never expected (every finite double is valid): lose this metric only
-                    acc.plain.clear()
-                    acc.values, acc.weights, acc.state = [], [], EMPTY
-                    acc.chunks, acc.chunked = [], 0
-                    self._failed[name] = MetricValueError(f"reducing the records of {name!r} failed: {exc!r}")
+                    self._lose(name, exc)
+        try:
+            update = summarize(names, chunks, others)
+        except Exception:  # never expected: summarise one at a time, losing only a metric that fails
+            update = others
+            for name, chunk in zip(names, chunks, strict=True):
+                try:
+                    others[name] = Summary.of_batch(chunk, None)
+                except Exception as exc:
+                    self._lose(name, exc)
         if self._device is not None:
             self._device.end_update(len(self._done))
         self._done.append(update)
+
+    def _lose(self, name: str, exc: Exception) -> None:
+        """``name``'s records could not be reduced: drop them, and say so at the commit."""
+        acc = self.accs[name]
+        acc.plain.clear()
+        acc.values, acc.weights, acc.state = [], [], EMPTY
+        acc.chunks, acc.chunked = [], 0
+        self._failed[name] = MetricValueError(f"reducing the records of {name!r} failed: {exc!r}")
 
     def end_update(self) -> None:
         """The records logged since the previous boundary form one optimizer update."""
@@ -283,13 +301,14 @@ class Collector:
                 device, bad = self._device.take_all(nan_of=nan_of)
                 errors.update(bad)
                 for index, summaries in device.items():
-                    update = updates[index]
+                    merged = dict(updates[index])
                     for name, held in summaries.items():  # host records first, then device records
-                        host = update.get(name)
-                        update[name] = held if host is None else host.merge(held)
-                for update in updates:
-                    for name in errors:
-                        update.pop(name, None)
+                        host = merged.get(name)
+                        merged[name] = held if host is None else host.merge(held)
+                    updates[index] = merged
+                for index, update in enumerate(updates):
+                    if any(name in update for name in errors):
+                        updates[index] = {n: s for n, s in update.items() if n not in errors}
         return [u for u in updates if u], errors
 
     def restore(self, updates: Updates) -> None:
@@ -302,12 +321,22 @@ class Collector:
 
     def partial(self, updates: Updates, *, undeclared: bool = True) -> Partial:
         """``updates`` as a Partial, each entry with the table's spec of its name (``undeclared``: also say which
-        names have only the default spec, for a receiving bus; a commit here does not need it)."""
+        names have only the default spec, for a receiving bus; a commit here does not need it). One update held in
+        columns becomes a packed Partial without a Summary per metric."""
         specs = self.table.specs
+        table = self.table
+        if len(updates) == 1 and type(updates[0]) is MicroUpdate:
+            update = updates[0]
+            claims = table.claim
+            unclaimed = (
+                frozenset(n for n in update if (c := claims(n)) is None or c.origin == DEFAULT)
+                if undeclared
+                else frozenset()
+            )
+            return from_packed(packed_update(update, specs, unclaimed), unclaimed)
         entries = tuple((name, specs[name], s) for update in updates for name, s in update.items())
         if not undeclared:
             return Partial(entries)
-        table = self.table
         names = {name for name, _, _ in entries}
         return Partial(entries, frozenset(n for n in names if (c := table.claim(n)) is None or c.origin == DEFAULT))
 

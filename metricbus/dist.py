@@ -121,7 +121,7 @@ class TorchRanks:
                 "or log on every rank and let commit() gather"
             )
         claims = {}
-        for name, _, _ in own.entries:
+        for name in own.names():
             claim = table.claim(name)
             held = self._agreed.get(name)
             if claim is not None and (held is None or held.spec != claim.spec):
@@ -131,7 +131,10 @@ class TorchRanks:
         else:
             payload = b""
         specs = self._specs
-        known = [{name: s for name, s in update.items() if name in specs} for update in commit.own_updates]
+        known = [
+            update if all(map(specs.__contains__, update)) else {name: s for name, s in update.items() if name in specs}
+            for update in commit.own_updates
+        ]
         block = self._block(reducer.worker(known, specs))
         prep = rank_level.prepare(block)
         sketched = self._sketched  # the layout of this commit (the agreement may extend it)

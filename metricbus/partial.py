@@ -10,7 +10,7 @@ nothing per entry until something asks for ``entries``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from metricbus.sketch import Sketch
 from metricbus.spec import Spec
 from metricbus.summary import N_FIELDS, Rest, Summary
 
-Updates = list[dict[str, Summary]]  # per optimizer update, in order: metric -> micro-level Summary
+Updates = list[Mapping[str, Summary]]  # per optimizer update, in order: metric -> micro-level Summary
 Entry = tuple[str, Spec, Summary]
 
 
@@ -82,6 +82,18 @@ class Partial:
             object.__setattr__(self, "_packed", held)
         return held
 
+    def names(self) -> tuple[str, ...]:
+        """The entries' names, in order (read from the packed form when it is held: no Summary is built)."""
+        packed = self._packed
+        if packed is not None:
+            return packed.names
+        return tuple(name for name, _, _ in self.entries)
+
+    @property
+    def packed_form(self) -> Packed | None:
+        """The packed form if this Partial holds it already (built from arrays, or packed before), else None."""
+        return self._packed
+
     def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries)
 
@@ -105,12 +117,12 @@ class Partial:
     def updates(self) -> Updates:
         """The entries as updates: a new update starts where a name repeats (each name's order is kept, which is
         all the reduction reads)."""
-        out: Updates = [{}]
+        out: list[dict[str, Summary]] = [{}]
         for name, _, summary in self.entries:
             if name in out[-1]:
                 out.append({})
             out[-1][name] = summary
-        return out if out[0] else []
+        return list(out) if out[0] else []
 
 
 def from_packed(packed: Packed, undeclared: frozenset[str]) -> Partial:

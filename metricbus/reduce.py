@@ -21,12 +21,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from metricbus.column_states import ColumnStates, Layouts
 from metricbus.kinds import Kind, is_sketch, kind_of
+from metricbus.micro_columns import MicroUpdate
 from metricbus.sketch import Sketch
 from metricbus.spec import Spec
 from metricbus.summary import Summary, with_sketch
 
-WorkerStates = dict[str, tuple[Summary, ...]]  # metric -> its update-level states, in state_keys(spec) order
+WorkerStates = Mapping[str, tuple[Summary, ...]]  # metric -> its update-level states, in state_keys(spec) order
 Ranked = dict[str, tuple[Summary | None, ...]]  # metric -> each column's rank-level result, in columns_of order
 Column = tuple[int, str | None, bool, bool]  # (the worker-level state it reads, the update kind it is lifted by or
 # None, whether the rank level must merge its second moment, whether its states carry a sketch: see columns_of)
@@ -148,13 +150,18 @@ def worker_state(keys: Iterable[str], updates: Sequence[Summary], sketches: Sequ
 class StepReducer:
     """The rank and step levels of one run: ``commit()`` per commit, ``finish()`` for the last partial window."""
 
-    __slots__ = ("_commits", "_log_every", "_plans", "_window")
+    __slots__ = ("_commits", "_layouts", "_log_every", "_plans", "_window")
 
     def __init__(self, *, log_every: int) -> None:
         self._log_every = log_every
         self._commits = 0
         self._window: dict[str, tuple[Plan, Summary]] = {}
         self._plans: dict[str, _Held] = {}
+        self._layouts = Layouts(self._keys_and_plans)
+
+    def _keys_and_plans(self, name: str, spec: Spec) -> tuple[tuple[str, ...], tuple[Plan, ...]]:
+        held = self._plan(name, spec)
+        return held[2], held[1]
 
     @property
     def pending(self) -> int:
@@ -185,8 +192,10 @@ class StepReducer:
     def worker(self, updates: Sequence[Mapping[str, Summary]], specs: Mapping[str, Spec]) -> WorkerStates:
         """A worker's update-level states of every metric it logged (``updates``: per optimizer update, in order,
         metric -> micro-level Summary; see :func:`worker_state`)."""
-        out: WorkerStates = {}
+        out: dict[str, tuple[Summary, ...]] = {}
         plans = self._plans
+        if len(updates) == 1 and type(updates[0]) is MicroUpdate:  # held in columns: states built when read
+            return ColumnStates(update=updates[0], states_of=lambda name, s: self.worker([{name: s}], specs)[name])
         if len(updates) == 1:  # the common case: one update, so no merge; a lift only where a chain asks
             for name, summary in updates[0].items():
                 if summary.count:
@@ -240,19 +249,29 @@ class StepReducer:
 
     def _single(self, states: WorkerStates, specs: Mapping[str, Spec]) -> dict[str, float]:
         """``commit()`` for one worker and ``log_every=1``, the common case: no merge at the rank or step level."""
-        plans = self._plans
+        if type(states) is ColumnStates:
+            return states.emit(
+                specs=specs, layouts=self._layouts, scalar=lambda name, held: self._emit_into({}, name, held, specs)
+            )
         out: dict[str, float] = {}
         for name, by_key in states.items():
-            spec = specs[name]
-            held = plans.get(name)
-            for plan in held[1] if held is not None and held[0] is spec else self._plan(name, spec)[1]:
-                state = by_key[plan.state]
-                if plan.rank_lift is not None:
-                    state = lift(plan.rank_lift(state), sketched=plan.rank_sketch)
-                if plan.step_lift is not None:
-                    state = lift(plan.step_lift(state), sketched=plan.step_sketch)
-                out[plan.key] = plan.emit(state)
+            self._emit_into(out, name, by_key, specs)
         return {key: out[key] for key in sorted(out)}
+
+    def _emit_into(
+        self, out: dict[str, float], name: str, by_key: tuple[Summary, ...], specs: Mapping[str, Spec]
+    ) -> dict[str, float]:
+        """Put ``name``'s emitted values (one worker, ``log_every=1``) into ``out``, and return it."""
+        spec = specs[name]
+        held = self._plans.get(name)
+        for plan in held[1] if held is not None and held[0] is spec else self._plan(name, spec)[1]:
+            state = by_key[plan.state]
+            if plan.rank_lift is not None:
+                state = lift(plan.rank_lift(state), sketched=plan.rank_sketch)
+            if plan.step_lift is not None:
+                state = lift(plan.step_lift(state), sketched=plan.step_sketch)
+            out[plan.key] = plan.emit(state)
+        return out
 
     def finish(self) -> dict[str, float]:
         """The step-level values of the window so far (sorted by name), and reset it."""

@@ -47,6 +47,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from metricbus._version import __version__
 from metricbus.adapter import RunInfo
 from metricbus.spec import Chain, Spec, check_nan
@@ -113,13 +115,24 @@ _S_CRC = zlib.crc32(b"S")
 
 
 def entries_layout(n: int) -> struct.Struct:
-    """The layout of an "S" body with ``n`` entries (writers build it once per entry count)."""
-    return struct.Struct("<qI" + f"II{N_FIELDS}d" * n)
+    """The layout of ``n`` entries of an "S" body, after its step and count (writers build it once per count)."""
+    return struct.Struct("<" + f"II{N_FIELDS}d" * n)
 
 
-def commit_frame(layout: struct.Struct, flat: Sequence[float], rests: Sequence[tuple[int, Sequence[float]]]) -> bytes:
-    """A commit's frame: ``flat`` is step, n and each entry's rank, id and fields; ``rests`` (index, floats)."""
-    body = layout.pack(*flat)
+ENTRIES = np.dtype([("rank", "<u4"), ("id", "<u4"), ("fields", "<f8", (N_FIELDS,))])  # ENTRY, as numpy packs it
+
+
+def packed_entries(rank: int, ids: Any, fields: Any) -> bytes:
+    """The "S" body bytes of entries from arrays: ``ids`` (one per entry) and ``fields`` (N_FIELDS, n)."""
+    out = np.empty(len(ids), dtype=ENTRIES)
+    out["rank"] = rank
+    out["id"] = ids
+    out["fields"] = fields.T
+    return out.tobytes()
+
+
+def body_frame(body: bytes, rests: Sequence[tuple[int, Sequence[float]]]) -> bytes:
+    """A commit's frame of its packed "S" ``body`` (step, n, entries) and ``rests`` (index, floats)."""
     if not rests:  # frame(b"S", body), copying the body once: its CRC continues from b"S"'s
         return b"".join((FRAME.pack(len(body) + 1, zlib.crc32(body, _S_CRC)), b"S", body))
     lengths = [x for index, rest in rests for x in (index, len(rest))]

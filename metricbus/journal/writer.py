@@ -30,6 +30,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError, JournalWarning
 from metricbus.journal.cursors import CursorStore, identity_of
@@ -37,15 +39,17 @@ from metricbus.journal.format import (
     CHECKPOINT_BYTES,
     FSYNC_INTERVAL_S,
     MAGIC,
+    STEP,
     SUMMARY_FIELDS,
+    body_frame,
     check_fsync,
-    commit_frame,
     entries_layout,
     frame,
     gap_frame,
     lock_file,
     make_header,
     names_frame,
+    packed_entries,
     rank_file,
     spec_to_json,
 )
@@ -78,6 +82,7 @@ class JournalWriter:
         self._lock_path = lock_file(self.directory, rank)
         self._ids: Names = {}
         self._layouts: dict[int, struct.Struct] = {}  # one packing layout per entry count, built once
+        self._layout_ids: dict[bytes, Any] = {}  # a packed partial's layout -> its names' ids (uint32 array)
         self._next_id = 0
         self._unchecked = 0  # bytes written since the whole name table was
         self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
@@ -151,11 +156,32 @@ class JournalWriter:
         ids = self._ids
         next_id = self._next_id
         new: list[list[Any]] = []
-        flat: list[float] = [step, 0]
+        pieces: list[bytes] = []
         rests: list[tuple[int, tuple[float, ...]]] = []
+        learned: dict[bytes, Any] = {}  # layouts whose ids this commit found: kept once the write succeeded
         fields = SUMMARY_FIELDS
         n = 0
         for rank, partial in entries:
+            packed = partial.packed_form
+            if packed is not None and not packed.rests and not packed.sketches:
+                known_ids = self._layout_ids.get(packed.layout)
+                if known_ids is None:  # the names' ids, registering new ones as the loop below does
+                    if not new:
+                        ids = dict(ids)
+                    row = []
+                    for name, spec in zip(packed.names, packed.specs, strict=True):
+                        known = ids.get(name)
+                        if known is None or (known[1] is not spec and known[1] != spec):
+                            known = ids[name] = (next_id, spec)
+                            next_id += 1
+                            new.append([known[0], name, spec_to_json(spec)])
+                        row.append(known[0])
+                    known_ids = learned[packed.layout] = np.array(row, dtype=np.uint32)
+                pieces.append(packed_entries(rank, known_ids, packed.fields))
+                n += len(known_ids)
+                continue
+            flat: list[float] = []
+            start = n
             for name, spec, summary in partial.entries:
                 known = ids.get(name)
                 if known is None or (known[1] is not spec and known[1] != spec):
@@ -170,11 +196,11 @@ class JournalWriter:
                 if summary.rest or summary.sketch is not None:  # field reads: the common entry has neither
                     rests.append((n, summary.rest_flat()))
                 n += 1
-        flat[1] = n
-        layout = self._layouts.get(n)
-        if layout is None:
-            layout = self._layouts[n] = entries_layout(n)
-        data = commit_frame(layout, flat, rests)
+            layout = self._layouts.get(n - start)
+            if layout is None:
+                layout = self._layouts[n - start] = entries_layout(n - start)
+            pieces.append(layout.pack(*flat))
+        data = body_frame(STEP.pack(step, n) + b"".join(pieces), rests)
         if new:
             table = names_frame(new)
             data = table + table + data  # two copies: losing one frame never loses a name
@@ -195,6 +221,9 @@ class JournalWriter:
         except OSError as exc:  # the bytes may never reach the disk: say so, and send the names again
             self._gap = (step, step)
             raise self._error("fsync", exc, step) from exc
+        if new:  # a name (re)registered: ids of layouts seen before may have changed
+            self._layout_ids.clear()
+        self._layout_ids.update(learned)
         self._ids = ids
         self._next_id = next_id
 
