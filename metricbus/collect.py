@@ -20,7 +20,7 @@ from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT, Accumulator
 from metricbus.errors import MetricTypeError, MetricValueError, SpecError
 from metricbus.micro_columns import MicroUpdate, packed_update, summarize
-from metricbus.partial import Partial, Updates, from_packed
+from metricbus.partial import Packed, Partial, Updates, from_packed
 from metricbus.sketch import unknown
 from metricbus.spec import NanPolicy, SpecLike, micro_sketch
 from metricbus.spec_table import DEFAULT, SpecTable
@@ -46,6 +46,7 @@ class Collector:
         self._failed: dict[str, MetricValueError] = {}  # metrics whose records could not be reduced, since take()
         self._device: Any = None
         self._shapes: dict[tuple[str, ...], list[Any]] = {}  # log(dict) fast path: keys -> [getter, countdown]
+        self._packed: dict[frozenset[str], Packed] = {}  # per ``undeclared``, the last packed partial (see partial())
 
     # -- logging (the caller's fast path appends to ``fast`` itself) ------------------------------------------
 
@@ -333,7 +334,11 @@ class Collector:
                 if undeclared
                 else frozenset()
             )
-            return from_packed(packed_update(update, specs, unclaimed), unclaimed)
+            packed = packed_update(update, specs, unclaimed, last=self._packed.get(unclaimed))
+            if len(self._packed) >= _MAX_SHAPES:
+                self._packed.clear()
+            self._packed[unclaimed] = packed
+            return from_packed(packed, unclaimed)
         entries = tuple((name, specs[name], s) for update in updates for name, s in update.items())
         if not undeclared:
             return Partial(entries)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from operator import is_
 from typing import Any
 
 import numpy as np
@@ -77,8 +78,12 @@ class MicroUpdate(Mapping[str, Summary]):
         return name in index
 
 
-def packed_update(update: MicroUpdate, specs: Mapping[str, Spec], undeclared: frozenset[str]) -> Packed:
-    """``update`` as the packed form of a Partial (its entries: the columns' names, then the others)."""
+def packed_update(
+    update: MicroUpdate, specs: Mapping[str, Spec], undeclared: frozenset[str], *, last: Packed | None
+) -> Packed:
+    """``update`` as the packed form of a Partial (its entries: the columns' names, then the others); ``last``, a
+    previous one of the same ``undeclared``, lends its specs and layout digest when the names and their spec
+    objects are the same (the usual commit)."""
     names = update.names
     fields = update.fields
     rests: tuple[tuple[int, Rest], ...] = ()
@@ -92,6 +97,8 @@ def packed_update(update: MicroUpdate, specs: Mapping[str, Spec], undeclared: fr
         rests = tuple((i + shift, r) for i, r in rest.rests)
         sketches = tuple((i + shift, k) for i, k in rest.sketches)
     of_name = tuple(map(specs.__getitem__, names))
+    if last is not None and last.names == names and all(map(is_, last.specs, of_name)):
+        return Packed(names, last.specs, fields, rests, last.layout, True, sketches)
     return Packed(names, of_name, fields, rests, layout_of(names, of_name, undeclared), True, sketches)
 
 

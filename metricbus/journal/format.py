@@ -122,13 +122,13 @@ def entries_layout(n: int) -> struct.Struct:
 ENTRIES = np.dtype([("rank", "<u4"), ("id", "<u4"), ("fields", "<f8", (N_FIELDS,))])  # ENTRY, as numpy packs it
 
 
-def packed_entries(rank: int, ids: Any, fields: Any) -> bytes:
-    """The "S" body bytes of entries from arrays: ``ids`` (one per entry) and ``fields`` (N_FIELDS, n)."""
+def packed_entries(rank: int, ids: Any) -> Any:
+    """Entries of an "S" body as a numpy array (``ENTRIES``): ``rank`` and ``ids`` (one per entry) filled in; the
+    caller sets ``["fields"]`` (the transpose of a (N_FIELDS, n) array) and takes ``tobytes()``."""
     out = np.empty(len(ids), dtype=ENTRIES)
     out["rank"] = rank
     out["id"] = ids
-    out["fields"] = fields.T
-    return out.tobytes()
+    return out
 
 
 def body_frame(body: bytes, rests: Sequence[tuple[int, Sequence[float]]]) -> bytes:

@@ -57,6 +57,7 @@ from metricbus.partial import Partial
 from metricbus.spec import Spec
 
 Names = dict[str, tuple[int, Spec]]
+_ROWS_KEPT = 64  # (layout, rank) entry arrays kept for reuse
 
 
 def _os_error(exc: OSError) -> str:
@@ -83,6 +84,7 @@ class JournalWriter:
         self._ids: Names = {}
         self._layouts: dict[int, struct.Struct] = {}  # one packing layout per entry count, built once
         self._layout_ids: dict[bytes, Any] = {}  # a packed partial's layout -> its names' ids (uint32 array)
+        self._packed_rows: dict[tuple[bytes, int], Any] = {}  # (layout, rank) -> its entries, rank and ids filled in
         self._next_id = 0
         self._unchecked = 0  # bytes written since the whole name table was
         self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
@@ -164,6 +166,12 @@ class JournalWriter:
         for rank, partial in entries:
             packed = partial.packed_form
             if packed is not None and not packed.rests and not packed.sketches:
+                held = self._packed_rows.get((packed.layout, rank))
+                if held is not None:
+                    held["fields"] = packed.fields.T
+                    pieces.append(held.tobytes())
+                    n += len(held)
+                    continue
                 known_ids = self._layout_ids.get(packed.layout)
                 if known_ids is None:  # the names' ids, registering new ones as the loop below does
                     if not new:
@@ -177,7 +185,11 @@ class JournalWriter:
                             new.append([known[0], name, spec_to_json(spec)])
                         row.append(known[0])
                     known_ids = learned[packed.layout] = np.array(row, dtype=np.uint32)
-                pieces.append(packed_entries(rank, known_ids, packed.fields))
+                rows = packed_entries(rank, known_ids)
+                if not new and len(self._packed_rows) < _ROWS_KEPT:  # ids already registered: reuse the rows
+                    self._packed_rows[packed.layout, rank] = rows
+                rows["fields"] = packed.fields.T
+                pieces.append(rows.tobytes())
                 n += len(known_ids)
                 continue
             flat: list[float] = []
@@ -223,6 +235,7 @@ class JournalWriter:
             raise self._error("fsync", exc, step) from exc
         if new:  # a name (re)registered: ids of layouts seen before may have changed
             self._layout_ids.clear()
+            self._packed_rows.clear()
         self._layout_ids.update(learned)
         self._ids = ids
         self._next_id = next_id
