@@ -60,16 +60,19 @@ class ColumnStates(Mapping[str, States]):
         names = update.names
         layout = layouts.of(names, specs)
         fields = update.fields
-        out: dict[str, float] = {}
-        for kind, keys, index in layout.groups:
+        parts = []
+        for kind, _, index in layout.groups:
             values, exact = _values(kind, fields[:, index])
-            if exact is None:
-                out.update(zip(keys, values.tolist(), strict=True))
-                continue
-            kind_fn = KINDS[kind]
-            rows = (names[i] for i in index)
-            for key, name, value, ok in zip(keys, rows, values.tolist(), exact.tolist(), strict=True):
-                out[key] = value if ok else kind_fn(update[name])
+            if exact is not None:  # computed from the Summary where the columns do not settle it
+                values = values.copy()
+                kind_fn = KINDS[kind]
+                for j in np.flatnonzero(~exact).tolist():
+                    values[j] = kind_fn(update[names[index[j]]])
+            parts.append(values)
+        joined = (np.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else np.empty(0)
+        if not layout.single and not update.others:  # the usual commit: the keys' sorted order is decided already
+            return dict(zip(layout.ordered, joined[layout.order].tolist(), strict=True))
+        out = dict(zip(layout.keys, joined.tolist(), strict=True))
         for name in layout.single:
             out.update(scalar(name, self[name]))
         for name in update.others:
@@ -120,13 +123,17 @@ def _means(columns: Any) -> tuple[Any, Any]:
 
 class Layout:
     """What :meth:`ColumnStates.emit` decided for one list of names and their specs: per vectorized kind, the
-    emitted keys and the columns they read; the names emitted one at a time."""
+    emitted keys and the columns they read (``groups``); ``keys``, theirs in group order, and ``ordered`` = ``keys``
+    sorted, = ``keys[order]``; the names emitted one at a time (``single``)."""
 
-    __slots__ = ("groups", "single")
+    __slots__ = ("groups", "keys", "order", "ordered", "single")
 
     def __init__(self, groups: list[tuple[str, list[str], Any]], single: list[str]) -> None:
         self.groups = groups
         self.single = single
+        self.keys = [key for _, keys, _ in groups for key in keys]
+        self.order = np.array(sorted(range(len(self.keys)), key=self.keys.__getitem__), dtype=np.intp)
+        self.ordered = [self.keys[i] for i in self.order.tolist()]
 
 
 class Layouts:
