@@ -46,16 +46,18 @@ from typing import Any
 import numpy as np
 
 from metricbus import rank_level, sketch_level
+from metricbus.column_states import ColumnStates
 from metricbus.errors import DistributedError, MetricBusWarning, SpecError
 from metricbus.partial import Partial
 from metricbus.ranks import Commit, Exchange, with_specs
 from metricbus.reduce import Column, Ranked, StepReducer, WorkerStates, lift_columns
 from metricbus.spec import Spec
 from metricbus.spec_table import Claim, SpecTable, decide, output_keys
-from metricbus.summary import Summary
+from metricbus.summary import EMPTY, N_FIELDS, Summary
 
 SETTLE_S = 2.0  # the longest close() waits for a backend thread to let go of a collective's tensors
 _SETTLE_MAX_SLEEP_S = 1e-3
+_EMPTY = EMPTY.as_tuple()  # an absent column's fields
 _LENGTH = struct.Struct("<Q")  # the prefix of each rank's bytes in the byte gather
 
 
@@ -101,6 +103,7 @@ class TorchRanks:
         self._lifts: dict[str, tuple[Column, ...]] = {}  # each name's columns (rank-level inputs)
         self._columns: list[tuple[int, int]] = []  # each name's (first column, number of columns)
         self._width = 0  # the number of columns
+        self._direct: dict[tuple[str, ...], Any] = {}  # names of an update in columns -> their columns (see _block)
         self._moments: list[bool] = []  # per column: whether its merged m2 is read
         self._sketched: list[int] = []  # the columns whose states carry a sketch
         self._held: list[tuple[Any, int]] = []  # (tensor, its use count before the collective): not yet let go
@@ -135,7 +138,7 @@ class TorchRanks:
             update if all(map(specs.__contains__, update)) else {name: s for name, s in update.items() if name in specs}
             for update in commit.own_updates
         ]
-        block = self._block(reducer.worker(known, specs))
+        block = self._block(reducer.worker(known, specs), reducer)
         prep = rank_level.prepare(block)
         sketched = self._sketched  # the layout of this commit (the agreement may extend it)
         # this rank's sketches of the agreed sketched columns (one of a column its own rule alone sketches is not sent)
@@ -239,14 +242,37 @@ class TorchRanks:
         self._collective(self._dist.all_reduce, tensor, op=reduce_op)
         return tensor.cpu().numpy() if tensor.device.type != "cpu" else tensor.numpy()
 
-    def _block(self, states: WorkerStates) -> rank_level.Block:
+    def _block(self, states: WorkerStates, reducer: StepReducer) -> rank_level.Block:
         """This rank's row over the agreed columns."""
+        if type(states) is ColumnStates and not states.update.others:
+            update = states.update
+            direct = self._direct.get(update.names)
+            if direct is None:
+                direct = self._direct[update.names] = self._direct_columns(update.names, reducer)
+            if len(direct):  # every metric's micro summary is its one column: copy the update's fields over
+                fields = np.empty((N_FIELDS, 1, self._width))
+                fields[:, 0, :] = np.array(_EMPTY, dtype=np.float64)[:, None]
+                fields[:, 0, direct] = update.fields
+                ranks = np.array([self.rank], dtype=np.int64)
+                return rank_level.Block(fields, ranks, np.asarray(self._moments, dtype=bool))
         row: list[Summary | None] = [None] * self._width
         for name, (base, width) in zip(self._names, self._columns, strict=True):
             held = states.get(name)
             if held is not None:
                 row[base : base + width] = lift_columns(held, self._lifts[name])
         return rank_level.block_of([row], [self.rank], self._moments)
+
+    def _direct_columns(self, names: tuple[str, ...], reducer: StepReducer) -> Any:
+        """The column of each of ``names`` where every one's micro summary is its one rank-level input as it is
+        (no lift, no sketch: :meth:`StepReducer.plain`), else an empty array (the row is built state by state)."""
+        at = {name: base for name, (base, _) in zip(self._names, self._columns, strict=True)}
+        out = []
+        for name in names:
+            spec = self._specs.get(name)
+            if spec is None or not reducer.plain(name, spec) or self._lifts[name][0][3]:
+                return np.empty(0, dtype=np.intp)
+            out.append(at[name])
+        return np.array(out, dtype=np.intp)
 
     def _gather_bytes(self, payload: bytes, longest: int) -> list[bytes]:
         """One all_gather of every rank's ``payload``, each prefixed with its length and padded to the longest."""
@@ -327,3 +353,4 @@ class TorchRanks:
             self._sketched.extend(width + j for j, column in enumerate(self._lifts[name]) if column[3])
             width += len(self._lifts[name])
         self._width = width
+        self._direct = {}

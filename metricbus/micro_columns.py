@@ -131,7 +131,8 @@ def summarize(names: list[str], chunks: list[list[float]], others: dict[str, Sum
     total = np.array(totals, dtype=np.float64)
     if 1 in counts:  # one record: its value is the sum (of_value keeps -0.0, which fsum makes 0.0)
         total = np.where(sizes == 1, flat[starts], total)
-    deviations = flat - np.repeat(total / n, sizes)
+    with np.errstate(over="ignore", invalid="ignore"):  # deviations beyond the double range: inf, as of_batch's
+        deviations = flat - np.repeat(total / n, sizes)
     fields = np.empty((N_FIELDS, k))
     fields[0] = n
     fields[1] = n
@@ -140,7 +141,7 @@ def summarize(names: list[str], chunks: list[list[float]], others: dict[str, Sum
     fields[4] = los
     fields[5] = total
     fields[6] = los
-    with np.errstate(over="ignore"):  # a square beyond the double range is inf, as of_batch's d * d
+    with np.errstate(over="ignore", invalid="ignore"):  # a square beyond the double range: inf, as of_batch's
         fields[7] = np.add.reduceat(deviations * deviations, starts)
     fields[8] = np.minimum.reduceat(flat, starts)
     fields[9] = np.maximum.reduceat(flat, starts)

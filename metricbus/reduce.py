@@ -195,7 +195,7 @@ class StepReducer:
         out: dict[str, tuple[Summary, ...]] = {}
         plans = self._plans
         if len(updates) == 1 and type(updates[0]) is MicroUpdate:  # held in columns: states built when read
-            return ColumnStates(update=updates[0], states_of=lambda name, s: self.worker([{name: s}], specs)[name])
+            return ColumnStates(update=updates[0], states_of=lambda summaries: self.worker([dict(summaries)], specs))
         if len(updates) == 1:  # the common case: one update, so no merge; a lift only where a chain asks
             for name, summary in updates[0].items():
                 if summary.count:
