@@ -29,7 +29,7 @@ from metricbus.journal.cursors import identity_of, resume_adapter
 from metricbus.journal.reader import JournalStream, stream_journal, timeline
 from metricbus.partial import Partial
 from metricbus.reduce import StepReducer
-from metricbus.replay_levels import reduced
+from metricbus.replay_levels import Emitted, reduced
 from metricbus.spec import Spec, micro_sketch, parse_spec_text
 
 Progress = Callable[[int, int], None]
@@ -128,7 +128,7 @@ def emissions(
     commits = timeline(journal)
     if until is not None:
         commits = itertools.takewhile(lambda commit: commit.step < until, commits)
-    for batch in reduced(commits, respec, reducer):
+    for batch in reduced(commits, respec, reducer, log_every=journal.log_every):
         for commit, specs, ranked in batch:
             step = commit.step
             if commit.starts_segment:  # a resumed writer starts afresh: the open window ends with its segment
@@ -138,7 +138,10 @@ def emissions(
                         yield last, tail, True
                 reducer = StepReducer(log_every=journal.log_every)
             last = step
-            if isinstance(ranked, Partial):  # one worker: its states are the rank level (the live single path)
+            out: dict[str, float] | None
+            if isinstance(ranked, Emitted):  # the columnar path (log_every 1: nothing pending in the reducer)
+                out = ranked.metrics
+            elif isinstance(ranked, Partial):  # one worker: its states are the rank level (the live single path)
                 out = reducer.commit([reducer.worker(ranked.updates(), specs)], specs)
             else:
                 out = reducer.commit_ranked(ranked, specs)

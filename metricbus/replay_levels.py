@@ -6,13 +6,14 @@ workers are merged column-wise together (:func:`metricbus.packed_ranks.rank_leve
 entries at once; a commit of one worker keeps its partial, for the live single-worker path. A commit whose ranks
 log the same names in the same order (a writer's commits, one after the other) is read as one
 :class:`metricbus.packed_ranks.Ranks`: its layout, specs and block positions are decided once for the journal and
-the commit costs a few numpy slices, with no Partial per rank.
+the commit costs a few numpy slices, with no Partial per rank. With ``log_every`` 1, runs of commits of one shape
+skip all that: :mod:`metricbus.replay_columns` reduces and emits them as arrays (exact element by element).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from metricbus.journal.packed import PackedRows
 from metricbus.journal.reader import Commit
@@ -20,22 +21,51 @@ from metricbus.packed_ranks import Ranks, Workers, rank_levels
 from metricbus.partial import Partial
 from metricbus.ranks import with_specs
 from metricbus.reduce import Ranked, StepReducer
+from metricbus.replay_columns import ColumnLayout, Layouts, run_fields
 from metricbus.spec import Spec
 
 Respec = Callable[[str, Spec], Spec]
 
 
+class Emitted(NamedTuple):
+    """A commit's emitted values, already computed by the columnar path (``log_every`` 1: nothing is pending).
+    A NamedTuple: one is built per commit, and a tuple is the cheapest immutable record to build."""
+
+    metrics: dict[str, float]
+
+
+Level = Ranked | Partial | Emitted
+
+
 def reduced(
-    commits: Iterable[Commit], respec: Respec, reducer: StepReducer
-) -> Iterator[list[tuple[Commit, dict[str, Spec], Ranked | Partial]]]:
+    commits: Iterable[Commit], respec: Respec, reducer: StepReducer, *, log_every: int = 0
+) -> Iterator[list[tuple[Commit, dict[str, Spec], Level]]]:
     """The timeline's commits with their specs and rank-level results, a batch at a time: commits are read from
     their raw rows as packed partials and reduced side by side (:func:`metricbus.packed_ranks.rank_levels`); at
-    most ``_BATCH_ENTRIES`` entries are held."""
+    most ``_BATCH_ENTRIES`` entries are held. With ``log_every`` 1, runs of commits of one shape that fit the
+    columnar path (:mod:`metricbus.replay_columns`) come emitted already, at most ``_COLUMN_ENTRIES`` rows a run."""
     rows = PackedRows(respec)
+    layouts = Layouts(respec, reducer) if log_every == 1 else None
     seen: dict[Any, Any] = {}  # rank-level layouts of the row layouts met so far
     batch: list[tuple[Commit, Workers, dict[str, Spec]]] = []
     held = 0
+    run: list[Commit] = []
+    shape: ColumnLayout | None = None
     for commit in commits:
+        layout = layouts.of(commit.parts) if layouts is not None and commit.parts else None
+        if layout is not None:
+            if batch:
+                yield _levels(batch, reducer, seen)
+                batch, held = [], 0
+            if run and (layout is not shape or (len(run) + 1) * layout.rows > _COLUMN_ENTRIES):
+                yield _emitted(run, shape)
+                run = []
+            run.append(commit)
+            shape = layout
+            continue
+        if run:
+            yield _emitted(run, shape)
+            run = []
         partials: Workers
         alike = rows.ranks(commit.parts) if commit.parts else None
         if alike is not None:  # every rank logs the same names: the commit is a few numpy slices
@@ -56,8 +86,17 @@ def reduced(
         if held >= _BATCH_ENTRIES or len(batch) >= _BATCH_COMMITS:
             yield _levels(batch, reducer, seen)
             batch, held = [], 0
+    if run:
+        yield _emitted(run, shape)
     if batch:
         yield _levels(batch, reducer, seen)
+
+
+def _emitted(run: list[Commit], layout: ColumnLayout | None) -> list[tuple[Commit, dict[str, Spec], Level]]:
+    """A run of commits of one shape, emitted by the columnar path."""
+    assert layout is not None  # a run always has its layout
+    out = layout.emit(run_fields([commit.parts for commit in run]))
+    return [(commit, {}, Emitted(metrics)) for commit, metrics in zip(run, out, strict=True)]
 
 
 def _one_rank(commit: Commit) -> bool:
@@ -82,11 +121,11 @@ def _several(partials: Workers) -> bool:
 
 def _levels(
     batch: list[tuple[Commit, Workers, dict[str, Spec]]], reducer: StepReducer, seen: dict[Any, Any]
-) -> list[tuple[Commit, dict[str, Spec], Ranked | Partial]]:
+) -> list[tuple[Commit, dict[str, Spec], Level]]:
     """Each commit's rank level: merged column-wise for several workers; a lone worker's partial as it is."""
     several = [(partials, (), specs) for _, partials, specs in batch if _several(partials)]
     merged = iter(rank_levels(several, reducer, seen=seen) if several else [])
-    out: list[tuple[Commit, dict[str, Spec], Ranked | Partial]] = []
+    out: list[tuple[Commit, dict[str, Spec], Level]] = []
     for commit, partials, specs in batch:
         if isinstance(partials, Ranks) or len(partials) > 1:
             out.append((commit, specs, next(merged)))
@@ -97,3 +136,4 @@ def _levels(
 
 _BATCH_ENTRIES = 1 << 12  # entries reduced in one block (its memory: ~100 bytes an entry)
 _BATCH_COMMITS = 256
+_COLUMN_ENTRIES = 1 << 14  # rows of one columnar run (its arrays: a few hundred bytes a row)

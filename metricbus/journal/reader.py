@@ -163,7 +163,8 @@ class JournalStream(_Meta):
 
         Holds one pending commit per rank file (and the one being merged): memory does not grow with the journal.
         """
-        merged = heapq.merge(*(file_commits(ix, decode=decode) for ix in self._indexes), key=_key)
+        files = [file_commits(ix, decode=decode) for ix in self._indexes]
+        merged = files[0] if len(files) == 1 else heapq.merge(*files, key=_key)
         key: tuple[int, int] | None = None
         parts: list[RawPart] = []
         starts, index = False, 0

@@ -14,10 +14,11 @@ import os
 import struct
 import warnings
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass, field
+from io import FileIO
 from pathlib import Path
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,6 +47,8 @@ _CHUNK = 1 << 22  # a file is read this many bytes at a time
 _WHOLE = 1 << 24  # a frame up to this long is read whole before its CRC is checked (a longer one, a chunk at a time:
 # a damaged length field costs at most this much memory)
 _COMMITS = (b"S", b"R")
+_COUNT_AT = 8  # an entry's count (its first field) follows its rank and id (<II)
+_SMALL = 1 << 10  # a commit of at most this many entries compares its ids with the commit before's
 _new = tuple.__new__
 _DAMAGE = (ValueError, KeyError, TypeError, struct.error)
 
@@ -127,18 +130,31 @@ def entries_of(part: RawPart) -> dict[int, list[Entry]]:
 
 
 class _Source:
-    """The first ``size`` bytes of a file, read a chunk at a time (never the whole file)."""
+    """The first ``size`` bytes of a file, read a chunk at a time (never the whole file).
 
-    def __init__(self, file: BinaryIO, size: int) -> None:
+    ``reuse``: every read goes into one buffer (grown when a frame needs it), for a reader that copies whatever it
+    keeps of a frame before asking for the next one (the first pass): no fresh memory to fault in per chunk."""
+
+    def __init__(self, file: FileIO, size: int, *, reuse: bool = False) -> None:
         self._file, self.size = file, size
-        self._buf, self._base = b"", 0
+        self._buf: bytes | memoryview = b""
+        self._base = 0
+        self._spare = bytearray() if reuse else None
 
     def view(self, pos: int, n: int) -> memoryview:
-        """Bytes ``pos .. pos + n`` (``pos + n <= size``); valid until released (a later read replaces the chunk)."""
+        """Bytes ``pos .. pos + n`` (``pos + n <= size``); valid until released (a later read replaces the chunk;
+        with ``reuse``, until the next read)."""
         off = pos - self._base
         if off < 0 or off + n > len(self._buf):
             self._file.seek(pos)
-            self._buf = self._file.read(min(max(n, _CHUNK), self.size - pos))
+            want = min(max(n, _CHUNK), self.size - pos)
+            if self._spare is None:
+                self._buf = self._file.read(want)
+            else:
+                if len(self._spare) < want:
+                    self._spare = bytearray(want)  # a new one: views of the old one may still be held
+                got = self._file.readinto(memoryview(self._spare)[:want])
+                self._buf = memoryview(self._spare)[: got or 0]
             self._base, off = pos, 0
             if len(self._buf) < n:
                 raise JournalError(f"{getattr(self._file, 'name', 'a journal file')} shrank while it was read")
@@ -152,15 +168,18 @@ class _Source:
             pos, n = pos + k, n - k
         return value
 
-    def frames(self, report: Callable[[int, int | None], None] | None) -> Iterator[tuple[int, memoryview]]:
-        """``(offset, payload)`` of each valid frame; ``report(offset, resume or None)`` at each damaged stretch."""
+    def frames(
+        self, report: Callable[[int, int | None], None] | None, whole: Container[int] = ()
+    ) -> Iterator[tuple[int, memoryview]]:
+        """``(offset, payload)`` of each valid frame; ``report(offset, resume or None)`` at each damaged stretch.
+        ``whole``: offsets of long frames found valid before (by the first pass), read at once like short ones."""
         pos, end = len(MAGIC), self.size
         while pos < end:
             if pos + FRAME.size <= end:
                 length, crc = FRAME.unpack(self.view(pos, FRAME.size))
                 stop = pos + FRAME.size + length
                 if 0 < length <= MAX_FRAME and stop <= end:
-                    if length <= _WHOLE:  # read once: the CRC is checked on the payload it yields
+                    if length <= _WHOLE or pos in whole or self._sized(pos, length):  # read once, then checked
                         payload = self.view(pos + FRAME.size, length)
                         if zlib.crc32(payload) == crc:
                             yield pos, payload
@@ -176,6 +195,12 @@ class _Source:
             if resume is None:
                 return
             pos = resume
+
+    def _sized(self, pos: int, length: int) -> bool:
+        """True when a long frame is a commit whose own entry count says its length: it is read at once (a damaged
+        length field is read a chunk at a time, unless the count beside it was damaged to agree)."""
+        head = self.view(pos + FRAME.size, 1 + STEP.size)
+        return bytes(head[:1]) == b"S" and length == 1 + STEP.size + STEP.unpack_from(head, 1)[1] * ENTRY.size
 
     def _resync(self, pos: int) -> int | None:
         """The next offset where a whole frame with a valid CRC starts."""
@@ -243,9 +268,12 @@ def _commit_step(kind: bytes, body: memoryview) -> int:
                 rest_layout(rest)  # the lengths only: the summaries are built in the second pass
     elif len(body) != end:
         raise ValueError(f"a commit of {n} entries cannot be {len(body)} bytes long")
-    counts = np.frombuffer(body, ENTRY_DTYPE, count=n, offset=STEP.size)["fields"][:, 0]
-    if n and not np.isfinite(counts).all():
-        raise ValueError("a summary count that is not finite")
+    if n:
+        counts = np.ndarray((n,), "<f8", body, STEP.size + _COUNT_AT, (ENTRY.size,))
+        # one reduction: a finite sum says every count is finite; else the rare check of each (a sum of huge
+        # finite counts may overflow)
+        if not math.isfinite(float(np.add.reduce(counts))) and not np.isfinite(counts).all():
+            raise ValueError("a summary count that is not finite")
     return int(step)
 
 
@@ -264,6 +292,7 @@ class FileIndex:
     limits: list[tuple[int, int]]
     last_step: int | None
     warned: bool = False
+    long: set[int] = field(default_factory=set)  # offsets of the valid frames over _WHOLE bytes (one per 16 MiB)
 
 
 def index_file(path: Path) -> FileIndex:
@@ -275,6 +304,7 @@ def index_file(path: Path) -> FileIndex:
         raise UnreadableError(f"cannot read journal file {path}: {exc.strerror or exc}") from exc
     rf = RankFile(path)
     bad: set[int] = set()
+    long: set[int] = set()
     resets: list[tuple[int, int]] = []
 
     def damage(pos: int, resume: int | None) -> None:
@@ -288,7 +318,9 @@ def index_file(path: Path) -> FileIndex:
         size = os.fstat(file.fileno()).st_size
         _check_magic(path, file.read(len(MAGIC)))
         ordinal, last, new_segment, prior, checked = 0, None, False, b"", b""
-        for pos, payload in _Source(file, size).frames(damage):
+        for pos, payload in _Source(file, size, reuse=True).frames(damage):
+            if len(payload) > _WHOLE:
+                long.add(pos)
             kind = bytes(payload[:1])
             header, prior = prior, (bytes(payload) if kind == b"H" else b"")
             try:
@@ -326,7 +358,7 @@ def index_file(path: Path) -> FileIndex:
     for ordinal, step in reversed(resets):
         lowest = min(lowest, step)
         limits.append((ordinal, int(lowest)))
-    return FileIndex(rf, size, bad, limits[::-1], last)
+    return FileIndex(rf, size, bad, limits[::-1], last, long=long)
 
 
 def _clip(gap: Gap, step: int) -> Gap | None:
@@ -345,9 +377,10 @@ def file_commits(index: FileIndex, *, decode: bool) -> Iterator[FileItem]:
     names: Names = {}
     table, body = names, b""  # the last table read from an "N" frame, and that frame
     sized, dense = names, 0  # a table and its _dense count
+    known_in, known_ids = names, b""  # a table and a small commit's ids found in it (the next commit's, likely)
     ordinal, at, last, nth, new_segment, prior, unknown = 0, 0, None, 0, False, b"", 0
     with path.open("rb", buffering=0) as file:
-        for pos, payload in _Source(file, index.size).frames(None):
+        for pos, payload in _Source(file, index.size).frames(None, index.long):
             kind = bytes(payload[:1])
             header, prior = prior, (bytes(payload) if kind == b"H" else b"")
             if kind == b"H":
@@ -372,10 +405,14 @@ def file_commits(index: FileIndex, *, decode: bool) -> Iterator[FileItem]:
                 rows = np.frombuffer(_own(payload), ENTRY_DTYPE, count=n, offset=1 + STEP.size)
                 if names is not sized:
                     sized, dense = names, _dense(names)
-                if n and not int(rows["id"].max()) < dense:  # else every id is in the table: no per-entry lookup
-                    ids = rows["id"].tolist()
-                    if not names.keys() >= set(ids):
-                        unknown += sum(i not in names for i in ids)
+                ids, small = rows["id"], n <= _SMALL
+                if not (small and names is known_in and ids.tobytes() == known_ids):  # else the ids just checked
+                    if n and not int(ids.max()) < dense:  # else every id is in the table: no per-entry lookup
+                        listed = ids.tolist()
+                        if not names.keys() >= set(listed):
+                            unknown += sum(i not in names for i in listed)
+                    elif small:
+                        known_in, known_ids = names, ids.tobytes()
                 rests = {}
                 if kind == b"R":
                     rests = {k: rest for k, (_, _, _, rest) in enumerate(unpack_commit(kind, bytes(payload[1:]))[1])

@@ -1,0 +1,211 @@
+"""Replay's columnar path emits the bits of the scalar path (and of the live bus) on hostile data."""
+
+from __future__ import annotations
+
+import math
+import struct
+import warnings
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from metricbus import MetricBus
+from metricbus.column_kinds import divide_by_count
+from metricbus.errors import SpecError
+from metricbus.exact import divide_by_count as scalar_divide_by_count
+from metricbus.journal import read_journal, stream_journal
+from metricbus.replay import emitted, parse_rule, replay
+from metricbus.spec import parse_spec_text
+from metricbus.testing import MemoryAdapter
+
+HOSTILE = st.one_of(
+    st.floats(width=64),
+    st.sampled_from([0.0, -0.0, 1.0, 3.0, 0.1, -0.1, 1e16, 1e-16, 1e308, -1e308, 5e-324, 2.0**-1022, 1e300,
+                     float("inf"), float("-inf"), float("nan")]),
+)
+FINITE = st.floats(allow_nan=False, allow_infinity=False, width=64).filter(lambda x: abs(x) < 1e300)
+SPECS = ["mean", "sum", "min", "max", "first", "last", "count", "std", "mean,max,min", "sum,count,std",
+         "step:sum", "micro:sum,rank:mean", "micro:mean,step:p90", "p50"]
+Rows = list[tuple[int, dict[str, bytes]]]
+
+
+def bits(rows: Any) -> Rows:
+    """Rows with every float as its 8 bytes (NaN == NaN, -0.0 != 0.0)."""
+    return [(step, {k: struct.pack("<d", v) for k, v in m.items()}) for step, m in rows]
+
+
+def plain_nan(rows: Rows) -> Rows:
+    """``rows`` with every NaN as ``float("nan")``'s bytes: a record's NaN payload reaches a one-rank replay's value,
+    while the live ingest's rank level writes a plain NaN (an older difference, not the columnar path's)."""
+    nan = struct.pack("<d", math.nan)
+    return [(step, {k: nan if math.isnan(struct.unpack("<d", v)[0]) else v for k, v in m.items()})
+            for step, m in rows]
+
+
+def scalar(path: Path, **options: Any) -> Rows:
+    """The scalar path: a journal read whole has decoded commits, which never take the columnar path."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bits(emitted(read_journal(path), **options))
+
+
+def columnar(path: Path, **options: Any) -> Rows:
+    """The streaming replay, which takes the columnar path where a run of commits fits it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bits(emitted(stream_journal(path), **options))
+
+
+def write(path: Path, steps: list[list[dict[str, list[tuple[float, float | None]]]]], rules: dict[str, str],
+          *, controller: bool = True) -> MemoryAdapter:
+    """Journal ``steps`` (per step, per worker: name -> records (value, weight)) through a driver's ingest (or
+    one worker's own log when there is one worker and no controller); returns what the live bus emitted."""
+    mem = MemoryAdapter()
+    specs = {name: parse_spec_text(text, metric=name) for name, text in rules.items()}
+    with MetricBus(dist=None, rules=specs, adapters=[mem], journal=str(path), fsync="never") as bus:
+        for step, workers in enumerate(steps):
+            if controller:
+                partials = []
+                for records in workers:
+                    worker = MetricBus(dist=None, rules=specs)
+                    _log(worker, records)
+                    partials.append(worker.export())
+                    worker.close()
+                bus.ingest(partials)
+            else:
+                _log(bus, workers[0])
+            bus.commit(step)
+    return mem
+
+
+def _log(bus: MetricBus, records: dict[str, list[tuple[float, float | None]]]) -> None:
+    for name, values in records.items():
+        for value, weight in values:
+            bus.log(name, value, weight=weight)
+
+
+def records(values: st.SearchStrategy[float], weighted: bool) -> st.SearchStrategy[list[tuple[float, float | None]]]:
+    """1-4 records of one metric, weighted sometimes."""
+    weight = st.one_of(st.none(), st.sampled_from([0.5, 2.0, 3.0, 1e-3])) if weighted else st.none()
+    return st.lists(st.tuples(values, weight), min_size=1, max_size=4)
+
+
+@st.composite
+def journals(draw: st.DrawFn, values: st.SearchStrategy[float], *, weighted: bool = False,
+             max_workers: int = 4) -> tuple[list[list[dict[str, list[tuple[float, float | None]]]]], dict[str, str]]:
+    """Steps of workers' records: one shape for a few commits, then another (names come and go)."""
+    names = [f"m{i}" for i in range(draw(st.integers(1, 5)))]
+    rules = {name: draw(st.sampled_from(SPECS)) for name in names}
+    workers = draw(st.integers(1, max_workers))
+    steps = []
+    for _ in range(draw(st.integers(1, 3))):  # runs of one shape
+        logged = [draw(st.lists(st.sampled_from(names), min_size=1, unique=True)) for _ in range(workers)]
+        for _ in range(draw(st.integers(1, 4))):
+            steps.append([{name: draw(records(values, weighted)) for name in mine} for mine in logged])
+    return steps, rules
+
+
+FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FEW
+@given(journals(HOSTILE, weighted=True))
+def test_hostile_values_bitwise(case: Any) -> None:
+    """NaN, inf, -0.0, huge and subnormal values, weights: columnar == scalar == live, bit for bit."""
+    steps, rules = case
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        live = write(path, steps, rules)
+        got = columnar(path)
+        assert got == scalar(path)
+        assert plain_nan(got) == plain_nan(bits(live.rows))
+
+
+@FEW
+@given(journals(FINITE, max_workers=6))
+def test_finite_sums_with_remainders_bitwise(case: Any) -> None:
+    """Finite values whose sums need a low part (lo != 0): the vectorized division and exact sums hold."""
+    steps, rules = case
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        live = write(path, steps, rules)
+        assert columnar(path) == scalar(path) == bits(live.rows)
+
+
+@FEW
+@given(journals(HOSTILE, weighted=True, max_workers=1))
+def test_one_worker_bitwise(case: Any) -> None:
+    """A one-rank journal (the live single-worker path): columnar == scalar == live."""
+    steps, rules = case
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        live = write(path, steps, rules, controller=False)
+        got = columnar(path)
+        assert got == scalar(path)
+        assert plain_nan(got) == plain_nan(bits(live.rows))
+
+
+@FEW
+@given(journals(FINITE, max_workers=3), st.sampled_from(["sum", "mean,std", "max,first,last,count",
+                                                          "micro:sum,rank:mean", "step:mean", "m0=p90"]))
+def test_rules_bitwise(case: Any, rule: str) -> None:
+    """A --rule re-aggregation: columnar == scalar."""
+    steps, rules = case
+    text = rule if "=" in rule else f"m*={rule}"
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        write(path, steps, rules)
+        try:
+            want = scalar(path, rules=[parse_rule(text)])
+        except SpecError:  # a rule the journal cannot serve (a quantile of records without a sketch) fails alike
+            with pytest.raises(SpecError):
+                columnar(path, rules=[parse_rule(text)])
+            return
+        assert columnar(path, rules=[parse_rule(text)]) == want
+
+
+def test_many_commits_and_ranks_bitwise(tmp_path: Path) -> None:
+    """Runs longer than one batch, over many ranks, with a few hostile values sprinkled in."""
+    rng = np.random.default_rng(7)
+    rules = {"a": "mean", "b": "sum,std", "c": "min,max", "d": "count,first,last"}
+    steps = []
+    for step in range(60):
+        workers = []
+        for rank in range(24):
+            values = rng.standard_normal(4) * 10.0 ** rng.integers(-20, 20, 4)
+            if step % 17 == 3 and rank == 5:
+                values[0] = np.nan
+            if step % 13 == 4 and rank == 2:
+                values[1] = -0.0
+            workers.append({name: [(float(v), None)] * (1 + rank % 3) for name, v in zip("abcd", values,
+                                                                                         strict=True)})
+        steps.append(workers)
+    live = write(tmp_path / "j", steps, rules)
+    assert columnar(tmp_path / "j") == scalar(tmp_path / "j") == bits(live.rows)
+
+
+def test_replay_into_an_adapter_equals_live(tmp_path: Path) -> None:
+    """``replay`` (the streaming path) delivers the live steps."""
+    steps = [[{"loss": [(0.1 * s + r, None), (1.0 / (s + 1), None)]} for r in range(3)] for s in range(40)]
+    live = write(tmp_path / "j", steps, {"loss": "mean,std,max"})
+    mem = MemoryAdapter()
+    replay(tmp_path / "j", [mem])
+    assert bits(mem.rows) == bits(live.rows)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(allow_nan=False, allow_infinity=False), st.floats(allow_nan=False, allow_infinity=False),
+       st.integers(1, 2**27))
+def test_divide_by_count_matches_the_scalar_one(hi: float, lo: float, count: int) -> None:
+    """Where the vectorized quick division settles a quotient, it is the scalar one's."""
+    lo = lo * 2.0**-60 if abs(lo) >= abs(hi) * 2.0**-52 else lo  # a plausible remainder
+    q, done = divide_by_count(np.array([hi]), np.array([lo]), np.array([float(count)]))
+    want = scalar_divide_by_count(hi, lo, float(count))
+    if done[0]:
+        assert want is not None
+        assert struct.pack("<d", q[0]) == struct.pack("<d", want)
