@@ -5,9 +5,10 @@ update held as a :class:`~metricbus.micro_columns.MicroUpdate`: the worker-level
 first use (the rank level, several workers, a ``log_every`` window read them so). A single worker's commit with
 ``log_every=1`` instead calls :meth:`ColumnStates.emit`: each metric whose chains all keep one kind of the Summary's
 statistics from the micro to the step level emits that kind of its column, for all such metrics at once, and the
-same value :mod:`metricbus.kinds` computes, bit for bit. A value a plain IEEE operation would not give exactly
-(a mean whose sums have a remainder, a std whose quotient overflows) is computed from the Summary, as is every
-metric of another shape (a lift, a distribution kind, a metric summarised on its own).
+same value :mod:`metricbus.kinds` computes, bit for bit (the elementwise kinds of :mod:`metricbus.column_kinds`,
+which replay's columnar path uses too). A value they leave unsettled (a tie in a division, a std whose quotient
+overflows) is computed from the Summary, as is every metric of another shape (a lift, a distribution kind, a
+metric summarised on its own).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from metricbus.exact import _COUNT_LIMIT, _QUOTIENT_HIGH, _QUOTIENT_LOW, _SPLIT
+from metricbus.column_kinds import COLUMN_KINDS, Merged
 from metricbus.kinds import KINDS, Kind
 from metricbus.micro_columns import MicroUpdate
 from metricbus.spec import Spec
@@ -26,10 +27,8 @@ from metricbus.summary import Summary
 States = tuple[Summary, ...]
 StatesOf = Callable[[Mapping[str, Summary]], Mapping[str, States]]  # worker-level states of micro summaries
 Scalar = Callable[[str, States], dict[str, float]]  # a metric's emitted values from its states, one at a time
-_ROWS = {"count": 0, "min": 8, "max": 9, "first": 10, "last": 11}  # the kinds that are one field
-_VECTOR: dict[Kind, str] = {KINDS[kind]: kind for kind in (*_ROWS, "sum", "mean", "std")}
+_VECTOR: dict[Kind, str] = {KINDS[kind]: kind for kind in COLUMN_KINDS}
 _LAYOUTS_KEPT = 64
-_MAX = 1.7976931348623157e308
 
 
 class ColumnStates(Mapping[str, States]):
@@ -93,44 +92,12 @@ class ColumnStates(Mapping[str, States]):
 
 
 def _values(kind: str, columns: Any) -> tuple[Any, Any]:
-    """A kind's values of ``columns`` (the fields of some metrics) and where they are exact (None: everywhere)."""
-    row = _ROWS.get(kind)
-    if row is not None:
-        return columns[row], None
-    weight = columns[1]
-    if kind == "sum":  # Summary.sum: the total, within the double range
-        exact = np.abs(columns[5]) < _MAX
-        return columns[5], None if exact.all() else exact
-    if kind == "mean":
-        return _means(columns)
-    m2 = np.maximum(columns[7], 0.0)  # std: Summary.std where its quotient neither overflows nor is NaN
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        ratio = m2 / weight
-    exact = (ratio < np.inf) & (weight > 0.0)
-    return np.sqrt(np.where(exact, ratio, 0.0)), None if exact.all() else exact
-
-
-def _means(columns: Any) -> tuple[Any, Any]:
-    """Summary.mean of each column where it is decided here: one IEEE division where both sums are one component;
-    where Σw·x has a remainder and the weight is a count, the first step of :func:`metricbus.exact.divide_by_count`
-    (a power-of-two count, or a quotient whose exact residual lies strictly inside the half gaps around it)."""
-    weight, wsum, wsum_lo = columns[1], columns[3], columns[4]
-    with np.errstate(all="ignore"):
-        q = wsum / weight
-        one = (columns[2] == 0.0) & (wsum_lo == 0.0)
-        if one.all():
-            return q, None
-        c = _SPLIT * q
-        q_hi = c - (c - q)
-        rho = (wsum - q_hi * weight) - (q - q_hi) * weight
-        off = rho + wsum_lo
-        up = (np.nextafter(q, np.inf) - q) * 0.5 * weight
-        down = (np.nextafter(q, -np.inf) - q) * 0.5 * weight
-        size = np.abs(q)
-        count = (columns[2] == 0.0) & (weight >= 1.0) & (weight < _COUNT_LIMIT) & (weight == np.floor(weight))
-        inside = (size > _QUOTIENT_LOW) & (size < _QUOTIENT_HIGH)
-        decided = one | (count & inside & ((np.frexp(weight)[0] == 0.5) | ((down < off) & (off < up))))
-    return q, None if decided.all() else decided
+    """A kind's values of ``columns`` (the fields of some metrics) and where they are exact (None: everywhere), by
+    :mod:`metricbus.column_kinds`."""
+    f = columns
+    merged = Merged(f[0], f[1], f[2], f[3], f[4], f[5], f[7], f[8], f[9], f[10], f[11])
+    values, done = COLUMN_KINDS[kind](merged)
+    return values, None if done.all() else done
 
 
 class Layout:
