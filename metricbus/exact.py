@@ -217,47 +217,63 @@ def _of_ratio(num: int, den: int) -> tuple[float, ...]:
 
 _ARRAY_LIMIT = 2.0**960  # arrays with a larger |x| take the list path (the first sigma could overflow)
 _SIGMA_FLOOR = 2.0**-1022  # there the spacing of doubles near sigma is 2**-1074: an extraction takes residuals whole
-_QUIET_SIGMA = 2.0**550  # below it no residual (<= 2**-53 * sigma) squared can overflow
-_MAX_ROUNDS = 64  # enough for blocks of 8192 over the whole exponent range (38 bits a round); else None
+_MAX_ROUNDS = 64  # enough for blocks of 2**15 over the whole exponent range (36 bits a round); else None
+_ONE = np.uint64(1)
 
 
 def array_components(
-    values: np.ndarray[Any, Any], largest: float, scratch: tuple[np.ndarray[Any, Any], ...] | None = None
+    values: np.ndarray[Any, Any],
+    largest: float,
+    scratch: tuple[np.ndarray[Any, Any], ...] | None = None,
+    smallest: float | None = None,
 ) -> tuple[float, ...] | None:
     """The greedy components of the exact sum of a 1-D float64 array of finite values, vectorized; None where
     ``largest`` (>= every |x|, > 0) is too large for this path (then use :func:`components`).
 
     Error-free extraction (Rump, Ogita & Oishi, "Accurate floating-point summation", 2008): with ``sigma`` a power
     of two >= 2**m * max|x| and 2**m >= 2n, ``q = (sigma + x) - sigma`` is exact, a multiple of 2**-53 * sigma and
-    at most ``sigma / 2**m`` in magnitude, so any sum of n of them is exact (BLAS's order and fused multiply-adds
-    included: ``q · 1`` is exact), and ``x - q`` is exact and at most 2**-53 * sigma. Each round thus takes the
-    next ``53 - m`` bits of every record; rounds repeat with a smaller sigma until nothing is left (two or three
-    for most data), and the few exact partial sums go through :func:`components`. Below ``_SIGMA_FLOOR`` a round
-    takes the residuals whole. ``scratch``: three float64 arrays of at least n elements (ones, and two work
-    arrays) to use instead of allocating them.
+    at most ``sigma / 2**m`` in magnitude, so any sum of n of them is exact (numpy's pairwise order included), and
+    ``x - q`` is exact and at most 2**-53 * sigma. Each round thus takes the next ``53 - m`` bits of every record,
+    with a smaller sigma each time. Every record, ``q`` and residual is a multiple of ``g = ulp(smallest)`` (the
+    least nonzero |x|), so once ``n * sigma <= 2**106 * g`` any sum of the residuals is a multiple of g below
+    2**53 * g: one plain sum of them is exact, and the rounds stop. For data within ~2**20 of its largest |x| that
+    is after the first round, and no test of the residuals is needed. The few exact partial sums go through
+    :func:`components`. Below ``_SIGMA_FLOOR`` a round takes the residuals whole (and the rounds stop there).
+    ``scratch``: two float64 arrays of at least n elements to work in instead of allocating them. ``smallest``:
+    the least nonzero |x| where the caller knows it (the least record of positive data), else None (found here).
     """
     n = values.size
     m = (2 * n).bit_length()  # 2**m > 2n
     if m >= 50 or not 0.0 < largest < _ARRAY_LIMIT:
         return None
+    taken, residual = (np.empty(n), np.empty(n)) if scratch is None else (scratch[0][:n], scratch[1][:n])
+    if smallest is None:
+        smallest = _least_magnitude(values, taken)
+    limit = math.ldexp(math.ulp(smallest), 106)  # n * sigma at most this: the residuals' sum is exact
     sigma = max(math.ldexp(1.0, math.frexp(largest)[1] + m), _SIGMA_FLOOR)
     scale = math.ldexp(1.0, m - 53)
-    if scratch is None:
-        ones, taken, residual = np.ones(n), np.empty(n), np.empty(n)
-    else:
-        ones, taken, residual = (a[:n] for a in scratch)
-    np.add(values, sigma, out=taken)
-    np.subtract(taken, sigma, out=taken)
-    sums = [float(np.dot(taken, ones))]
-    np.subtract(values, taken, out=residual)
+    rest = values
+    sums: list[float] = []
     for _ in range(_MAX_ROUNDS):
-        # A nonzero sum of squares proves a residual is left (cheaper than any()); 0 may be squares that
-        # underflowed, so any() decides then. Residuals whose squares could overflow go to any() directly.
-        if (sigma > _QUIET_SIGMA or np.dot(residual, residual) == 0.0) and not residual.any():
-            return components(sums)
-        sigma = max(sigma * scale, _SIGMA_FLOOR)
-        np.add(residual, sigma, out=taken)
+        np.add(rest, sigma, out=taken)
         np.subtract(taken, sigma, out=taken)
-        sums.append(float(np.dot(taken, ones)))
-        np.subtract(residual, taken, out=residual)
-    return None  # not expected: each round takes 53 - m bits, and the floor takes the rest
+        np.subtract(rest, taken, out=residual)
+        sums.append(float(np.add.reduce(taken)))
+        if n * sigma <= limit:
+            sums.append(float(np.add.reduce(residual)))
+            return components(sums)
+        rest = residual
+        sigma = max(sigma * scale, _SIGMA_FLOOR)
+    return None  # not expected: each round takes 53 - m bits, and the floor ends the rounds
+
+
+def _least_magnitude(values: np.ndarray[Any, Any], work: np.ndarray[Any, Any]) -> float:
+    """The least nonzero |x| of finite ``values`` (not all zero): one integer pass and two argmins.
+
+    A double's bits, read as an integer, order the doubles of one sign by magnitude; ``bits - 1`` (wrapping) sends
+    +0.0 to the top. So as unsigned integers the least key is the least positive value where there is one, and as
+    signed integers (negative values below 0) the negative value nearest zero where there is one.
+    """
+    keys = np.subtract(values.view(np.uint64), _ONE, out=work.view(np.uint64))
+    a, b = abs(float(values[keys.argmin()])), abs(float(values[keys.view(np.int64).argmin()]))
+    return a if not b or 0.0 < a < b else b
