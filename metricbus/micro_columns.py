@@ -10,10 +10,11 @@ each. :class:`MicroUpdate` holds the result as a ``(N_FIELDS, K)`` array, the la
 
 The fields are those of :meth:`Summary.of_batch` of each metric's records, bit for bit, except ``m2``: here the
 sum of the squared deviations from the correctly rounded mean is numpy's (pairwise) sum, within a few ulps of
-``of_batch``'s. Which way a metric's records are summarised depends only on its own records (plain records, at
-most ``FOLD_AT`` of them, nothing folded), so live, ``export()``/``ingest()`` and replay see the same bits. A
-metric whose records are not all finite, whose exact sum needs more than two components or lies beyond the double
-range, is summarised by ``of_batch`` (and kept as a Summary next to the columns).
+``of_batch``'s. Which way a metric's records are summarised depends only on the worker's update (its metrics of
+plain records, at most ``FOLD_AT`` each, nothing folded: columns from ``COLUMNS_FROM`` of them), which the journal
+keeps, so live, ``export()``/``ingest()`` and replay see the same bits. A metric whose records are not all finite,
+whose exact sum needs more than two components or lies beyond the double range, is summarised by ``of_batch``
+(and kept as a Summary next to the columns).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from metricbus.spec import Spec
 from metricbus.summary import N_FIELDS, Rest, Summary
 
 _fsum = math.fsum
+COLUMNS_FROM = 8  # plain metrics in an update from which they are summarised in columns
 _new = tuple.__new__
 
 
@@ -105,7 +107,9 @@ def packed_update(
 def summarize(names: list[str], chunks: list[list[float]], others: dict[str, Summary]) -> Mapping[str, Summary]:
     """The micro summaries of ``names``' plain unit-weight records (``chunks``, each non-empty, in log order) and
     ``others`` (already summarised): a :class:`MicroUpdate`, or a dict when no metric has records in columns."""
-    if not names:
+    if len(names) < COLUMNS_FROM:  # a few metrics: numpy's per-call cost would exceed of_batch's
+        for name, chunk in zip(names, chunks, strict=True):
+            others[name] = Summary.of_batch(chunk, None)
         return others
     counts = [*map(len, chunks)]
     joined: list[float] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metricbus import MetricBus
-from metricbus.micro_columns import MicroUpdate, summarize
+from metricbus.micro_columns import COLUMNS_FROM, MicroUpdate, summarize
 from metricbus.reduce import StepReducer
 from metricbus.spec import parse_spec
 from metricbus.summary import Summary
@@ -23,6 +24,14 @@ HOSTILE = [0.0, -0.0, 1.0, -1.0, 1e16, 1e-20, 5e-324, -5e-324, 1.797693134862315
 values = st.one_of(st.sampled_from(HOSTILE), st.floats(allow_nan=True, allow_infinity=True),
                    st.floats(min_value=-1e6, max_value=1e6))
 chunks = st.lists(st.lists(values, min_size=1, max_size=40), min_size=1, max_size=12)
+
+
+PAD = [f"pad{i}" for i in range(COLUMNS_FROM)]  # enough other metrics that an update is summarised in columns
+
+
+def columns(names: list[str], records: list[list[float]]) -> Mapping[str, Summary]:
+    """``summarize`` of ``names``' records next to ``COLUMNS_FROM`` one-record metrics (so in columns)."""
+    return summarize([*names, *PAD], [*(list(c) for c in records), *([float(i)] for i in range(len(PAD)))], {})
 
 
 def bits(x: float) -> bytes:
@@ -47,8 +56,8 @@ def same(a: Summary, b: Summary, *, m2: bool = True) -> bool:
 @given(chunks)
 def test_columns_equal_of_batch(records: list[list[float]]) -> None:
     names = [f"m{i}" for i in range(len(records))]
-    update = summarize(names, [list(c) for c in records], {})
-    assert sorted(update) == sorted(names)
+    update = columns(names, records)
+    assert sorted(update) == sorted([*names, *PAD])
     for name, chunk in zip(names, records, strict=True):
         assert same(update[name], Summary.of_batch(chunk, None), m2=False), (chunk, update[name])
 
@@ -56,9 +65,9 @@ def test_columns_equal_of_batch(records: list[list[float]]) -> None:
 def test_awkward_metrics_leave_the_columns() -> None:
     records = [[1.0, 2.0], [1e16, 1.0, 1e-20], [math.nan, 1.0], [1.7e308, 1.7e308, -1.7e308], [0.5]]
     names = ["plain", "three", "nan", "huge", "one"]
-    update = summarize(names, [list(c) for c in records], {})
+    update = columns(names, records)
     assert isinstance(update, MicroUpdate)
-    assert update.names == ("plain", "one")
+    assert update.names == ("plain", "one", *PAD)
     assert set(update.others) == {"three", "nan", "huge"}
     for name, chunk in zip(names, records, strict=True):
         assert same(update[name], Summary.of_batch(chunk, None), m2=False)
@@ -67,7 +76,7 @@ def test_awkward_metrics_leave_the_columns() -> None:
 def test_signed_zero_ties_follow_of_batch() -> None:
     short = [0.0, -0.0, 0.0, -0.0]
     long = [0.0, -0.0] * 20
-    update = summarize(["short", "long"], [list(short), list(long)], {})
+    update = columns(["short", "long"], [short, long])
     for name, chunk in (("short", short), ("long", long)):
         assert same(update[name], Summary.of_batch(chunk, None))
 
@@ -80,8 +89,8 @@ KINDS = ["mean", "sum", "min", "max", "first", "last", "count", "std"]
 def test_emit_from_columns_equals_emit_from_summaries(records: list[list[float]], kinds: list[str]) -> None:
     names = [f"m{i}" for i in range(len(records))]
     spec = parse_spec(kinds, metric="m")
-    specs = dict.fromkeys(names, spec)
-    update = summarize(names, [list(c) for c in records], {})
+    update = columns(names, records)
+    specs = dict.fromkeys(update, spec)
     fast = StepReducer(log_every=1).commit([StepReducer(log_every=1).worker([update], specs)], specs)
     slow = StepReducer(log_every=1).commit([StepReducer(log_every=1).worker([dict(update)], specs)], specs)
     assert fast is not None
@@ -95,8 +104,8 @@ def test_means_with_a_remainder_are_exact() -> None:
     records = [rng.standard_normal(n).tolist() for n in range(1, 60)]
     names = [f"m{i}" for i in range(len(records))]
     spec = parse_spec("mean", metric="m")
-    specs = dict.fromkeys(names, spec)
-    update = summarize(names, [list(c) for c in records], {})
+    update = columns(names, records)
+    specs = dict.fromkeys(update, spec)
     out = StepReducer(log_every=1).commit([StepReducer(log_every=1).worker([update], specs)], specs)
     assert out is not None
     for name, chunk in zip(names, records, strict=True):
@@ -108,11 +117,12 @@ def test_a_bus_commit_reads_the_columns() -> None:
     bus = MetricBus(adapters=[mem], dist=None)
     bus.define("spread", ["mean", "std", "max"])
     for i in range(5):
-        bus.log({"loss": 0.5 * i, "spread": float(i)})
+        bus.log({"loss": 0.5 * i, "spread": float(i), **dict.fromkeys(PAD, 1.0)})
     bus.log("weighted", 2.0, weight=3.0)
     out = bus.commit()
     bus.close()
-    assert out == {"loss": 1.0, "spread/max": 4.0, "spread/mean": 2.0, "spread/std": math.sqrt(2.0), "weighted": 2.0}
+    want = {"loss": 1.0, "spread/max": 4.0, "spread/mean": 2.0, "spread/std": math.sqrt(2.0), "weighted": 2.0}
+    assert out == {**want, **dict.fromkeys(PAD, 1.0)}
 
 
 def test_the_journal_of_packed_commits_replays_bit_for_bit(tmp_path: Path) -> None:
