@@ -46,7 +46,8 @@ class Collector:
         self._failed: dict[str, MetricValueError] = {}  # metrics whose records could not be reduced, since take()
         self._device: Any = None
         self._shapes: dict[tuple[str, ...], list[Any]] = {}  # log(dict) fast path: keys -> [getter, countdown]
-        self._packed: dict[frozenset[str], Packed] = {}  # per ``undeclared``, the last packed partial (see partial())
+        self._packed: dict[frozenset[str], tuple[Packed, int]] = {}  # per ``undeclared``: the last packed partial
+        # and the spec table's version it was built under (see partial())
 
     # -- logging (the caller's fast path appends to ``fast`` itself) ------------------------------------------
 
@@ -334,10 +335,11 @@ class Collector:
                 if undeclared
                 else frozenset()
             )
-            packed = packed_update(update, specs, unclaimed, last=self._packed.get(unclaimed))
+            last, version = self._packed.get(unclaimed, (None, -1))
+            packed = packed_update(update, specs, unclaimed, last=last, same=version == table.version)
             if len(self._packed) >= _MAX_SHAPES:
                 self._packed.clear()
-            self._packed[unclaimed] = packed
+            self._packed[unclaimed] = (packed, table.version)
             return from_packed(packed, unclaimed)
         entries = tuple((name, specs[name], s) for update in updates for name, s in update.items())
         if not undeclared:

@@ -81,13 +81,15 @@ class MicroUpdate(Mapping[str, Summary]):
 
 
 def packed_update(
-    update: MicroUpdate, specs: Mapping[str, Spec], undeclared: frozenset[str], *, last: Packed | None
+    update: MicroUpdate, specs: Mapping[str, Spec], undeclared: frozenset[str], *, last: Packed | None, same: bool
 ) -> Packed:
-    """``update`` as the packed form of a Partial (its entries: the columns' names, then the others); ``last``, a
-    previous one of the same ``undeclared``, lends its specs and layout digest when the names and their spec
-    objects are the same (the usual commit)."""
+    """``update`` as the packed form of a Partial (its entries: the columns' names, then the others). ``last``, a
+    previous one of the same ``undeclared``, lends its specs and layout digest when it has the same names and their
+    specs are the same objects (``same``: the caller knows that ``specs`` did not change since ``last``)."""
     names = update.names
     fields = update.fields
+    if not update.others and last is not None and same and last.names == names:  # the usual commit
+        return Packed(names, last.specs, fields, (), last.layout, True, ())
     rests: tuple[tuple[int, Rest], ...] = ()
     sketches: tuple[tuple[int, Sketch], ...] = ()
     if update.others:

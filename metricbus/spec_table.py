@@ -58,7 +58,7 @@ def conflict(name: str, held: Claim, new: Claim) -> str:
 class SpecTable:
     """Name -> Claim, plus the output names each name claims."""
 
-    __slots__ = ("_claims", "_outputs", "_sealed", "_unsealed", "rules", "specs")
+    __slots__ = ("_claims", "_outputs", "_sealed", "_unsealed", "rules", "specs", "version")
 
     def __init__(self, rules: Rules) -> None:
         self.rules = rules
@@ -67,6 +67,7 @@ class SpecTable:
         self._sealed: set[str] = set()  # names committed at least once: their spec can no longer change
         self._unsealed: set[str] = set()
         self.specs: dict[str, Spec] = {}  # name -> its spec, for every claimed name (read by the hot paths)
+        self.version = 0  # changes whenever ``specs`` does: a reader may keep what it derived from a version
 
     def spec(self, name: str) -> Spec:
         """The spec ``name`` has, or would get if logged now without ``agg=``."""
@@ -163,6 +164,7 @@ class SpecTable:
                 self._outputs.pop(key, None)
         self._claims[name] = claim
         self.specs[name] = claim.spec
+        self.version += 1
         if name not in self._sealed:
             self._unsealed.add(name)
         for key in output_keys(name, claim.spec):
@@ -174,6 +176,7 @@ class SpecTable:
             self._sealed.discard(name)
             self._unsealed.discard(name)
             self.specs.pop(name, None)
+            self.version += 1
             old = self._claims.pop(name, None)
             if old is not None:
                 for key in output_keys(name, old.spec):
