@@ -13,6 +13,7 @@ in-memory :class:`~metricbus.journal.Journal` (``read_journal``) is accepted too
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import threading
@@ -26,7 +27,7 @@ from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.errors import JournalError, SpecError
 from metricbus.journal import CursorStore, Journal
 from metricbus.journal.cursors import identity_of, resume_adapter
-from metricbus.journal.reader import JournalStream, stream_journal, timeline
+from metricbus.journal.reader import Commit, CommitRun, JournalStream, stream_journal, timeline
 from metricbus.partial import Partial
 from metricbus.reduce import StepReducer
 from metricbus.replay_levels import Emitted, reduced
@@ -125,9 +126,9 @@ def emissions(
     total = len(journal) if progress is not None else 0  # a stream counts its commits in a pass decoding nothing
     last: int | None = None
     done = 0
-    commits = timeline(journal)
+    commits = journal.runs() if isinstance(journal, JournalStream) else timeline(journal)
     if until is not None:
-        commits = itertools.takewhile(lambda commit: commit.step < until, commits)
+        commits = _before(commits, until)
     for batch in reduced(commits, respec, reducer, log_every=journal.log_every):
         for commit, specs, ranked in batch:
             step = commit.step
@@ -154,6 +155,20 @@ def emissions(
         tail = reducer.finish()
         if tail:
             yield last, tail, True
+
+
+def _before(commits: Iterator[Commit | CommitRun], until: int) -> Iterator[Commit | CommitRun]:
+    """The commits before the first at step ``until`` or later (the timeline's steps do not go back)."""
+    for item in commits:
+        if isinstance(item, CommitRun):
+            if item.steps[-1] >= until:
+                cut = bisect.bisect_left(item.steps, until)
+                if cut:
+                    yield item.head(cut)
+                return
+        elif item.step >= until:
+            return
+        yield item
 
 
 def record_counts(journal: Source) -> tuple[int, int]:

@@ -25,7 +25,7 @@ from metricbus import rank_level
 from metricbus.column_kinds import COLUMN_KINDS, Merged
 from metricbus.column_merge import merge_columns, single_columns
 from metricbus.fixed import Array
-from metricbus.journal.scan import RawPart
+from metricbus.journal.scan import RawPart, shape_bytes
 from metricbus.kinds import is_sketch
 from metricbus.reduce import Plan, StepReducer, lift, plans_of
 from metricbus.spec import Spec
@@ -67,6 +67,7 @@ class ColumnLayout:
             if plan.step_lift is None and kind in COLUMN_KINDS:
                 by_kind.setdefault(kind, []).append(k)
         self.by_kind = {kind: np.array(ks, dtype=np.int64) for kind, ks in by_kind.items()}
+        self.template = dict.fromkeys(self.keys, 0.0)  # a commit's emitted dict, copied: no dict grown key by key
 
     @classmethod
     def of(cls, parts: Sequence[RawPart], respec: Respec, reducer: StepReducer) -> ColumnLayout | None:
@@ -103,11 +104,15 @@ class ColumnLayout:
         done = np.zeros(values.shape, dtype=bool)
         for kind, ks in self.by_kind.items():
             columns = self.metric_of[ks]
-            got, settled = COLUMN_KINDS[kind](_select(merged, columns))
+            got, settled = COLUMN_KINDS[kind](_select(merged, columns, len(self.names)))
             values[:, ks] = got
             done[:, ks] = settled & ok[:, columns]
-        keys = self.keys
-        out = [dict(zip(keys, row, strict=True)) for row in values.tolist()]
+        keys, template = self.keys, self.template
+        out = []
+        for row in values.tolist():
+            metrics = template.copy()
+            metrics.update(zip(keys, row, strict=True))
+            out.append(metrics)
         if not done.all():
             self._settle(out, table, ~done)
         return out
@@ -174,13 +179,18 @@ def _rows_of(parts: Sequence[RawPart], respec: Respec) -> tuple[dict[str, Spec],
 
 
 def shape_of(parts: Sequence[RawPart]) -> tuple[Any, ...] | None:
-    """What makes two commits' rows the same shape (their name tables, ranks and name ids); None: rests."""
+    """What makes two commits' rows the same shape (their name tables, ranks and name ids); None: rests. The
+    reader's ``shape`` where it has one (the commits of a run share one bytes object: compared at once)."""
+    if len(parts) == 1:  # one rank file
+        part = parts[0]
+        if part.rests:
+            return None
+        return id(part.names), part.shape or shape_bytes(part.rows)
     key: list[Any] = []
     for part in parts:
         if part.rests:
             return None
-        rows = part.rows
-        key.extend((id(part.names), rows["rank"].tobytes(), rows["id"].tobytes()))
+        key.extend((id(part.names), part.shape or shape_bytes(part.rows)))
     return tuple(key)
 
 
@@ -207,8 +217,11 @@ def _distinct(values: Array) -> tuple[Array, Array]:
     return uniq, index[values]
 
 
-def _select(merged: Merged, columns: Array) -> Merged:
-    """The merged states of some metrics (columns)."""
+def _select(merged: Merged, columns: Array, metrics: int) -> Merged:
+    """The merged states of some metrics (columns) of ``metrics``: ``merged`` itself when they are all of them, in
+    order (a journal whose metrics all have one kind)."""
+    if len(columns) == metrics and bool((columns == np.arange(metrics)).all()):
+        return merged
     held = {f.name: getattr(merged, f.name) for f in dataclasses.fields(Merged)}
     return Merged(**{name: None if a is None else a[:, columns] for name, a in held.items()})
 

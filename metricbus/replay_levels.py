@@ -7,7 +7,8 @@ entries at once; a commit of one worker keeps its partial, for the live single-w
 log the same names in the same order (a writer's commits, one after the other) is read as one
 :class:`metricbus.packed_ranks.Ranks`: its layout, specs and block positions are decided once for the journal and
 the commit costs a few numpy slices, with no Partial per rank. With ``log_every`` 1, runs of commits of one shape
-skip all that: :mod:`metricbus.replay_columns` reduces and emits them as arrays (exact element by element).
+skip all that: :mod:`metricbus.replay_columns` reduces and emits them as arrays (exact element by element); the
+runs a one-file journal's reader found (:class:`~metricbus.journal.reader.CommitRun`) go there with no Commit built.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
+
+from metricbus.fixed import Array
 from metricbus.journal.packed import PackedRows
-from metricbus.journal.reader import Commit
+from metricbus.journal.reader import Commit, CommitRun
 from metricbus.packed_ranks import Ranks, Workers, rank_levels
 from metricbus.partial import Partial
 from metricbus.ranks import with_specs
@@ -25,6 +29,7 @@ from metricbus.replay_columns import ColumnLayout, Layouts, run_fields
 from metricbus.spec import Spec
 
 Respec = Callable[[str, Spec], Spec]
+_new = tuple.__new__  # a NamedTuple built without its Python-level __new__ (one per commit of a columnar run)
 
 
 class Emitted(NamedTuple):
@@ -37,66 +42,108 @@ class Emitted(NamedTuple):
 Level = Ranked | Partial | Emitted
 
 
+class Stepped(NamedTuple):
+    """A commit of a :class:`~metricbus.journal.reader.CommitRun` emitted by the columnar path: what replay reads of
+    a commit once it is emitted (no Commit is built for it)."""
+
+    step: int
+    starts_segment: bool
+
+
+Item = Commit | Stepped
+Pieces = list[tuple[list[Item], Array]]  # a columnar run: commits and their rows' fields, (T, rows, N_FIELDS) each
+
+
 def reduced(
-    commits: Iterable[Commit], respec: Respec, reducer: StepReducer, *, log_every: int = 0
-) -> Iterator[list[tuple[Commit, dict[str, Spec], Level]]]:
+    commits: Iterable[Commit | CommitRun], respec: Respec, reducer: StepReducer, *, log_every: int = 0
+) -> Iterator[list[tuple[Item, dict[str, Spec], Level]]]:
     """The timeline's commits with their specs and rank-level results, a batch at a time: commits are read from
     their raw rows as packed partials and reduced side by side (:func:`metricbus.packed_ranks.rank_levels`); at
     most ``_BATCH_ENTRIES`` entries are held. With ``log_every`` 1, runs of commits of one shape that fit the
-    columnar path (:mod:`metricbus.replay_columns`) come emitted already, at most ``_COLUMN_ENTRIES`` rows a run."""
+    columnar path (:mod:`metricbus.replay_columns`) come emitted already, at most ``_COLUMN_ENTRIES`` rows a run;
+    a :class:`CommitRun` that fits it goes there as one array (its commits come back as :class:`Stepped`)."""
     rows = PackedRows(respec)
     layouts = Layouts(respec, reducer) if log_every == 1 else None
     seen: dict[Any, Any] = {}  # rank-level layouts of the row layouts met so far
     batch: list[tuple[Commit, Workers, dict[str, Spec]]] = []
     held = 0
-    run: list[Commit] = []
+    run: Pieces = []
     shape: ColumnLayout | None = None
-    for commit in commits:
-        layout = layouts.of(commit.parts) if layouts is not None and commit.parts else None
-        if layout is not None:
-            if batch:
+    count = 0  # commits in run
+    for item in commits:
+        if isinstance(item, CommitRun):
+            part = item.part
+            layout = layouts.of((part._replace(rows=part.rows[0]),)) if layouts is not None else None
+            if layout is None:  # each commit on its own
+                each: Iterable[Commit] = item.commits()
+            else:
+                if batch:
+                    yield _levels(batch, reducer, seen)
+                    batch, held = [], 0
+                fields = part.rows["fields"]
+                stepped: list[Item] = [_new(Stepped, (step, False)) for step in item.steps]
+                stepped[0] = Stepped(item.steps[0], item.starts_segment)
+                per = max(1, _COLUMN_ENTRIES // max(layout.rows, 1))
+                for lo in range(0, len(stepped), per):
+                    piece = stepped[lo : lo + per]
+                    if run and (layout is not shape or (count + len(piece)) * layout.rows > _COLUMN_ENTRIES):
+                        yield _emitted(run, shape)
+                        run, count = [], 0
+                    run.append((piece, fields[lo : lo + per]))
+                    count += len(piece)
+                    shape = layout
+                continue
+        else:
+            each = (item,)
+        for commit in each:
+            layout = layouts.of(commit.parts) if layouts is not None and commit.parts else None
+            if layout is not None:
+                if batch:
+                    yield _levels(batch, reducer, seen)
+                    batch, held = [], 0
+                if run and (layout is not shape or (count + 1) * layout.rows > _COLUMN_ENTRIES):
+                    yield _emitted(run, shape)
+                    run, count = [], 0
+                run.append(([commit], run_fields([commit.parts])))
+                count += 1
+                shape = layout
+                continue
+            if run:
+                yield _emitted(run, shape)
+                run, count = [], 0
+            partials: Workers
+            alike = rows.ranks(commit.parts) if commit.parts else None
+            if alike is not None:  # every rank logs the same names: the commit is a few numpy slices
+                partials, specs = alike
+            elif commit.parts and not _one_rank(commit):
+                partials = rows.partials(commit.parts)
+                specs = rows.specs(partials)
+            else:  # one rank (its Summaries are what the single path reads), or a Journal read whole (decoded already)
+                partials = commit.partials
+                specs = {}
+                for partial in partials:
+                    for name, spec, _ in partial.entries:
+                        if name not in specs:
+                            specs[name] = respec(name, spec)
+                partials = [with_specs(p, specs) for p in partials]
+            batch.append((commit, partials, specs))
+            held += _entries(partials)
+            if held >= _BATCH_ENTRIES or len(batch) >= _BATCH_COMMITS:
                 yield _levels(batch, reducer, seen)
                 batch, held = [], 0
-            if run and (layout is not shape or (len(run) + 1) * layout.rows > _COLUMN_ENTRIES):
-                yield _emitted(run, shape)
-                run = []
-            run.append(commit)
-            shape = layout
-            continue
-        if run:
-            yield _emitted(run, shape)
-            run = []
-        partials: Workers
-        alike = rows.ranks(commit.parts) if commit.parts else None
-        if alike is not None:  # every rank logs the same names: the commit is a few numpy slices
-            partials, specs = alike
-        elif commit.parts and not _one_rank(commit):
-            partials = rows.partials(commit.parts)
-            specs = rows.specs(partials)
-        else:  # one rank (its Summaries are what the single path reads), or a Journal read whole (decoded already)
-            partials = commit.partials
-            specs = {}
-            for partial in partials:
-                for name, spec, _ in partial.entries:
-                    if name not in specs:
-                        specs[name] = respec(name, spec)
-            partials = [with_specs(p, specs) for p in partials]
-        batch.append((commit, partials, specs))
-        held += _entries(partials)
-        if held >= _BATCH_ENTRIES or len(batch) >= _BATCH_COMMITS:
-            yield _levels(batch, reducer, seen)
-            batch, held = [], 0
     if run:
         yield _emitted(run, shape)
     if batch:
         yield _levels(batch, reducer, seen)
 
 
-def _emitted(run: list[Commit], layout: ColumnLayout | None) -> list[tuple[Commit, dict[str, Spec], Level]]:
+def _emitted(run: Pieces, layout: ColumnLayout | None) -> list[tuple[Item, dict[str, Spec], Level]]:
     """A run of commits of one shape, emitted by the columnar path."""
     assert layout is not None  # a run always has its layout
-    out = layout.emit(run_fields([commit.parts for commit in run]))
-    return [(commit, {}, Emitted(metrics)) for commit, metrics in zip(run, out, strict=True)]
+    fields = run[0][1] if len(run) == 1 else np.concatenate([piece for _, piece in run])
+    out = layout.emit(fields)
+    commits = [commit for piece, _ in run for commit in piece]
+    return [(commit, {}, _new(Emitted, (metrics,))) for commit, metrics in zip(commits, out, strict=True)]
 
 
 def _one_rank(commit: Commit) -> bool:
@@ -121,11 +168,11 @@ def _several(partials: Workers) -> bool:
 
 def _levels(
     batch: list[tuple[Commit, Workers, dict[str, Spec]]], reducer: StepReducer, seen: dict[Any, Any]
-) -> list[tuple[Commit, dict[str, Spec], Level]]:
+) -> list[tuple[Item, dict[str, Spec], Level]]:
     """Each commit's rank level: merged column-wise for several workers; a lone worker's partial as it is."""
     several = [(partials, (), specs) for _, partials, specs in batch if _several(partials)]
     merged = iter(rank_levels(several, reducer, seen=seen) if several else [])
-    out: list[tuple[Commit, dict[str, Spec], Level]] = []
+    out: list[tuple[Item, dict[str, Spec], Level]] = []
     for commit, partials, specs in batch:
         if isinstance(partials, Ranks) or len(partials) > 1:
             out.append((commit, specs, next(merged)))

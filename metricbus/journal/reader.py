@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError, JournalWarning
@@ -48,16 +48,18 @@ from metricbus.journal.scan import (
     Gap,
     RankFile,
     RawPart,
+    RunItem,
     UnreadableError,
     entries_of,
     file_commits,
+    file_runs,
     index_file,
 )
 from metricbus.partial import Partial
 from metricbus.spec import Spec
 
-__all__ = ["ENTRY_DTYPE", "Commit", "FileCommit", "Gap", "Journal", "JournalStream", "Outline", "RankFile", "RawPart",
-           "read_journal", "read_rank_file", "stream_journal", "timeline"]
+__all__ = ["ENTRY_DTYPE", "Commit", "CommitRun", "FileCommit", "Gap", "Journal", "JournalStream", "Outline", "RankFile",
+           "RawPart", "read_journal", "read_rank_file", "stream_journal", "timeline"]
 
 class Commit:
     """One commit of the timeline: ``step``, ``starts_segment`` (a resumed writer's first commit; never the first
@@ -93,6 +95,27 @@ class Commit:
     def partials(self) -> list[Partial]:
         """Each rank's partial, in rank order."""
         return self._decode()[1]
+
+
+class CommitRun(NamedTuple):
+    """Commits one after the other in a journal of one rank file whose rows have one shape (the same ranks and name
+    ids, no rests), for a vectorized consumer (:meth:`JournalStream.runs`): each one's step, whether the first
+    starts a segment, and their rows as one ``(len(steps), n)`` array (``part.rows``)."""
+
+    steps: list[int]
+    starts_segment: bool
+    part: RawPart
+
+    def commits(self) -> Iterator[Commit]:
+        """Each of them as a :class:`Commit`."""
+        rows, rests, names, shape = self.part
+        for i, step in enumerate(self.steps):
+            yield Commit(step, (RawPart(rows[i], rests, names, shape),), starts_segment=self.starts_segment and not i)
+
+    def head(self, n: int) -> CommitRun:
+        """The first ``n`` of them."""
+        rows, rests, names, shape = self.part
+        return CommitRun(self.steps[:n], self.starts_segment, RawPart(rows[:n], rests, names, shape))
 
 
 def read_rank_file(path: str | os.PathLike[str]) -> RankFile:
@@ -164,7 +187,11 @@ class JournalStream(_Meta):
         Holds one pending commit per rank file (and the one being merged): memory does not grow with the journal.
         """
         files = [file_commits(ix, decode=decode) for ix in self._indexes]
-        merged = files[0] if len(files) == 1 else heapq.merge(*files, key=_key)
+        if len(files) == 1:  # one file: each of its items is a commit of its own (nth counts a step's commits)
+            for index, (step, _, first, part) in enumerate(files[0]):
+                yield Commit(step, () if part is None else (part,), starts_segment=first and index > 0)
+            return
+        merged = heapq.merge(*files, key=_key)
         key: tuple[int, int] | None = None
         parts: list[RawPart] = []
         starts, index = False, 0
@@ -179,6 +206,22 @@ class JournalStream(_Meta):
                 parts.append(part)
         if key is not None:
             yield Commit(key[0], tuple(parts), starts_segment=starts and index > 0)
+
+    def runs(self) -> Iterator[Commit | CommitRun]:
+        """:meth:`commits`, except that in a journal of one rank file, commits of one shape one after the other come
+        together as a :class:`CommitRun` (read as one array, never as one Commit each)."""
+        if len(self._indexes) > 1:
+            yield from self.commits()
+            return
+        index = 0
+        for item in file_runs(self._indexes[0]):
+            if isinstance(item, RunItem):
+                yield CommitRun(item.steps, item.starts and index > 0, item.part)
+                index += len(item.steps)
+            else:
+                step, _, first, part = item
+                yield Commit(step, () if part is None else (part,), starts_segment=first and index > 0)
+                index += 1
 
     @cached_property
     def _outline(self) -> Outline:
