@@ -57,7 +57,7 @@ from metricbus.summary import EMPTY, N_FIELDS, Summary
 
 SETTLE_S = 2.0  # the longest close() waits for a backend thread to let go of a collective's tensors
 _SETTLE_MAX_SLEEP_S = 1e-3
-_EMPTY = EMPTY.as_tuple()  # an absent column's fields
+_EMPTY = np.array(EMPTY.as_tuple(), dtype=np.float64)[:, None]  # an absent column's fields, as a column
 _LENGTH = struct.Struct("<Q")  # the prefix of each rank's bytes in the byte gather
 
 
@@ -251,7 +251,7 @@ class TorchRanks:
                 direct = self._direct[update.names] = self._direct_columns(update.names, reducer)
             if len(direct):  # every metric's micro summary is its one column: copy the update's fields over
                 fields = np.empty((N_FIELDS, 1, self._width))
-                fields[:, 0, :] = np.array(_EMPTY, dtype=np.float64)[:, None]
+                fields[:, 0, :] = _EMPTY
                 fields[:, 0, direct] = update.fields
                 ranks = np.array([self.rank], dtype=np.int64)
                 return rank_level.Block(fields, ranks, np.asarray(self._moments, dtype=bool))

@@ -528,12 +528,13 @@ def file_runs(index: FileIndex) -> Iterator[FileItem | RunItem]:
 def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem | RunItem]:
     """The second pass. A run of commits of one shape (:func:`_alike`) is read as one array: its rows' names checked
     once, each commit's part a view of it (the run copied once, as one commit is: :meth:`_Source.keep`)."""
-    path, bad, limits = index.file.path, index.bad, index.limits
+    path, bad = index.file.path, index.bad
+    timeline = _Timeline(index.limits)
     names: Names = {}
     table, body = names, b""  # the last table read from an "N" frame, and that frame
     sized, dense = names, 0  # a table and its _dense count
     known_in, known_ids = names, b""  # a table and a small commit's ids found in it (the next commit's, likely)
-    ordinal, at, last, nth, new_segment, prior, unknown = 0, 0, None, 0, False, b"", 0
+    prior, unknown = b"", 0
     with path.open("rb", buffering=0) as file:
         source = _Source(file, index.size, reuse=True)  # what is kept of it is copied (keep)
         for start, span, k in source.frames(None, index.long, runs=True, sound=index.sound):
@@ -547,15 +548,12 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
                         sized, dense = names, _dense(names)
                     missing, shape = _missing(rows[0]["id"], names, dense), shape_bytes(rows[0])
                 kept: list[int] = []
-                first, steps = new_segment, run["step"].tolist()
+                first, steps = timeline.new_segment, run["step"].tolist()
                 for i, step in enumerate(steps):
-                    while at < len(limits) and limits[at][0] <= ordinal:
-                        at += 1
-                    starts, ordinal, new_segment = new_segment, ordinal + 1, False
-                    if at < len(limits) and step >= limits[at][1]:
-                        continue  # a later segment (or a step going back) replaces it
-                    nth = nth + 1 if step == last else 0
-                    last = step
+                    taken = timeline.take(step)
+                    if taken is None:
+                        continue
+                    nth, starts = taken
                     unknown += missing
                     if rows is None:
                         yield step, nth, starts, None
@@ -573,20 +571,17 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
                 header, prior = prior, (bytes(payload) if kind == b"H" else b"")
                 if kind == b"H":
                     if prior != header and pos not in bad:
-                        names, new_segment = {}, True
+                        names, timeline.new_segment = {}, True
                 elif kind == b"N" and decode:
                     if names is not table or payload != body:  # a checkpoint repeating the table keeps it (and its id)
                         names = _names(payload[1:], names)[0]  # an error was reported by the first pass
                         table, body = names, bytes(payload)
                 elif kind in _COMMITS and pos not in bad:
                     step, n = STEP.unpack_from(payload, 1)
-                    while at < len(limits) and limits[at][0] <= ordinal:
-                        at += 1
-                    starts, ordinal, new_segment = new_segment, ordinal + 1, False
-                    if at < len(limits) and step >= limits[at][1]:
-                        continue  # a later segment (or a step going back) replaces it
-                    nth = nth + 1 if step == last else 0
-                    last = step
+                    taken = timeline.take(step)
+                    if taken is None:
+                        continue
+                    nth, starts = taken
                     if not decode:
                         yield step, nth, starts, None
                         continue
@@ -607,6 +602,37 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
     if unknown and not index.warned:
         index.warned = True
         _warn(path, f"{unknown} entries refer to a lost name table record; skipped")
+
+
+class _Timeline:
+    """Which commits of a file the second pass keeps, in file order: a commit a later segment replaces (the first
+    pass's ``limits``: from which commit ordinal on, which steps) is dropped; the others get their ``nth`` (commits
+    at the same step so far) and whether a new segment (a new header) starts with them."""
+
+    __slots__ = ("_at", "_last", "_limits", "_nth", "_ordinal", "new_segment")
+
+    def __init__(self, limits: list[tuple[int, int]]) -> None:
+        self._limits = limits
+        self._at = 0
+        self._ordinal = 0
+        self._last: int | None = None
+        self._nth = 0
+        self.new_segment = False
+
+    def take(self, step: int) -> tuple[int, bool] | None:
+        """The next commit, at ``step``: ``(nth, starts a segment)``, or None where a later segment (or a step
+        going back) replaces it."""
+        limits, at = self._limits, self._at
+        while at < len(limits) and limits[at][0] <= self._ordinal:
+            at += 1
+        self._at = at
+        starts, self.new_segment = self.new_segment, False
+        self._ordinal += 1
+        if at < len(limits) and step >= limits[at][1]:
+            return None
+        self._nth = self._nth + 1 if step == self._last else 0
+        self._last = step
+        return self._nth, starts
 
 
 def _alike(start: int, span: memoryview, k: int, bad: Container[int]) -> Any:

@@ -27,6 +27,7 @@ import socket
 import struct
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,25 @@ from metricbus.spec import Spec
 
 Names = dict[str, tuple[int, Spec]]
 _ROWS_KEPT = 64  # (layout, rank) entry arrays kept for reuse
+
+
+def _register(
+    pairs: Iterable[tuple[str, Spec]], ids: Names, next_id: int, new: list[list[Any]]
+) -> tuple[Names, int, list[int]]:
+    """Each ``(name, spec)``'s id in ``ids``, a new one (appended to ``new``: a row of the name table to write) for a
+    name not there or there with another spec. ``ids`` is copied before its first change, and the caller keeps the
+    copy only once the commit is written: a failed write sends the names again. Returns ``(ids, next_id, the ids)``."""
+    row = []
+    for name, spec in pairs:
+        known = ids.get(name)
+        if known is None or (known[1] is not spec and known[1] != spec):
+            if not new:
+                ids = dict(ids)
+            known = ids[name] = (next_id, spec)
+            next_id += 1
+            new.append([known[0], name, spec_to_json(spec)])
+        row.append(known[0])
+    return ids, next_id, row
 
 
 def _os_error(exc: OSError) -> str:
@@ -173,17 +193,8 @@ class JournalWriter:
                     n += len(held)
                     continue
                 known_ids = self._layout_ids.get(packed.layout)
-                if known_ids is None:  # the names' ids, registering new ones as the loop below does
-                    if not new:
-                        ids = dict(ids)
-                    row = []
-                    for name, spec in zip(packed.names, packed.specs, strict=True):
-                        known = ids.get(name)
-                        if known is None or (known[1] is not spec and known[1] != spec):
-                            known = ids[name] = (next_id, spec)
-                            next_id += 1
-                            new.append([known[0], name, spec_to_json(spec)])
-                        row.append(known[0])
+                if known_ids is None:
+                    ids, next_id, row = _register(zip(packed.names, packed.specs, strict=True), ids, next_id, new)
                     known_ids = learned[packed.layout] = np.array(row, dtype=np.uint32)
                 rows = packed_entries(rank, known_ids)
                 if not new and len(self._packed_rows) < _ROWS_KEPT:  # ids already registered: reuse the rows
@@ -194,16 +205,11 @@ class JournalWriter:
                 continue
             flat: list[float] = []
             start = n
-            for name, spec, summary in partial.entries:
-                known = ids.get(name)
-                if known is None or (known[1] is not spec and known[1] != spec):
-                    if not new:
-                        ids = dict(ids)  # registered only once written: a failed write sends them again
-                    known = ids[name] = (next_id, spec)
-                    next_id += 1
-                    new.append([known[0], name, spec_to_json(spec)])
+            listed = partial.entries
+            ids, next_id, row = _register(((name, spec) for name, spec, _ in listed), ids, next_id, new)
+            for (_, _, summary), ident in zip(listed, row, strict=True):
                 flat.append(rank)
-                flat.append(known[0])
+                flat.append(ident)
                 flat.extend(fields(summary))
                 if summary.rest or summary.sketch is not None:  # field reads: the common entry has neither
                     rests.append((n, summary.rest_flat()))
