@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from metricbus import rank_level, sketch_level
+from metricbus import rank_level, sketch_level, speculate
 from metricbus.column_states import ColumnStates
 from metricbus.errors import DistributedError, MetricBusWarning, SpecError
 from metricbus.partial import Partial
@@ -107,6 +107,8 @@ class TorchRanks:
         self._moments: list[bool] = []  # per column: whether its merged m2 is read
         self._sketched: list[int] = []  # the columns whose states carry a sketch
         self._held: list[tuple[Any, int]] = []  # (tensor, its use count before the collective): not yet let go
+        self._guess: Any = None  # the next commit's guessed maxima (see metricbus.speculate); None: no guess
+        self._settled_names: tuple[Any, ...] = ()  # (names, table version) whose claims the agreed table holds
         backend = str(tdist.get_backend(group)).lower()
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._eager = self._device.type == "cpu"  # settle after every collective (off after one timeout)
@@ -123,12 +125,7 @@ class TorchRanks:
                 "ingest() cannot be combined with torch.distributed; use export()/ingest() with dist=None, "
                 "or log on every rank and let commit() gather"
             )
-        claims = {}
-        for name in own.names():
-            claim = table.claim(name)
-            held = self._agreed.get(name)
-            if claim is not None and (held is None or held.spec != claim.spec):
-                claims[name] = claim
+        claims = self._claims(own.names(), table)
         if claims or rejected:  # new names or dropped metrics: the partial itself travels in the byte gather
             payload = pickle.dumps((claims, own, list(rejected)), protocol=pickle.HIGHEST_PROTOCOL)
         else:
@@ -144,22 +141,30 @@ class TorchRanks:
         # this rank's sketches of the agreed sketched columns (one of a column its own rule alone sketches is not sent)
         mine = rank_level.sketch_rows(block, sketched).get(0, [None] * len(sketched))
         maxima = rank_level.maxima(prep)
-        agreed = self._all_reduce(
-            np.concatenate(([float(len(payload))], maxima.ravel(), sketch_level.bounds(mine).ravel())), "max"
-        )
-        longest = int(agreed[0])
-        bounds = agreed[1 + maxima.size :].reshape(-1, sketch_level.NB)
-        agreed = agreed[1 : 1 + maxima.size].reshape(-1, rank_level.NM)
+        head = np.concatenate(([float(len(payload))], maxima.ravel(), sketch_level.bounds(mine).ravel()))
+        guess = None if sketched else self._guess
+        if guess is not None:  # the sums laid out by the guess travel with the maxima (see metricbus.speculate)
+            early = rank_level.sums(prep, guess)
+            head, summed = self._all_reduce_pair(head, early)
+        else:
+            head = self._all_reduce(head, "max")
+        longest = int(head[0])
+        bounds = head[1 + maxima.size :].reshape(-1, sketch_level.NB)
+        agreed = head[1 : 1 + maxima.size].reshape(-1, rank_level.NM)
         columns, names = self._columns, self._names
         dropped: dict[str, str] = {}
         fresh: Ranked = {}
         if longest:
             fresh, dropped = self._agree(payload, longest, table, reducer)
-        sums = rank_level.sums(prep, agreed)
-        summed = self._all_reduce(np.concatenate((sums, sketch_level.counts(mine, bounds))), "sum")
-        merged = rank_level.finish(agreed, summed[: sums.size], prep.block.moments)
-        if sketched:
-            rank_level.attach(merged, sketched, sketch_level.finish(bounds, summed[sums.size :]))
+        self._guess = None if longest else speculate.guess_of(agreed)  # an agreement changed the columns
+        if guess is not None and speculate.fits(agreed, guess):
+            merged = rank_level.finish(speculate.within(agreed, guess), summed, prep.block.moments)
+        else:  # the sums pass under the agreed maxima (again, if the guess missed: every rank sees the same)
+            sums = rank_level.sums(prep, agreed)
+            summed = self._all_reduce(np.concatenate((sums, sketch_level.counts(mine, bounds))), "sum")
+            merged = rank_level.finish(agreed, summed[: sums.size], prep.block.moments)
+            if sketched:
+                rank_level.attach(merged, sketched, sketch_level.finish(bounds, summed[sums.size :]))
         ranked: Ranked = {}
         for name, (base, width) in zip(names, columns, strict=True):
             if any(m is not None for m in merged[base : base + width]):
@@ -218,6 +223,10 @@ class TorchRanks:
         """Run ``fn(*tensors)`` on the group and hold the tensors until the backend lets go of them."""
         before = [t._use_count() for t in tensors]
         fn(*tensors, group=self._group, **kwargs)
+        self._hold(list(tensors), before)
+
+    def _hold(self, tensors: list[Any], before: list[int]) -> None:
+        """Keep ``tensors`` until the backend lets go of them (their use counts back to ``before``)."""
         self._held.extend(zip(tensors, before, strict=True))
         if self._eager:
             self.settle()
@@ -234,13 +243,39 @@ class TorchRanks:
         all_gather = getattr(self._dist, "all_gather_single", None) or self._dist.all_gather_into_tensor
         self._collective(all_gather, out, local)
 
+    def _claims(self, names: tuple[str, ...], table: SpecTable) -> dict[str, Claim]:
+        """This rank's claims the agreed table lacks (or holds with another spec), among ``names``."""
+        if self._settled_names == (names, table.version):  # the same names under the same specs: none
+            return {}
+        claims = {}
+        for name in names:
+            claim = table.claim(name)
+            held = self._agreed.get(name)
+            if claim is not None and (held is None or held.spec != claim.spec):
+                claims[name] = claim
+        self._settled_names = () if claims else (names, table.version)
+        return claims
+
+    def _all_reduce_pair(self, maxima: Any, sums: Any) -> tuple[Any, Any]:
+        """An all_reduce(MAX) of float64 ``maxima`` and an all_reduce(SUM) of int64 ``sums``, issued together."""
+        torch, dist = self._torch, self._dist
+        first = torch.from_numpy(maxima).to(self._device)
+        second = torch.from_numpy(sums).to(self._device)
+        before = [first._use_count(), second._use_count()]
+        held = dist.all_reduce(first, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        dist.all_reduce(second, op=dist.ReduceOp.SUM, group=self._group, async_op=True).wait()
+        held.wait()
+        del held  # a Work keeps its tensors: drop it before waiting for the backend to let go of them
+        self._hold([first, second], before)
+        return _host(first), _host(second)
+
     def _all_reduce(self, values: Any, op: str) -> Any:
         """One all_reduce of a float64 (``op="max"``) or int64 (``"sum"``) numpy vector; the result as numpy."""
         torch = self._torch
         tensor = torch.from_numpy(values).to(self._device)
         reduce_op = self._dist.ReduceOp.MAX if op == "max" else self._dist.ReduceOp.SUM
         self._collective(self._dist.all_reduce, tensor, op=reduce_op)
-        return tensor.cpu().numpy() if tensor.device.type != "cpu" else tensor.numpy()
+        return _host(tensor)
 
     def _block(self, states: WorkerStates, reducer: StepReducer) -> rank_level.Block:
         """This rank's row over the agreed columns."""
@@ -354,3 +389,10 @@ class TorchRanks:
             width += len(self._lifts[name])
         self._width = width
         self._direct = {}
+        self._guess = None
+        self._settled_names = ()
+
+
+def _host(tensor: Any) -> Any:
+    """A collective's result tensor as a numpy array (one device-to-host copy for a CUDA tensor)."""
+    return tensor.cpu().numpy() if tensor.device.type != "cpu" else tensor.numpy()

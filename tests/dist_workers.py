@@ -326,3 +326,31 @@ def late_rule_worker(rank: int, size: int, port: int, out: Any) -> None:
         out.put((rank, raised))
     finally:
         tdist.destroy_process_group()
+
+
+def guess_worker(rank: int, size: int, port: int, plan: Any, out: Any) -> None:
+    """Log ``plan`` as updates_worker does (tests.test_bitwise's log_share); per commit, count the all_reduces issued
+    asynchronously (the guessed sums pass and its maxima) and those issued one at a time."""
+    from tests.test_bitwise import log_share
+
+    init_gloo(rank, size, port)
+    try:
+        counts = {"async": 0, "sync": 0}
+        real = tdist.all_reduce
+
+        def counted(*a: Any, **k: Any) -> Any:
+            counts["async" if k.get("async_op") else "sync"] += 1
+            return real(*a, **k)
+
+        tdist.all_reduce = counted  # type: ignore[assignment]
+        bus = MetricBus(dist="torch", rules=plan["rules"])
+        rows, calls = [], []
+        for step in range(len(plan["steps"])):
+            log_share(bus, plan, step=step, rank=rank)
+            counts.update(dict.fromkeys(counts, 0))
+            rows.append(bus.commit(step=step))
+            calls.append(dict(counts))
+        bus.close()
+        out.put((rank, (rows, calls)))
+    finally:
+        tdist.destroy_process_group()

@@ -123,3 +123,54 @@ def test_ingest_and_replay_agree_bit_for_bit_over_splits(seed: int, tmp_path: Pa
     rows = ingested(plan, ranks=ranks, journal=str(tmp_path / "j"))
     assert bits(rows) == bits(ingested(plan, ranks=ranks))
     assert bits([m for _, m in emitted(read_journal(tmp_path / "j"))]) == bits(rows)
+
+
+def _guessed_plan(seed: int, *, ranks: int) -> dict[str, Any]:
+    """8 steps of every rank logging the same metrics at steady scales, without distributions (their sums pass is
+    never guessed); at step 4 rank 1's losses grow 2**30-fold and gain low bits (the guess misses), at step 6 rank 0
+    lacks ``loss`` (its lowest rank moves), at step 7 it has it again."""
+    rng = random.Random(seed)
+    steps = []
+    for step in range(8):
+        per_rank = []
+        for rank in range(ranks):
+            records = []
+            for update in range(2):
+                for _ in range(rng.randint(1, 3)):
+                    n = rng.randint(1, 6)
+                    loss = [rng.gauss(0.0, 3.0) for _ in range(n)]
+                    tight = [1e6 + 1e-3 * rng.gauss(0, 1) for _ in range(n)]
+                    if step == 4 and rank == 1:
+                        loss = [v * 2.0**30 + 2.0**-40 for v in loss]
+                        tight = [v * 2.0**30 for v in tight]
+                    if not (step == 6 and rank == 0):
+                        records.append((update, "loss", loss, None))
+                    records.append((update, "pg_loss", [rng.uniform(-2, 2) / 7.0], None))
+                    records.append((update, "clip", [rng.random() for _ in range(n)], [float(rng.randint(1, 9))] * n))
+                    records.append((update, "tight", tight, None))
+                    records.append((update, "tokens", [float(rng.randint(1, 512))], None))
+            per_rank.append(records)
+        steps.append(per_rank)
+    rules = {name: RULES[name] for name in ("loss", "pg_loss", "clip", "tight", "tokens")}
+    return {"steps": steps, "rules": rules, "logger": "tests.test_bitwise:log_share"}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_guessed_sums_agree_bit_for_bit_hit_or_miss(ranks: int) -> None:
+    """The sums pass laid out by the previous commit's maxima (metricbus.speculate): steady commits issue both
+    all_reduces together; where the guess misses every rank runs one more sums pass; the values are the same bits
+    as the driver's ingest."""
+    pytest.importorskip("torch")
+    from tests import dist_workers
+    from tests.test_dist import _spawn
+
+    plan = _guessed_plan(2000 + ranks, ranks=ranks)
+    live = _spawn(dist_workers.guess_worker, ranks, plan)
+    expected = bits(ingested(plan, ranks=ranks))
+    for rank in range(ranks):
+        rows, calls = live[rank]
+        assert bits(rows) == expected, rank
+        assert calls[2] == calls[3] == {"async": 2, "sync": 0}, calls  # guessed: both passes at once
+        assert calls[4] == {"async": 2, "sync": 1}, calls  # values grew beyond the margin: the sums pass again
+        assert calls[6] == {"async": 2, "sync": 1}, calls  # loss's lowest rank moved
+        assert calls[7] == {"async": 2, "sync": 1}, calls  # and back

@@ -1,0 +1,58 @@
+"""The sums pass laid out by a guess, so a steady commit's two collectives run at once instead of one after the other.
+
+The rank level's sums (:func:`metricbus.rank_level.sums`) need a layout that the maxima pass agrees: per exact sum
+the largest exponent ``E`` and the smallest ``Q`` of every worker's terms, whether the column is weighted, and the
+lowest rank that has it. In a steady run these change little from one commit to the next, so every rank lays its
+sums out by a *guess* made from the previous commit's agreed maxima, widened (:func:`guess_of`: ``E`` plus
+``E_MARGIN`` bits, ``-Q`` plus ``Q_MARGIN`` bits, about one more limb per sum), and issues both all_reduces together.
+
+The guess is identical on every rank (made from values every rank agreed), and so is the check once both passes are
+back (:func:`fits`): every agreed ``E`` at most the guessed one, every agreed ``-Q`` at most the guessed one (so
+every rank's terms lay inside the guessed window and were added exactly), the same weighted columns and the same
+lowest ranks. Then the sums are finished under the guess's layout with the agreed extrema (:func:`within`); the
+exact sums are the same integers in a wider window, and :func:`metricbus.fixed.components` is canonical in the value,
+so the result is bit for bit the sequential one. Otherwise (a value grew beyond the margin, a metric moved to
+another rank) every rank runs the sums pass again under the agreed maxima: one extra collective, on every rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metricbus import fixed
+from metricbus.fixed import Array
+from metricbus.rank_level import NM, SLOTS
+
+E_MARGIN = 8.0  # values may grow 256-fold before the guess misses
+Q_MARGIN = 32.0  # and their lowest bit may drop 32 bits (one more limb per exact sum)
+# positions in a column's maxima (see metricbus.rank_level): E per slot, -Q per slot, max, -min, -rank, weighted
+_E, _NQ = slice(0, SLOTS), slice(SLOTS, 2 * SLOTS)
+_EXTREMA = slice(2 * SLOTS, 2 * SLOTS + 2)
+_LAYOUT = slice(2 * SLOTS + 2, NM)  # -rank and weighted: they pick the rows and slots the sums hold
+_NONE = float(fixed.NONE)
+
+
+def guess_of(agreed: Array) -> Array:
+    """The next commit's guessed maxima from this commit's ``agreed`` ones: the same columns, ranks and weights, each
+    non-empty slot's ``E`` and ``-Q`` widened by the margins."""
+    guess = agreed.copy()
+    for part, margin in ((_E, E_MARGIN), (_NQ, Q_MARGIN)):
+        held = guess[:, part]
+        held[held != _NONE] += margin
+    return guess
+
+
+def fits(agreed: Array, guess: Array) -> bool:
+    """True if sums laid out by ``guess`` hold every rank's terms exactly and pick the same rows as ``agreed``."""
+    if agreed.shape != guess.shape:
+        return False
+    e_agreed, e_guess = agreed[:, _E], guess[:, _E]
+    inside = (e_agreed == _NONE) | ((e_guess != _NONE) & (e_agreed <= e_guess) & (agreed[:, _NQ] <= guess[:, _NQ]))
+    return bool(inside.all()) and bool((agreed[:, _LAYOUT] == guess[:, _LAYOUT]).all())
+
+
+def within(agreed: Array, guess: Array) -> Array:
+    """The maxima to finish sums laid out by ``guess`` with: the guess's layout, the agreed extrema."""
+    out = guess.copy()
+    out[:, _EXTREMA] = agreed[:, _EXTREMA]
+    return np.asarray(out)
