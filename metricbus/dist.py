@@ -8,9 +8,12 @@ update-level states (:meth:`metricbus.reduce.StepReducer.worker`) and lifts them
    holding the byte length of this rank's pickled ``(new claims, partial, dropped names)`` when it has names the
    table lacks or dropped a metric, else 0;
 2. one ``all_reduce(SUM)`` of int64 :func:`metricbus.rank_level.sums` (``NS`` per column plus the fixed-point limbs
-   of its exact sums), laid out by the agreed maxima;
+   of its exact sums), laid out by the agreed maxima.
 
-and :func:`metricbus.rank_level.finish` gives every rank the same merged states, bit for bit what a single process,
+In a steady run the second pass does not wait for the first: it is laid out by a guess made from the previous
+commit's agreed maxima, and both all_reduces are issued together; when the agreed maxima show the guess missed,
+every rank runs the sums pass again under them (:mod:`metricbus.speculate`). Either way
+:func:`metricbus.rank_level.finish` gives every rank the same merged states, bit for bit what a single process,
 the driver's ``ingest()`` and journal replay compute from the same records. Nothing of size R is sent or received.
 
 When the length slot is set, one ``all_gather`` of bytes (padded to the longest, each prefixed with its length)
@@ -156,7 +159,7 @@ class TorchRanks:
         fresh: Ranked = {}
         if longest:
             fresh, dropped = self._agree(payload, longest, table, reducer)
-        self._guess = None if longest else speculate.guess_of(agreed)  # an agreement changed the columns
+        self._guess = None if longest else speculate.guess_of(agreed, guess)  # an agreement changed the columns
         if guess is not None and speculate.fits(agreed, guess):
             merged = rank_level.finish(speculate.within(agreed, guess), summed, prep.block.moments)
         else:  # the sums pass under the agreed maxima (again, if the guess missed: every rank sees the same)
@@ -167,7 +170,11 @@ class TorchRanks:
                 rank_level.attach(merged, sketched, sketch_level.finish(bounds, summed[sums.size :]))
         ranked: Ranked = {}
         for name, (base, width) in zip(names, columns, strict=True):
-            if any(m is not None for m in merged[base : base + width]):
+            if width == 1:
+                held = merged[base]
+                if held is not None:
+                    ranked[name] = (held,)
+            elif any(m is not None for m in merged[base : base + width]):
                 ranked[name] = tuple(merged[base : base + width])
         ranked.update(fresh)
         for name in dropped:  # a metric one rank had to drop is dropped on every rank, never half-reduced

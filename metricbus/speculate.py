@@ -4,7 +4,8 @@ The rank level's sums (:func:`metricbus.rank_level.sums`) need a layout that the
 the largest exponent ``E`` and the smallest ``Q`` of every worker's terms, whether the column is weighted, and the
 lowest rank that has it. In a steady run these change little from one commit to the next, so every rank lays its
 sums out by a *guess* made from the previous commit's agreed maxima, widened (:func:`guess_of`: ``E`` plus
-``E_MARGIN`` bits, ``-Q`` plus ``Q_MARGIN`` bits, about one more limb per sum), and issues both all_reduces together.
+``E_MARGIN`` bits, ``-Q`` plus ``Q_MARGIN`` bits, about one more limb per sum, and never narrower than the guess
+before it less ``SHRINK`` bit), and issues both all_reduces together.
 
 The guess is identical on every rank (made from values every rank agreed), and so is the check once both passes are
 back (:func:`fits`): every agreed ``E`` at most the guessed one, every agreed ``-Q`` at most the guessed one (so
@@ -25,6 +26,7 @@ from metricbus.rank_level import NM, SLOTS
 
 E_MARGIN = 8.0  # values may grow 256-fold before the guess misses
 Q_MARGIN = 32.0  # and their lowest bit may drop 32 bits (one more limb per exact sum)
+SHRINK = 1.0  # bits a guessed window narrows per commit at most
 # positions in a column's maxima (see metricbus.rank_level): E per slot, -Q per slot, max, -min, -rank, weighted
 _E, _NQ = slice(0, SLOTS), slice(SLOTS, 2 * SLOTS)
 _EXTREMA = slice(2 * SLOTS, 2 * SLOTS + 2)
@@ -32,13 +34,19 @@ _LAYOUT = slice(2 * SLOTS + 2, NM)  # -rank and weighted: they pick the rows and
 _NONE = float(fixed.NONE)
 
 
-def guess_of(agreed: Array) -> Array:
-    """The next commit's guessed maxima from this commit's ``agreed`` ones: the same columns, ranks and weights, each
-    non-empty slot's ``E`` and ``-Q`` widened by the margins."""
+def guess_of(agreed: Array, previous: Array | None) -> Array:
+    """The next commit's guessed maxima: ``agreed``'s columns, ranks and weights; each slot's ``E`` and ``-Q`` the
+    agreed ones plus the margins, or the ``previous`` guess's less ``SHRINK`` bits where that is wider (so a slot
+    that is sometimes empty or a value that dips for one commit do not make the next guess miss; a window widened by
+    a spike narrows again over the following commits)."""
     guess = agreed.copy()
     for part, margin in ((_E, E_MARGIN), (_NQ, Q_MARGIN)):
         held = guess[:, part]
         held[held != _NONE] += margin
+        if previous is not None and previous.shape == agreed.shape:
+            before = previous[:, part]
+            kept = before != _NONE
+            held[kept] = np.maximum(held[kept], before[kept] - SHRINK)
     return guess
 
 
