@@ -264,17 +264,20 @@ class TorchRanks:
         return claims
 
     def _all_reduce_pair(self, maxima: Any, sums: Any) -> tuple[Any, Any]:
-        """An all_reduce(MAX) of float64 ``maxima`` and an all_reduce(SUM) of int64 ``sums``, issued together."""
+        """An all_reduce(MAX) of float64 ``maxima`` and an all_reduce(SUM) of int64 ``sums``, issued together; both
+        live in one buffer (one host-to-device and one device-to-host copy on a GPU)."""
         torch, dist = self._torch, self._dist
-        first = torch.from_numpy(maxima).to(self._device)
-        second = torch.from_numpy(sums).to(self._device)
+        both = np.concatenate((maxima.view(np.int64), sums))
+        buffer = torch.from_numpy(both).to(self._device)
+        first, second = buffer[: maxima.size].view(torch.float64), buffer[maxima.size :]
         before = [first._use_count(), second._use_count()]
         held = dist.all_reduce(first, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         dist.all_reduce(second, op=dist.ReduceOp.SUM, group=self._group, async_op=True).wait()
         held.wait()
         del held  # a Work keeps its tensors: drop it before waiting for the backend to let go of them
         self._hold([first, second], before)
-        return _host(first), _host(second)
+        out = _host(buffer)
+        return out[: maxima.size].view(np.float64), out[maxima.size :]
 
     def _all_reduce(self, values: Any, op: str) -> Any:
         """One all_reduce of a float64 (``op="max"``) or int64 (``"sum"``) numpy vector; the result as numpy."""
