@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/bench_journal.py [--metrics 50] [--records 8] [--commits 2000]
 
 1. The log/commit loop (``--metrics`` metrics x ``--records`` records per commit, one worker) with and without
-   ``journal=`` (fsync="interval", the default); the ratio is the journal's cost (target <= 1.3x).
+   ``journal=`` (fsync="interval", the default); the ratio is the journal's cost (target <= 1.1x), and the
+   microseconds it adds per commit.
 2. Replay of that journal into a MemoryAdapter: micro-level summaries per second, and the records they summarise
    per second (each summary's ``count``; target >= 500,000 records/s). Reading the files is included.
 """
@@ -62,7 +63,9 @@ def main() -> None:
               f"(median {statistics.median(plain):.3f} s)")
         print(f"  with journal     {with_journal * 1e6 / args.commits:9.1f} us/commit  "
               f"(median {statistics.median(journaled):.3f} s)")
-        print(f"  ratio            {with_journal / base:9.3f}x  (target <= 1.3x; {per_commit} records per commit)")
+        print(f"  ratio            {with_journal / base:9.3f}x  (target <= 1.1x; {per_commit} records per commit)")
+        print(f"  journal adds     {(with_journal - base) * 1e6 / args.commits:9.1f} us/commit  "
+              f"(medians: {(statistics.median(journaled) - statistics.median(plain)) * 1e6 / args.commits:.1f})")
         path = Path(tmp) / "j0"
         size = sum(p.stat().st_size for p in path.glob("*.mbj"))
         times = []

@@ -127,10 +127,17 @@ class Partial:
 
 def from_packed(packed: Packed, undeclared: frozenset[str]) -> Partial:
     """A Partial of ``packed`` (its entries are built on first use)."""
-    partial = Partial((), undeclared)
-    object.__setattr__(partial, "_entries", None)
-    object.__setattr__(partial, "_packed", packed)
+    partial = _new_partial(Partial)  # a commit's own partial: its slots set directly, without __init__'s copies
+    _set_entries(partial, None)
+    _set_packed(partial, packed)
+    _set_undeclared(partial, undeclared if type(undeclared) is frozenset else frozenset(undeclared))
     return partial
+
+
+_new_partial = object.__new__
+_set_entries = vars(Partial)["_entries"].__set__  # the slots' own setters: Partial.__setattr__ refuses
+_set_packed = vars(Partial)["_packed"].__set__
+_set_undeclared = vars(Partial)["undeclared"].__set__
 
 
 def layout_of(names: tuple[str, ...], specs: tuple[Spec, ...], undeclared: frozenset[str]) -> bytes:

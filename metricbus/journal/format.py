@@ -45,7 +45,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from metricbus._version import __version__
 from metricbus.adapter import RunInfo
 from metricbus.spec import Chain, Spec, check_nan
 from metricbus.summary import N_FIELDS
+
+if TYPE_CHECKING:
+    from metricbus.partial import Partial
 
 FORMAT_VERSION = 4
 MAGIC = b"MBJOURN\x00"
@@ -129,6 +132,49 @@ def packed_entries(rank: int, ids: Any) -> Any:
     out["rank"] = rank
     out["id"] = ids
     return out
+
+
+class SteadyFrame:
+    """The "S" frame of one commit shape (each part's rank and name ids, in order), allocated once: a commit of that
+    shape copies its parts' fields into it, sets its step, count and CRC, and writes ``data``. Byte for byte
+    :func:`body_frame` of the same entries; ``data`` is overwritten by the next :meth:`fill`."""
+
+    __slots__ = ("_count", "_fields", "_length", "_payload", "data")
+
+    def __init__(self, parts: Sequence[tuple[int, Any]]) -> None:
+        self._count = sum(len(ids) for _, ids in parts)
+        rows = np.concatenate([packed_entries(rank, ids) for rank, ids in parts]) if parts else np.empty(0, ENTRIES)
+        head = FRAME.size + 1 + STEP.size
+        self.data = bytearray(head + rows.nbytes)
+        self.data[FRAME.size] = ord("S")
+        self.data[head:] = rows.tobytes()
+        self._payload = memoryview(self.data)[FRAME.size + 1 :]  # what the CRC covers after b"S"
+        self._length = len(self.data) - FRAME.size
+        self._fields: list[Any] = []  # per part, its fields' slots as a (N_FIELDS, n) view of ``data``
+        offset = head + ENTRY.size - 8 * N_FIELDS  # an entry's fields follow its rank and id
+        for _, ids in parts:
+            shape = (N_FIELDS, len(ids))
+            self._fields.append(np.ndarray(shape, "<f8", buffer=self.data, offset=offset, strides=(8, ENTRY.size)))
+            offset += len(ids) * ENTRY.size
+
+    def fill(self, step: int, entries: Sequence[tuple[int, Partial]]) -> bytearray:
+        """``data`` holding the commit of ``step`` of ``entries``: partials of this shape, each of a packed form."""
+        fields = self._fields
+        if len(fields) == 1:  # one worker: the usual commit
+            fields[0][...] = entries[0][1].packed.fields
+        else:
+            for slots, (_, partial) in zip(fields, entries, strict=True):
+                slots[...] = partial.packed.fields
+        data = self.data
+        _pack_step(data, _STEP_AT, step, self._count)
+        _pack_frame(data, 0, self._length, _crc32(self._payload, _S_CRC))
+        return data
+
+
+_STEP_AT = FRAME.size + 1
+_pack_step = STEP.pack_into
+_pack_frame = FRAME.pack_into
+_crc32 = zlib.crc32
 
 
 def body_frame(body: bytes, rests: Sequence[tuple[int, Sequence[float]]]) -> bytes:

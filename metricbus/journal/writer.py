@@ -42,6 +42,7 @@ from metricbus.journal.format import (
     MAGIC,
     STEP,
     SUMMARY_FIELDS,
+    SteadyFrame,
     body_frame,
     check_fsync,
     entries_layout,
@@ -58,7 +59,7 @@ from metricbus.partial import Partial
 from metricbus.spec import Spec
 
 Names = dict[str, tuple[int, Spec]]
-_ROWS_KEPT = 64  # (layout, rank) entry arrays kept for reuse
+_FRAMES_KEPT = 64  # commit shapes whose frames are kept for reuse
 
 
 def _register(
@@ -104,7 +105,7 @@ class JournalWriter:
         self._ids: Names = {}
         self._layouts: dict[int, struct.Struct] = {}  # one packing layout per entry count, built once
         self._layout_ids: dict[bytes, Any] = {}  # a packed partial's layout -> its names' ids (uint32 array)
-        self._packed_rows: dict[tuple[bytes, int], Any] = {}  # (layout, rank) -> its entries, rank and ids filled in
+        self._frames: dict[tuple[tuple[bytes, int], ...], SteadyFrame] = {}  # ((layout, rank), ...) -> its frame
         self._next_id = 0
         self._unchecked = 0  # bytes written since the whole name table was
         self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
@@ -159,13 +160,12 @@ class JournalWriter:
         except OSError:
             pass  # only the message a second writer gets is poorer; the lock itself holds
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | bytearray, written: int = 0) -> None:
+        """Write ``data`` from byte ``written`` on."""
         assert self._fd is not None
-        written = os.write(self._fd, data)
-        if written < len(data):  # a short write (a signal, a nearly full disk): write the rest
-            view = memoryview(data)[written:]
-            while view:
-                view = view[os.write(self._fd, view) :]
+        view = memoryview(data)[written:]
+        while view:  # more than one write only when one was short (a signal, a nearly full disk)
+            view = view[os.write(self._fd, view) :]
 
     def append(self, *, step: int, entries: list[tuple[int, Partial]]) -> None:
         """Write one commit (every entry of every partial, in order) in one ``os.write``, before commit() returns.
@@ -175,6 +175,37 @@ class JournalWriter:
         """
         if self._fd is None:
             return
+        steady = self._steady(entries)
+        if steady is None:
+            self._append_entries(step, entries)
+        else:
+            self._send(step, steady.fill(step, entries), self._ids)
+
+    def _steady(self, entries: list[tuple[int, Partial]]) -> SteadyFrame | None:
+        """The preallocated frame of this commit's shape, when every part is a packed partial without rests or
+        sketches whose names are registered (every commit after a layout's first, usually); else None."""
+        shape = []
+        for rank, partial in entries:
+            packed = partial.packed_form
+            if packed is None or packed.rests or packed.sketches:
+                return None
+            shape.append((packed.layout, rank))
+        key = tuple(shape)
+        held = self._frames.get(key)
+        if held is None:
+            parts = []
+            for layout, rank in key:
+                ids = self._layout_ids.get(layout)
+                if ids is None:  # names not registered yet: the general path writes them
+                    return None
+                parts.append((rank, ids))
+            if len(self._frames) >= _FRAMES_KEPT:
+                self._frames.clear()
+            held = self._frames[key] = SteadyFrame(parts)
+        return held
+
+    def _append_entries(self, step: int, entries: list[tuple[int, Partial]]) -> None:
+        """:meth:`append`, for any partials: registers new names and writes rests and sketches in an "R" frame."""
         ids = self._ids
         next_id = self._next_id
         new: list[list[Any]] = []
@@ -186,19 +217,11 @@ class JournalWriter:
         for rank, partial in entries:
             packed = partial.packed_form
             if packed is not None and not packed.rests and not packed.sketches:
-                held = self._packed_rows.get((packed.layout, rank))
-                if held is not None:
-                    held["fields"] = packed.fields.T
-                    pieces.append(held.tobytes())
-                    n += len(held)
-                    continue
                 known_ids = self._layout_ids.get(packed.layout)
                 if known_ids is None:
                     ids, next_id, row = _register(zip(packed.names, packed.specs, strict=True), ids, next_id, new)
                     known_ids = learned[packed.layout] = np.array(row, dtype=np.uint32)
                 rows = packed_entries(rank, known_ids)
-                if not new and len(self._packed_rows) < _ROWS_KEPT:  # ids already registered: reuse the rows
-                    self._packed_rows[packed.layout, rank] = rows
                 rows["fields"] = packed.fields.T
                 pieces.append(rows.tobytes())
                 n += len(known_ids)
@@ -222,13 +245,27 @@ class JournalWriter:
         if new:
             table = names_frame(new)
             data = table + table + data  # two copies: losing one frame never loses a name
+        self._send(step, data, ids)
+        if new:  # a name (re)registered: ids of layouts seen before may have changed
+            self._layout_ids.clear()
+            self._frames.clear()
+        self._layout_ids.update(learned)
+        self._ids = ids
+        self._next_id = next_id
+
+    def _send(self, step: int, data: bytes | bytearray, ids: Names) -> None:
+        """Write a commit's ``data``, after a pending gap marker and, when one is due, the whole name table
+        (``ids``: the table once this commit is written); then fsync as the policy says."""
         checkpoint = self._unchecked >= CHECKPOINT_BYTES
         if checkpoint:
             data = names_frame([[i, name, spec_to_json(s)] for name, (i, s) in ids.items()]) + data
         if self._gap is not None:
             data = gap_frame(*self._gap) + data
         try:
-            self._write(data)
+            assert self._fd is not None
+            written = os.write(self._fd, data)
+            if written < len(data):
+                self._write(data, written)
         except OSError as exc:
             self._gap = (step, step) if self._gap is None else (self._gap[0], step)
             raise self._error("write", exc, step) from exc
@@ -239,12 +276,6 @@ class JournalWriter:
         except OSError as exc:  # the bytes may never reach the disk: say so, and send the names again
             self._gap = (step, step)
             raise self._error("fsync", exc, step) from exc
-        if new:  # a name (re)registered: ids of layouts seen before may have changed
-            self._layout_ids.clear()
-            self._packed_rows.clear()
-        self._layout_ids.update(learned)
-        self._ids = ids
-        self._next_id = next_id
 
     def _sync(self) -> None:
         assert self._fd is not None
