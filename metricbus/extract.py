@@ -55,11 +55,14 @@ def double_double(parts: list[Array], width: int) -> tuple[Array, Array, Array]:
     r = np.zeros(width)
     ok = np.ones(width, dtype=bool)
     with np.errstate(all="ignore"):
-        for p in parts[1:]:
+        for i, p in enumerate(parts[1:]):
             t = s + p
             bb = t - s
             e = (s - (t - bb)) + (p - bb)
             s = t
+            if not i:  # 0 + e is exact (+ 0.0: the same bits as 0.0 + e); a non-finite e leaves hi non-finite
+                r = e + 0.0
+                continue
             t = r + e
             bb = t - r
             ok &= (r - (t - bb)) + (e - bb) == 0.0

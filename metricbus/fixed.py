@@ -27,7 +27,6 @@ from metricbus import exact
 NONE = -4096  # E and -Q of a slot with no finite nonzero value: no limbs
 LIMB_BITS = 32
 _MASK = (1 << LIMB_BITS) - 1
-_CHUNK = 1 << 18  # terms per bincount: a term adds at most one part (< 2**33) to a bin, so its float64 total < 2**51
 Array = Any  # numpy arrays (numpy's own stubs are too loose to help here)
 
 
@@ -44,6 +43,16 @@ class Terms:
     def where(self, keep: Array) -> Terms:
         """The terms where ``keep`` (a bool per term) is True."""
         return Terms(self.slot[keep], self.m[keep], self.q[keep], self.top[keep])
+
+
+NO_TERMS = Terms(*(np.zeros(0, dtype=np.int64) for _ in range(4)))
+
+
+def concat(*terms: Terms) -> Terms:
+    """All of ``terms`` in one."""
+    if len(terms) == 1:
+        return terms[0]
+    return Terms(*(np.concatenate([getattr(t, f) for t in terms]) for f in ("slot", "m", "q", "top")))
 
 
 def _split(v: Array) -> tuple[Array, Array, Array]:
@@ -110,14 +119,9 @@ def add_limbs(out: Array, terms: Terms, nq_max: Array, offsets: Array) -> None:
     r = shift & 31
     low = (am & _MASK) << r  # < 2**63
     high = (am >> LIMB_BITS) << r  # < 2**52
-    sign = np.where(m < 0, -1.0, 1.0)
-    parts = (low & _MASK, (low >> LIMB_BITS) + (high & _MASK), high >> LIMB_BITS)
-    total = len(out)
-    for start in range(0, len(m), _CHUNK):
-        stop = start + _CHUNK
-        where = np.concatenate([k0[start:stop] + i for i in range(3)])
-        what = np.concatenate([sign[start:stop] * part[start:stop] for part in parts])
-        out += np.bincount(where, weights=what, minlength=total).astype(np.int64)
+    negative = m < 0
+    for i, part in enumerate((low & _MASK, (low >> LIMB_BITS) + (high & _MASK), high >> LIMB_BITS)):
+        np.add.at(out, k0 + i, np.where(negative, -part, part))  # int64 sums: exact
 
 
 def integer(limb_values: list[int]) -> int:
@@ -130,9 +134,13 @@ def integer(limb_values: list[int]) -> int:
 
 
 def components(n: int, q: int) -> tuple[float, ...]:
-    """The greedy components (see :mod:`metricbus.exact`) of ``n · 2**q``."""
+    """The greedy components (see :mod:`metricbus.exact`) of ``n · 2**q``: a function of the value alone, so a sum
+    held in a wider limb window (a lower ``q``) gives the same components."""
     if n == 0:
         return (0.0,)
+    tz = (n & -n).bit_length() - 1  # n's trailing zero bits: the value's canonical form first
+    n >>= tz
+    q += tz
     out = []
     try:
         while n:

@@ -28,31 +28,28 @@ Unit weights (every worker's Σw is its count and Σw·x its Σx, the common cas
 column sends no limbs for Σw and Σw·x.
 
 Every path (a single process's workers, the driver's ``ingest()``, journal replay, torch.distributed) computes
-:func:`maxima`, :func:`sums` and :func:`finish` on its rows, so live, ingest and replay agree bit for bit.
+:func:`maxima`, :func:`sums` and :func:`finish` on its rows, so live, ingest and replay agree bit for bit. The
+Summaries are assembled column-wise, vectorized, by :mod:`metricbus.rank_finish`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from metricbus import exact, extract, fixed, second_moment, sketch_level
+from metricbus import exact, extract, fixed, rank_finish, second_moment, sketch_level
 from metricbus.fixed import Array
+from metricbus.rank_finish import COUNT, FIRST, LAST, M2, NAN_MINMAX, NONFINITE, WORKERS
 from metricbus.sketch import Sketch, unknown
-from metricbus.summary import N_FIELDS, Rest, Summary, with_sketch
+from metricbus.summary import N_FIELDS, Summary, with_sketch
 
-SLOTS = 4  # the exact sums of a column: weight, wsum, total, t
+SLOTS = rank_finish.SLOTS  # the exact sums of a column: weight, wsum, total, t
 # maxima, per column: E of each slot, -Q of each slot, max, -min, -rank, whether any worker has weights
 NM = 2 * SLOTS + 4
 _MAX, _NEG_MIN, _NEG_RANK, _WEIGHTED = 2 * SLOTS, 2 * SLOTS + 1, 2 * SLOTS + 2, 2 * SLOTS + 3
-# sums, per column: count, workers, first/last/m2 bits, then per slot NaN, +inf, -inf, -0.0 counts, then NaN min/max
-_COUNT, _WORKERS, _FIRST, _LAST, _M2 = 0, 1, 2, 3, 4
-_NONFINITE = 5  # + 4 * slot + (0 NaN, 1 +inf, 2 -inf, 3 -0.0)
-_NAN_MINMAX = _NONFINITE + 4 * SLOTS
-NS = _NAN_MINMAX + 1
+NS = rank_finish.NS  # sums, per column: fixed slots (count, workers, first/last/m2 bits, non-finite and -0.0 counts)
 ABSENT_RANK = -float(2**53)  # -rank of a column no worker has
 _EMPTY_FIELDS = Summary().as_tuple()
 
@@ -100,10 +97,16 @@ class Prepared:
     sources: tuple[tuple[int, Array], ...]  # (slot, (n, C) values): the dense terms of each sum slot
     extra: fixed.Terms  # the rests' further components
     t_hi: Array  # (R, C): t where the column's m2 is merged (moments), else 0
+    dense: fixed.Terms  # the sources' terms, decomposed once for both passes
 
 
 def prepare(block: Block) -> Prepared:
     """Gather a block's sum terms once for both passes."""
+    return _prepared(block, decompose=True)
+
+
+def _prepared(block: Block, *, decompose: bool) -> Prepared:
+    """:func:`prepare`; without ``decompose`` the dense terms are left out (the one-process merge extracts)."""
     fields = block.fields
     present = fields[0] > 0
     unit = present & (fields[1] == fields[0]) & (fields[2] == 0.0) & (fields[3] == fields[5]) & (fields[4] == fields[6])
@@ -123,10 +126,21 @@ def prepare(block: Block) -> Prepared:
     weighted = present & ~unit
     if weighted.any():
         sources.extend((slot, np.where(weighted, fields[f], 0.0)) for slot, f in ((0, 1), (0, 2), (1, 3), (1, 4)))
-    values = [x for _, _, _, parts in block.rests for x in parts]
-    slots = [c * SLOTS + w for _, c, w, parts in block.rests for _ in parts]
-    extra = fixed.decompose(np.array(values, dtype=np.float64), np.array(slots, dtype=np.int64))
-    return Prepared(block, present, unit, tuple(sources), extra, t_hi)
+    extra = fixed.NO_TERMS
+    if block.rests:
+        values = [x for _, _, _, parts in block.rests for x in parts]
+        slots = [c * SLOTS + w for _, c, w, parts in block.rests for _ in parts]
+        extra = fixed.decompose(np.array(values, dtype=np.float64), np.array(slots, dtype=np.int64))
+    dense = _terms(sources, fields.shape[2]) if decompose else fixed.NO_TERMS
+    return Prepared(block, present, unit, tuple(sources), extra, t_hi, dense)
+
+
+def _terms(sources: Sequence[tuple[int, Array]], n_cols: int) -> fixed.Terms:
+    """The terms of dense sources, each (n, C) matrix's column ``c`` in slot ``c * SLOTS + slot``."""
+    columns = np.arange(n_cols, dtype=np.int64) * SLOTS
+    values = np.concatenate([v.ravel() for _, v in sources])
+    slots = np.concatenate([np.broadcast_to(columns + slot, v.shape).ravel() for slot, v in sources])
+    return fixed.decompose(values, slots)
 
 
 # -- the two passes ---------------------------------------------------------------------------------------------------
@@ -137,12 +151,8 @@ def maxima(prep: Prepared) -> Array:
     block, unit = prep.block, prep.unit
     fields = block.fields
     n_cols = fields.shape[2]
-    e_max, nq_max = fixed.scan(prep.extra, n_cols * SLOTS)
+    e_max, nq_max = fixed.scan(fixed.concat(prep.dense, prep.extra), n_cols * SLOTS)
     e_max, nq_max = e_max.reshape(n_cols, SLOTS), nq_max.reshape(n_cols, SLOTS)
-    for slot, values in prep.sources:
-        top, low = fixed.bounds(values)
-        np.maximum(e_max[:, slot], top, out=e_max[:, slot])
-        np.maximum(nq_max[:, slot], -low, out=nq_max[:, slot])
     # Unit rows' weight is their count (an integer: Q = 0 is low enough), their Σw·x their Σx: their exponents
     # bound those slots too, in case another worker's weights make the column weighted.
     has_unit = unit.any(axis=0)
@@ -177,13 +187,30 @@ def _extrema(prep: Prepared) -> Array:
 def layout(agreed: Array) -> tuple[Array, Array, int]:
     """``(nq_max, offsets, total)``: each slot's agreed -Q and where its limbs start after the fixed slots (an
     unweighted column has no weight and wsum limbs: its count and Σx say them)."""
+    nq_max, offsets, _, total = _layout(agreed)
+    return nq_max, offsets, total
+
+
+def _layout(agreed: Array) -> tuple[Array, Array, Array, int]:
+    """:func:`layout` and each slot's number of limbs, found once per agreed maxima (:func:`sums` and
+    :func:`finish` of one commit read the same)."""
+    global _last_layout
+    key = agreed.tobytes()
+    held = _last_layout
+    if held is not None and held[0] == key:
+        return held[1]
     n_cols = agreed.shape[0]
     e_max = agreed[:, :SLOTS].copy()
     e_max[agreed[:, _WEIGHTED] == 0, :2] = fixed.NONE
     nq_max = agreed[:, SLOTS : 2 * SLOTS].ravel()
     sizes = fixed.widths(e_max.ravel(), nq_max)
-    offsets = n_cols * NS + np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-    return nq_max, offsets, int(n_cols * NS + sizes.sum())
+    ends = np.cumsum(sizes) + n_cols * NS
+    found = (nq_max, ends - sizes, sizes, int(ends[-1]) if n_cols else 0)
+    _last_layout = (key, found)  # one tuple: a reader on another thread sees a key and its own layout
+    return found
+
+
+_last_layout: tuple[bytes, tuple[Array, Array, Array, int]] | None = None
 
 
 def sums(prep: Prepared, agreed: Array) -> Array:
@@ -191,31 +218,21 @@ def sums(prep: Prepared, agreed: Array) -> Array:
     block, unit = prep.block, prep.unit
     fields = block.fields
     n_cols = fields.shape[2]
-    nq_max, offsets, total = layout(agreed)
+    nq_max, offsets, _, total = _layout(agreed)
     weighted = agreed[:, _WEIGHTED] > 0
     out = np.zeros(total, dtype=np.int64)
-    columns = np.arange(n_cols, dtype=np.int64) * SLOTS
-    sources = list(prep.sources)
+    terms = [prep.dense]  # a worker's weight and wsum terms make its column weighted everywhere: all kept
     also = unit & weighted[None, :]  # unit rows of a column another worker weights: their weight and wsum
     if also.any():
-        sources.extend(
-            (slot, np.where(also, fields[f], 0.0)) for slot, f in ((0, 0), (1, 5), (1, 6))
-        )
-    for slot, values in sources:
-        if slot < 2 and not weighted.any():
-            continue
-        terms = fixed.terms_of(values, columns + slot)
-        if slot < 2:
-            terms = terms.where(weighted[terms.slot // SLOTS])
-        fixed.add_limbs(out, terms, nq_max, offsets)
+        terms.append(_terms([(slot, np.where(also, fields[f], 0.0)) for slot, f in ((0, 0), (1, 5), (1, 6))], n_cols))
     extra = prep.extra
     if len(extra.m):
         also_rest = [c * SLOTS + 1 for r, c, which, parts in block.rests if which == 2 and also[r, c] for _ in parts]
-        rest_terms = extra.where((extra.slot % SLOTS >= 2) | weighted[extra.slot // SLOTS])
-        fixed.add_limbs(out, rest_terms, nq_max, offsets)
+        terms.append(extra.where((extra.slot % SLOTS >= 2) | weighted[extra.slot // SLOTS]))
         if also_rest:
             values = [x for r, c, which, parts in block.rests if which == 2 and also[r, c] for x in parts]
-            fixed.add_limbs(out, fixed.decompose(np.array(values), np.array(also_rest)), nq_max, offsets)
+            terms.append(fixed.decompose(np.array(values), np.array(also_rest)))
+    fixed.add_limbs(out, fixed.concat(*terms), nq_max, offsets)
     out[: n_cols * NS] = _head(prep, -agreed[:, _NEG_RANK].astype(np.int64)).ravel()
     return out
 
@@ -226,42 +243,38 @@ def _head(prep: Prepared, lowest_rank: Array) -> Array:
     fields = block.fields
     n_cols = fields.shape[2]
     head = np.zeros((n_cols, NS), dtype=np.int64)
-    head[:, _COUNT] = fields[0].sum(axis=0).astype(np.int64)
-    head[:, _WORKERS] = present.sum(axis=0)
+    head[:, COUNT] = fields[0].sum(axis=0).astype(np.int64)
+    head[:, WORKERS] = present.sum(axis=0)
     mine = present & (block.ranks[:, None] == lowest_rank[None, :])  # at most one row per column
     row = mine.argmax(axis=0)
     has = mine.any(axis=0)
     picked = fields[:, row, np.arange(n_cols)].view(np.int64)
-    for slot, field in ((_FIRST, 10), (_LAST, 11), (_M2, 7)):
+    for slot, field in ((FIRST, 10), (LAST, 11), (M2, 7)):
         head[:, slot] = np.where(has, picked[field], 0)
-    for slot, hi in enumerate((fields[1], fields[3], fields[5], prep.t_hi)):
-        base = _NONFINITE + 4 * slot
-        special = present & ~np.isfinite(hi)
-        if special.any():
-            head[:, base] = (special & np.isnan(hi)).sum(axis=0)
-            head[:, base + 1] = (special & (hi == np.inf)).sum(axis=0)
-            head[:, base + 2] = (special & (hi == -np.inf)).sum(axis=0)
-        head[:, base + 3] = (present & (hi == 0.0) & np.signbit(hi)).sum(axis=0)
-    head[:, _NAN_MINMAX] = (present & (np.isnan(fields[8]) | np.isnan(fields[9]))).sum(axis=0)
+    his = np.stack((fields[1], fields[3], fields[5], prep.t_hi))  # (slot, R, C): each sum's leading component
+    special = present & ~np.isfinite(his)
+    if special.any():
+        for k, hit in enumerate((np.isnan(his), his == np.inf, his == -np.inf)):
+            head[:, NONFINITE + k : NAN_MINMAX : 4] = (special & hit).sum(axis=1).T
+    head[:, NONFINITE + 3 : NAN_MINMAX : 4] = (present & (his == 0.0) & np.signbit(his)).sum(axis=1).T
+    head[:, NAN_MINMAX] = (present & (np.isnan(fields[8]) | np.isnan(fields[9]))).sum(axis=0)
     return head
 
 
 def finish(agreed: Array, summed: Array, moments: Array) -> list[Summary | None]:
     """Each column's merged Summary (None: no worker has it) from the reduced maxima and sums."""
     n_cols = agreed.shape[0]
-    nq_max, offsets, _ = layout(agreed)
-    ends = [*offsets[1:].tolist(), len(summed)]
-    starts = offsets.tolist()
-    q = (-nq_max.astype(np.int64)).tolist()
-
-    values = summed.tolist()
+    nq_max, offsets, sizes, _ = _layout(agreed)
+    hi, lo, ok = (a.reshape(n_cols, SLOTS) for a in rank_finish.limb_sums(summed, nq_max, offsets, sizes))
+    quick = [(hi[:, slot], lo[:, slot], ok[:, slot]) for slot in range(SLOTS)]
 
     def limbs_of(c: int, slot: int) -> tuple[float, ...] | None:
         i = c * SLOTS + slot
-        n = fixed.integer(values[starts[i] : ends[i]])
-        return None if n == 0 else fixed.components(n, q[i])
+        start = int(offsets[i])
+        n = fixed.integer(summed[start : start + int(sizes[i])].tolist())
+        return None if n == 0 else fixed.components(n, -int(nq_max[i]))
 
-    return _assemble(summed[: n_cols * NS].reshape(n_cols, NS), agreed[:, _MAX:], moments, limbs_of)
+    return rank_finish.assemble(summed[: n_cols * NS].reshape(n_cols, NS), agreed[:, _MAX:], moments, quick, limbs_of)
 
 
 def merge_collective(block: Block) -> list[Summary | None]:
@@ -319,7 +332,7 @@ def merge(block: Block) -> list[Summary | None]:
     """The rank level on one process (the driver's ingest, journal replay, a single process's workers): the same
     result as the collective merge, bit for bit (both are exact), with the exact sums found column-wise by
     error-free extraction instead of fixed-point limbs (no exponent pass needed)."""
-    prep = prepare(block)
+    prep = _prepared(block, decompose=False)
     extrema = _extrema(prep)
     head = _head(prep, -extrema[:, 2].astype(np.int64))
     fields = block.fields
@@ -336,101 +349,28 @@ def merge(block: Block) -> list[Summary | None]:
         parts = {slot: extract.column_parts(np.concatenate(matrices)) for slot, matrices in by_slot.items()}
     except OverflowError:  # values near the top of the double range: the limbs take any finite double
         return _merge_sketches(merge_collective(replace(block, sketches=())), block)
-    quick = {}  # slot -> per column (hi, lo, ok): the double-double of the parts where that is exact
-    for slot, arrays in parts.items():
-        hi, lo, ok = extract.double_double(arrays, width)
-        quick[slot] = (hi.tolist(), lo.tolist(), ok.tolist())
     extra: dict[tuple[int, int], list[float]] = {}
     for r, c, which, rest in block.rests:
         if which == 2 or (which < 2 and not prep.unit[r, c]):
             extra.setdefault((c, which), []).extend(rest)
         if which == 2 and also[r, c]:
             extra.setdefault((c, 1), []).extend(rest)
+    # per slot (hi, lo, ok): the double-double of the parts where that is exact and no rest adds to it
+    quick: list[rank_finish.Quick] = [None] * SLOTS
+    for slot, arrays in parts.items():
+        quick[slot] = extract.double_double(arrays, width)
+    for c, slot in extra:
+        held = quick[slot]
+        if held is not None:
+            held[2][c] = False
 
     def extracted(c: int, slot: int) -> tuple[float, ...] | None:
         more = extra.get((c, slot))
-        held = quick.get(slot)
-        if held is None:
+        if slot not in parts:
             return exact.components(more) if more and any(more) else None
-        hi, lo, ok = held[0][c], held[1][c], held[2][c]
-        if ok and not more:
-            if lo != 0.0:
-                return (hi, lo)
-            return (hi,) if hi != 0.0 else None
         floats = [float(p[c]) for p in parts[slot]]
         if more:
             floats.extend(more)
         return exact.components(floats) if any(floats) else None
 
-    return _merge_sketches(_assemble(head, extrema, block.moments, extracted), block)
-
-
-def _assemble(
-    head: Array, extrema: Array, moments: Array, exact_sum: Callable[[int, int], tuple[float, ...] | None]
-) -> list[Summary | None]:
-    """Each column's Summary from its fixed slots, extrema and ``exact_sum(column, slot)`` (None: zero)."""
-    rows = head.tolist()
-    floats = head[:, _FIRST : _M2 + 1].copy().view(np.float64).tolist()  # first, last, m2 bit patterns
-    maxes, neg_mins = extrema[:, 0].tolist(), extrema[:, 1].tolist()
-    weighted = (extrema[:, 3] > 0).tolist()
-    moment = moments.tolist()
-    out: list[Summary | None] = []
-    new = tuple.__new__
-    for c, h in enumerate(rows):
-        workers = h[_WORKERS]
-        if not workers:
-            out.append(None)
-            continue
-        total = _slot_sum(h, c, 2, exact_sum)
-        count = h[_COUNT]
-        if weighted[c]:
-            weight, wsum = _slot_sum(h, c, 0, exact_sum), _slot_sum(h, c, 1, exact_sum)
-        else:  # unit weights: Σw is the count, Σw·x is Σx
-            weight, wsum = (float(count),) if count < _EXACT_COUNT else fixed.components(count, 0), total
-        if workers == 1:
-            m2 = floats[c][2]
-        elif moment[c]:
-            m2 = second_moment.m2(total=total, weight=weight, wsum=wsum, t=_slot_sum(h, c, 3, exact_sum))
-        else:  # no chain reads this column's merged m2
-            m2 = math.nan
-        if len(weight) < 3 and len(wsum) < 3 and len(total) < 3:
-            rest: Rest = ()
-        else:
-            rest = (weight[2:], wsum[2:], total[2:])
-        if h[_NAN_MINMAX]:
-            lowest = highest = math.nan
-        else:
-            lowest, highest = -neg_mins[c], maxes[c]
-        out.append(
-            new(
-                Summary,
-                (
-                    count,
-                    weight[0], weight[1] if len(weight) > 1 else 0.0,
-                    wsum[0], wsum[1] if len(wsum) > 1 else 0.0,
-                    total[0], total[1] if len(total) > 1 else 0.0,
-                    m2, lowest, highest, floats[c][0], floats[c][1], rest, None,
-                ),
-            )
-        )
-    return out
-
-
-def _slot_sum(
-    h: list[int], c: int, slot: int, exact_sum: Callable[[int, int], tuple[float, ...] | None]
-) -> tuple[float, ...]:
-    """One slot's exact sum: IEEE's sum of the non-finite terms where there are any, else ``exact_sum``'s
-    components (a zero sum is -0.0 when every worker's is)."""
-    base = _NONFINITE + 4 * slot
-    nan, pos, neg = h[base], h[base + 1], h[base + 2]
-    if nan or pos or neg:
-        if nan or (pos and neg):
-            return (math.nan,)
-        return (math.inf if pos else -math.inf,)
-    held = exact_sum(c, slot)
-    if held is None:
-        return (-0.0,) if h[base + 3] == h[_WORKERS] else (0.0,)
-    return held
-
-
-_EXACT_COUNT = 2**53
+    return _merge_sketches(rank_finish.assemble(head, extrema, block.moments, quick, extracted), block)

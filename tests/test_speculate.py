@@ -1,0 +1,70 @@
+"""Sums laid out by a guessed (wider) window finish to the same bits as under the agreed maxima
+(metricbus.speculate): the exact sums are the same integers in a wider window, and their components are canonical."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metricbus import fixed, speculate
+from metricbus.rank_level import SLOTS, block_of, finish, maxima, merge, prepare, sums
+from tests.test_rank_level import bits, cell, summary
+
+_NONE = float(fixed.NONE)
+
+
+def _widened(agreed: np.ndarray, de: int, dq: int) -> np.ndarray:
+    guess = agreed.copy()
+    e, nq = guess[:, :SLOTS], guess[:, SLOTS : 2 * SLOTS]
+    e[e != _NONE] += de
+    nq[nq != _NONE] += dq
+    return guess
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.lists(cell, min_size=3, max_size=3), min_size=1, max_size=6),
+    st.lists(st.booleans(), min_size=3, max_size=3),
+    st.integers(0, 40),
+    st.one_of(st.integers(0, 70), st.integers(0, 2200)),
+)
+def test_a_wider_window_gives_the_same_bits(grid: list[list[object]], moments: list[bool], de: int, dq: int) -> None:
+    rows = [[summary(c) for c in row] for row in grid]  # type: ignore[arg-type]
+    block = block_of(rows, list(range(len(rows))), moments)
+    prep = prepare(block)
+    agreed = maxima(prep)
+    guess = _widened(agreed, de, dq)
+    assert speculate.fits(agreed, guess)
+    got = finish(speculate.within(agreed, guess), sums(prep, guess), block.moments)
+    assert [bits(s) for s in got] == [bits(s) for s in merge(block)]
+    assert speculate.fits(agreed, speculate.guess_of(agreed, None))
+    assert speculate.fits(agreed, speculate.guess_of(agreed, guess))
+
+
+def test_a_narrower_window_or_another_lowest_rank_misses() -> None:
+    rows = [[summary(([1.5, 2.25], None)), summary(([3.0], 2.0))], [None, summary(([1e6], None))]]
+    agreed = maxima(prepare(block_of(rows, [0, 1], [True, False])))
+    assert speculate.fits(agreed, agreed)
+    narrow = agreed.copy()
+    narrow[0, 2] -= 1  # the total's E
+    assert not speculate.fits(agreed, narrow)
+    low = agreed.copy()
+    low[0, SLOTS + 2] -= 1  # the total's -Q
+    assert not speculate.fits(agreed, low)
+    moved = agreed.copy()
+    moved[1, 2 * SLOTS + 2] = -1.0  # column 1's lowest rank
+    assert not speculate.fits(agreed, moved)
+    empty = agreed.copy()
+    empty[0, 2] = _NONE  # a slot the guess holds empty
+    assert not speculate.fits(agreed, empty)
+
+
+def test_a_guess_narrows_by_at_most_a_bit_per_commit() -> None:
+    rows = [[summary(([2.0**40 + 0.5], None))]]
+    wide = maxima(prepare(block_of(rows, [0], [False])))
+    small = maxima(prepare(block_of([[summary(([1.0], None))]], [0], [False])))
+    guess = speculate.guess_of(wide, None)
+    after = speculate.guess_of(small, guess)
+    assert after[0, 2] == guess[0, 2] - speculate.SHRINK
+    assert speculate.fits(wide, after)
