@@ -8,7 +8,7 @@ integer addition, exact and associative, so the slot's exact sum is ``Σ_i (Σ c
 values were split across ranks, and whatever order a collective adds in. An int64 limb holds the sum of up to 2**30
 contributions (each below 2**33): with a few terms per rank and slot, ~1e8 ranks.
 
-Under torch.distributed, ``E`` and ``-Q`` come from an all_reduce(MAX) (:func:`bounds` of each rank's terms), the
+Under torch.distributed, ``E`` and ``-Q`` come from an all_reduce(MAX) (:func:`scan` of each rank's terms), the
 limbs from an all_reduce(SUM) (:func:`add_limbs`); see :mod:`metricbus.rank_level`. On one process the same exact
 sums come from :mod:`metricbus.extract` (no exponent pass).
 Zeros and non-finite values contribute nothing here (non-finite data is counted separately by the caller).
@@ -70,24 +70,6 @@ def decompose(values: Array, slots: Array) -> Terms:
     keep = np.flatnonzero(np.isfinite(values) & (values != 0.0))
     m, q, top = _split(values[keep])
     return Terms(slots[keep], m, q, top)
-
-
-def terms_of(values: Array, slots: Array) -> Terms:
-    """The :class:`Terms` of an (n, C) float64 matrix whose column ``c`` belongs to slot ``slots[c]``."""
-    flat = values.ravel()
-    keep = np.flatnonzero(np.isfinite(flat) & (flat != 0.0))
-    m, q, top = _split(flat[keep])
-    return Terms(slots[keep % values.shape[1]], m, q, top)
-
-
-def bounds(values: Array) -> tuple[Array, Array]:
-    """Per column of an (n, C) float64 matrix: ``(E, Q)`` as float64 (``NONE``, ``-NONE`` where it has no finite
-    nonzero value)."""
-    ok = np.isfinite(values) & (values != 0.0)
-    _, q, top = _split(np.where(ok, values, 1.0))
-    e_max = np.where(ok, top, NONE).max(axis=0, initial=NONE).astype(np.float64)
-    q_min = np.where(ok, q, -NONE).min(axis=0, initial=-NONE).astype(np.float64)
-    return e_max, q_min
 
 
 def scan(terms: Terms, n_slots: int) -> tuple[Array, Array]:
