@@ -14,10 +14,18 @@ Two buffers keep log order (``first``/``last``) without a lock on the hot path:
 
 Memory stays O(metrics): the buffers are folded into the metric's Summary every ``FOLD_AT`` records
 (``FOLD_ELEMENTS`` array elements) and at commit (or at an update boundary).
+
+:class:`PlainBuffers` takes the plain buffers of many accumulators at once, as ``fold`` takes one: by count.
 """
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable, Iterable
+from functools import reduce
+from itertools import chain, compress
+from operator import delitem, getitem, iadd
+from struct import pack
 from typing import Any
 
 import numpy as np
@@ -30,6 +38,7 @@ from metricbus.values import drop_nonfinite
 
 FOLD_AT = 256
 FOLD_ELEMENTS = 1 << 16  # buffered array elements (512 KiB) that trigger a fold
+_consume: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend  # runs an iterator in C, keeping nothing
 
 
 class Accumulator:
@@ -126,3 +135,42 @@ class Accumulator:
     def pending(self) -> bool:
         """True if records were added since the last take."""
         return bool(self.plain) or bool(self.values) or bool(self.chunks) or self.state.count > 0
+
+
+class PlainBuffers:
+    """The plain buffers of several accumulators (``names``, in order), taken together in a few C loops.
+
+    Each buffer gives up the records it held when its length was read, as :meth:`Accumulator.fold` does: ``del
+    buffer[:n]``, so a record appended meanwhile by the lock-free path stays for the next take.
+    """
+
+    __slots__ = ("_counts", "_cuts", "buffers", "names")
+
+    def __init__(self, names: tuple[str, ...], buffers: list[list[float]]) -> None:
+        self.names = names
+        self.buffers = buffers
+        self._counts: list[int] = []  # the last counts taken and their slices (a commit's counts mostly repeat)
+        self._cuts: list[slice] = []
+
+    def take(self) -> tuple[tuple[str, ...], list[int], bytes]:
+        """The names whose buffers hold records, their counts, and those records one after another (native
+        doubles); the buffers are left with what was appended since their counts were read. Caller holds the
+        collector's lock."""
+        buffers = self.buffers
+        counts = [*map(len, buffers)]
+        names = self.names
+        if 0 in counts:  # a metric without records in this update: left out
+            names = tuple(compress(names, counts))
+            buffers = [*compress(buffers, counts)]
+            counts = [*compress(counts, counts)]
+        total = sum(counts)
+        floats: list[float] = reduce(iadd, buffers, [])  # every record, one list, built in C
+        if counts == self._counts:
+            cuts = self._cuts
+        else:
+            cuts = self._cuts = [*map(slice, counts)]
+            self._counts = counts
+        if len(floats) != total:  # a record was appended after its buffer's length was read: take by count
+            floats = [*chain.from_iterable(map(getitem, buffers, cuts))]
+        _consume(map(delitem, buffers, cuts))
+        return names, counts, pack(f"{total}d", *floats)

@@ -10,16 +10,19 @@ every update's summaries. All mutation happens under one lock except the lock-fr
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
+import struct
 from collections.abc import Callable, Iterable, Mapping
+from itertools import chain
 from typing import Any
 
 import numpy as np
 
 from metricbus import shutdown
-from metricbus.accumulate import FOLD_AT, Accumulator
+from metricbus.accumulate import FOLD_AT, Accumulator, PlainBuffers
 from metricbus.errors import MetricTypeError, MetricValueError, SpecError
-from metricbus.micro_columns import MicroUpdate, packed_update, summarize
+from metricbus.micro_columns import COLUMNS_FROM, MicroUpdate, Segments, packed_update, summarize_joined
 from metricbus.partial import Packed, Partial, Updates, from_packed
 from metricbus.sketch import unknown
 from metricbus.spec import NanPolicy, SpecLike, micro_sketch
@@ -48,6 +51,14 @@ class Collector:
         self._shapes: dict[tuple[str, ...], list[Any]] = {}  # log(dict) fast path: keys -> [getter, countdown]
         self._packed: dict[frozenset[str], tuple[Packed, int]] = {}  # per ``undeclared``: the last packed partial
         # and the spec table's version it was built under (see partial())
+        # _end_update's common case: every accumulator that may hold records other than plain ones since the last
+        # update is in ``_touched`` (a caller of Accumulator.add/add_array/fold, or a new spec, puts it there);
+        # when none is, the plain buffers are taken together (``_plain``, rebuilt when accumulators come or change
+        # nan policy or sketch), and the accumulators that never go to columns (``_apart``) one at a time.
+        self._touched: set[str] = set()
+        self._plain: PlainBuffers | None = None
+        self._apart: list[tuple[str, Accumulator]] = []
+        self._segments: Segments | None = None  # the last update's, reused while the counts repeat
 
     # -- logging (the caller's fast path appends to ``fast`` itself) ------------------------------------------
 
@@ -92,6 +103,7 @@ class Collector:
                 flat = np.array(value, dtype=np.float64, order="C").reshape(-1)
                 if flat.size:
                     with self.lock:
+                        self._touched.add(name)
                         acc.add_array(flat)
                 return
         if isinstance(name, Mapping):
@@ -115,6 +127,7 @@ class Collector:
                 if fresh.nan == "propagate":
                     self.fast[new] = fresh.plain
             for acc, values, weights in staged:
+                self._touched.add(acc.name)
                 if type(values) is list:
                     acc.add(values, weights)
                 elif type(values) is np.ndarray:
@@ -150,12 +163,15 @@ class Collector:
         if acc is None:
             acc = Accumulator(name=name, spec=spec, nan=spec.nan or self._nan)
             self.accs[name] = acc
+            self._plain = None
             if name not in introduced and acc.nan == "propagate":
                 self.fast[name] = acc.plain
         return acc
 
     def _respec(self, acc: Accumulator) -> None:
         """``acc``'s name got another spec (adopted, or a declaration replaced the default): use its nan policy."""
+        self._touched.add(acc.name)
+        self._plain = None
         spec = self.table.specs[acc.name]
         if micro_sketch(spec) and not acc.sketched:
             acc.fold()
@@ -215,6 +231,7 @@ class Collector:
         the current update, an update already ended, or on the device)."""
         if not micro_sketch(spec) or acc.sketched:
             return
+        self._touched.add(acc.name)
         acc.fold()
         reduced = acc.state.count + sum(update[acc.name].count for update in self._done if acc.name in update)
         on_device = self._device is not None and acc.name in self._device.names()
@@ -226,6 +243,7 @@ class Collector:
             )
 
     def _forget(self, names: list[str]) -> None:
+        self._plain = None
         for name in names:
             self.accs.pop(name, None)  # a new name: no records, and the fast path never saw it
         self.table.forget(names)
@@ -240,6 +258,7 @@ class Collector:
     def fold(self, name: str) -> None:
         """The fast path filled ``name``'s buffer: fold it."""
         with self.lock:
+            self._touched.add(name)
             self.accs[name].fold()
 
     # -- updates and taking ------------------------------------------------------------------------------------
@@ -247,9 +266,39 @@ class Collector:
     def _end_update(self) -> None:
         """Close the current update (caller holds the lock): the metrics holding only plain records, as most do,
         are summarised together in columns (:mod:`metricbus.micro_columns`), the others one at a time."""
+        others: dict[str, Summary] = {}
+        plain = self._plain
+        if plain is None or self._touched:
+            names, counts, records = self._take_each(others)
+        else:
+            for name, acc in self._apart:  # sketched or nan="ignore": never in columns
+                if acc.pending:
+                    self._take(name, acc, others)
+            names, counts, records = plain.take()
+        update: Mapping[str, Summary] = others
+        if len(names) >= COLUMNS_FROM:
+            segments = self._segments
+            if segments is None or segments.counts != counts:
+                segments = self._segments = Segments(counts)
+            with contextlib.suppress(Exception):  # never expected: then one at a time below, losing only a metric
+                update = summarize_joined(names, segments, np.frombuffer(records, dtype=np.float64), others)
+        if update is others:
+            values, start = struct.unpack(f"{len(records) // 8}d", records), 0
+            for name, count in zip(names, counts, strict=True):
+                try:
+                    others[name] = Summary.of_batch(list(values[start : start + count]), None)
+                except Exception as exc:
+                    self._lose(name, exc)
+                start += count
+        if self._device is not None:
+            self._device.end_update(len(self._done))
+        self._done.append(update)
+
+    def _take_each(self, others: dict[str, Summary]) -> tuple[tuple[str, ...], list[int], bytes]:
+        """Some accumulator may hold more than plain records: look at each (as PlainBuffers.take, those with plain
+        records only; the others into ``others``), then remember which can be taken together from now on."""
         names: list[str] = []
         chunks: list[list[float]] = []
-        others: dict[str, Summary] = {}
         for name, acc in self.accs.items():
             plain = acc.plain
             if plain or acc.values or acc.chunks or acc.state.count:  # acc.pending, inlined
@@ -260,23 +309,21 @@ class Collector:
                     del plain[:n]  # records appended since the slice stay for the next update
                     names.append(name)
                     chunks.append(chunk)
-                    continue
-                try:
-                    others[name] = acc.take()
-                except Exception as exc:  # never expected (every finite double is valid): lose this metric only
-                    self._lose(name, exc)
+                else:
+                    self._take(name, acc, others)
+        self._touched.clear()  # every accumulator now holds plain records at most
+        if self._plain is None:
+            columnar = [(n, a) for n, a in self.accs.items() if not a.sketched and a.nan != "ignore"]
+            self._plain = PlainBuffers(tuple(n for n, _ in columnar), [a.plain for _, a in columnar])
+            self._apart = [(n, a) for n, a in self.accs.items() if a.sketched or a.nan == "ignore"]
+        counts = [*map(len, chunks)]
+        return tuple(names), counts, struct.pack(f"{sum(counts)}d", *chain.from_iterable(chunks))
+
+    def _take(self, name: str, acc: Accumulator, others: dict[str, Summary]) -> None:
         try:
-            update = summarize(names, chunks, others)
-        except Exception:  # never expected: summarise one at a time, losing only a metric that fails
-            update = others
-            for name, chunk in zip(names, chunks, strict=True):
-                try:
-                    others[name] = Summary.of_batch(chunk, None)
-                except Exception as exc:
-                    self._lose(name, exc)
-        if self._device is not None:
-            self._device.end_update(len(self._done))
-        self._done.append(update)
+            others[name] = acc.take()
+        except Exception as exc:  # never expected (every finite double is valid): lose this metric only
+            self._lose(name, exc)
 
     def _lose(self, name: str, exc: Exception) -> None:
         """``name``'s records could not be reduced: drop them, and say so at the commit."""

@@ -71,9 +71,11 @@ def divide_by_count(hi: Array, lo: Array, count: Array) -> Settled:
     with np.errstate(all="ignore"):
         q = hi / count
         power = np.frexp(count)[0] == 0.5
-        done = usable & power & _in_range(q)
+        done = usable & shifted(q, count)
         left = usable & ~power
         for _ in range(2):
+            if not left.any():  # every element decided (a power-of-two count, the usual case, or none usable)
+                break
             left &= _in_range(q)
             c = _SPLIT * q
             q_hi = c - (c - q)
@@ -86,6 +88,13 @@ def divide_by_count(hi: Array, lo: Array, count: Array) -> Settled:
             left &= ~inside & (off != up) & (off != down)
             q = np.where(left, q + off / count, q)
     return q, done
+
+
+def shifted(q: Array, count: Array) -> Array:
+    """Where ``q = hi / count`` is the correctly rounded ``(hi + lo) / count`` because ``count`` is a power of two
+    (the division only shifts the exponent of the correctly rounded ``hi``, away from the ends of the range):
+    divide_by_count's quick answer."""
+    return (np.frexp(count)[0] == 0.5) & _in_range(q)
 
 
 def _in_range(q: Array) -> Array:

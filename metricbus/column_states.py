@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from metricbus.column_kinds import COLUMN_KINDS, Merged
+from metricbus.column_kinds import COLUMN_KINDS, Merged, divide_by_count, shifted
 from metricbus.kinds import KINDS, Kind
 from metricbus.micro_columns import MicroUpdate
 from metricbus.spec import Spec
@@ -65,15 +65,18 @@ class ColumnStates(Mapping[str, States]):
     def __len__(self) -> int:
         return len(self.update)
 
-    def emit(self, *, specs: Mapping[str, Spec], layouts: Layouts, scalar: Scalar) -> dict[str, float]:
-        """The emitted values (sorted by key) of this update as one worker's whole commit with ``log_every=1``."""
+    def emit(
+        self, *, specs: Mapping[str, Spec], layouts: Layouts, scalar: Scalar, version: int | None = None
+    ) -> dict[str, float]:
+        """The emitted values (sorted by key) of this update as one worker's whole commit with ``log_every=1``
+        (``version``: the spec table's, when ``specs`` is its mapping)."""
         update = self.update
         names = update.names
-        layout = layouts.of(names, specs)
+        layout = layouts.of(names, specs, version)
         fields = update.fields
         parts = []
         for kind, _, index in layout.groups:
-            values, exact = _values(kind, fields[:, index])
+            values, exact = _values(kind, fields if index is layout.every else fields[:, index])
             if exact is not None:  # computed from the Summary where the columns do not settle it
                 values = values.copy()
                 kind_fn = KINDS[kind]
@@ -82,7 +85,8 @@ class ColumnStates(Mapping[str, States]):
             parts.append(values)
         joined = (np.concatenate(parts) if len(parts) > 1 else parts[0]) if parts else np.empty(0)
         if not layout.single and not update.others:  # the usual commit: the keys' sorted order is decided already
-            return dict(zip(layout.ordered, joined[layout.order].tolist(), strict=True))
+            ordered = joined if layout.order is None else joined[layout.order]
+            return dict(zip(layout.ordered, ordered.tolist(), strict=True))
         out = dict(zip(layout.keys, joined.tolist(), strict=True))
         for name in layout.single:
             out.update(scalar(name, self._one(name)))
@@ -95,9 +99,34 @@ def _values(kind: str, columns: Any) -> tuple[Any, Any]:
     """A kind's values of ``columns`` (the fields of some metrics) and where they are exact (None: everywhere), by
     :mod:`metricbus.column_kinds`."""
     f = columns
+    micro = _MICRO_KINDS.get(kind)
+    if micro is not None:
+        return micro(f)
     merged = Merged(f[0], f[1], f[2], f[3], f[4], f[5], f[7], f[8], f[9], f[10], f[11])
     values, done = COLUMN_KINDS[kind](merged)
     return values, None if done.all() else done
+
+
+def _micro_mean(f: Any) -> tuple[Any, Any]:
+    """:func:`metricbus.column_kinds.mean` of micro columns, whose weight is their count (>= 1, no ``weight_lo``):
+    one division where ``wsum_lo`` is 0, else ``divide_by_count``."""
+    values = f[3] / f[1]  # wsum / weight: finite over at least 1, so no overflow
+    rest = f[4] != 0.0
+    if not rest.any():
+        return values, None
+    rest &= ~shifted(values, f[1])  # a power-of-two count: exact already
+    if not rest.any():
+        return values, None
+    quick, found = divide_by_count(f[3][rest], f[4][rest], f[1][rest])
+    values[rest] = quick
+    if found.all():
+        return values, None
+    exact = np.ones(len(values), dtype=bool)
+    exact[rest] = found
+    return values, exact
+
+
+_MICRO_KINDS: dict[str, Callable[[Any], tuple[Any, Any]]] = {"mean": _micro_mean}  # shortcuts for micro columns
 
 
 class Layout:
@@ -105,28 +134,42 @@ class Layout:
     emitted keys and the columns they read (``groups``); ``keys``, theirs in group order, and ``ordered`` = ``keys``
     sorted, = ``keys[order]``; the names emitted one at a time (``single``)."""
 
-    __slots__ = ("groups", "keys", "order", "ordered", "single")
+    __slots__ = ("every", "groups", "keys", "order", "ordered", "single")
 
-    def __init__(self, groups: list[tuple[str, list[str], Any]], single: list[str]) -> None:
+    def __init__(self, groups: list[tuple[str, list[str], Any]], single: list[str], every: Any = None) -> None:
         self.groups = groups
         self.single = single
+        self.every = every  # a group's index that reads every column in order (the group reads the fields as they are)
         self.keys = [key for _, keys, _ in groups for key in keys]
-        self.order = np.array(sorted(range(len(self.keys)), key=self.keys.__getitem__), dtype=np.intp)
-        self.ordered = [self.keys[i] for i in self.order.tolist()]
+        order = sorted(range(len(self.keys)), key=self.keys.__getitem__)
+        self.ordered = [self.keys[i] for i in order]
+        sorted_already = order == list(range(len(order)))
+        self.order = None if sorted_already else np.array(order, dtype=np.intp)  # None: ``keys`` are sorted
 
 
 class Layouts:
     """The layouts met so far, keyed by the names and their spec objects (a few per run: the names of a commit
     rarely change). ``plans_of(name, spec)`` gives a metric's ``(state keys, plans)``."""
 
-    __slots__ = ("_held", "_plans_of")
+    __slots__ = ("_held", "_last", "_plans_of")
 
     def __init__(self, plans_of: Callable[[str, Spec], tuple[tuple[str, ...], tuple[Any, ...]]]) -> None:
         self._plans_of = plans_of
         self._held: dict[tuple[tuple[str, ...], tuple[int, ...]], tuple[Layout, tuple[Spec, ...]]] = {}
+        self._last: tuple[tuple[str, ...], Mapping[str, Spec], int, Layout] | None = None  # the last, by version
 
-    def of(self, names: tuple[str, ...], specs: Mapping[str, Spec]) -> Layout:
-        """The layout of ``names`` under ``specs``."""
+    def of(self, names: tuple[str, ...], specs: Mapping[str, Spec], version: int | None = None) -> Layout:
+        """The layout of ``names`` under ``specs`` (``version``: the spec table's, when ``specs`` is its mapping:
+        the same names object, mapping and version as last time decide the same layout without a look at them)."""
+        last = self._last
+        if last is not None and names is last[0] and specs is last[1] and version == last[2]:
+            return last[3]
+        layout = self._of(names, specs)
+        if version is not None:
+            self._last = (names, specs, version, layout)
+        return layout
+
+    def _of(self, names: tuple[str, ...], specs: Mapping[str, Spec]) -> Layout:
         of_name = [*map(specs.__getitem__, names)]
         key = (names, tuple(map(id, of_name)))
         held = self._held.get(key)
@@ -154,4 +197,6 @@ class Layouts:
                 group[0].append(plan.key)
                 group[1].append(i)
         groups = [(kind, keys, np.array(index, dtype=np.intp)) for kind, (keys, index) in grouped.items()]
-        return Layout(groups, single)
+        index = groups[0][2] if len(groups) == 1 and not single else None
+        every = index if index is not None and np.array_equal(index, np.arange(len(names))) else None
+        return Layout(groups, single, every)

@@ -3,10 +3,11 @@
 At a commit most metrics hold a few plain unit-weight records each (``log(name, float)``, ``log(dict)``).
 Summarising them one :meth:`Summary.of_batch` at a time costs ~1 µs of Python per metric, which is most of a
 commit of 100 metrics; here all of them are summarised together: their records are joined into one array and each
-field is one numpy call over every metric (``reduceat`` over the metrics' segments), the exact sums one ``fsum``
-each. :class:`MicroUpdate` holds the result as a ``(N_FIELDS, K)`` array, the layout of
-:class:`metricbus.partial.Packed`, so the journal and a single worker's commit read the columns without a
-``Summary`` per metric; anything else reads it as a mapping of Summaries, built on first use.
+field is one numpy call over every metric (``reduceat`` over the metrics' segments), the exact sums two error-free
+extractions (:func:`_exact_sums`; ``fsum`` for the few they leave). :class:`MicroUpdate` holds the result as a
+``(N_FIELDS, K)`` array, the layout of :class:`metricbus.partial.Packed`, so the journal and a single worker's
+commit read the columns without a ``Summary`` per metric; anything else reads it as a mapping of Summaries, built on
+first use.
 
 The fields are those of :meth:`Summary.of_batch` of each metric's records, bit for bit, except ``m2``: here the
 sum of the squared deviations from the correctly rounded mean is numpy's (pairwise) sum, within a few ulps of
@@ -20,8 +21,11 @@ whose exact sum needs more than two components or lies beyond the double range, 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import chain, compress
 from operator import is_
+from struct import pack as _pack
 from typing import Any
 
 import numpy as np
@@ -34,6 +38,11 @@ from metricbus.summary import N_FIELDS, Rest, Summary
 _fsum = math.fsum
 COLUMNS_FROM = 8  # plain metrics in an update from which they are summarised in columns
 _new = tuple.__new__
+_NEGATIVE_ZERO = np.int64(-(2**63))  # the bits of -0.0, read as an int64
+_FSUM_SIGNED_ZERO = math.copysign(1.0, _fsum([-0.0, -0.0])) < 0.0  # fsum of -0.0s is -0.0 (newer Pythons)
+_EXP_TOP = 1020  # _exact_sums takes magnitudes below 2**(_EXP_TOP - M) (so sigma and every partial sum are finite)
+_MAX = sys.float_info.max
+_QUIET = 2.0**500  # below this magnitude no square of a deviation overflows, and _exact_sums stays in range
 
 
 class MicroUpdate(Mapping[str, Summary]):
@@ -65,8 +74,7 @@ class MicroUpdate(Mapping[str, Summary]):
         return self._built[name]  # KeyError for an unknown name, as a dict
 
     def __iter__(self) -> Iterator[str]:
-        yield from self.names
-        yield from self.others
+        return iter(self.names) if not self.others else chain(self.names, self.others)
 
     def __len__(self) -> int:
         return len(self.names) + len(self.others)
@@ -106,6 +114,40 @@ def packed_update(
     return Packed(names, of_name, fields, rests, layout_of(names, of_name, undeclared), True, sketches)
 
 
+class Segments:
+    """Where each metric's records lie in the joined array of an update's records (``counts``: each metric's
+    records, every one >= 1). Built once per list of counts: a collector keeps the last one, as the counts of one
+    commit are mostly those of the one before."""
+
+    __slots__ = ("counts", "ends", "n", "scale", "shift", "sigma", "single", "sizes", "starts", "top")
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = counts
+        sizes = np.array(counts, dtype=np.intp)
+        starts = np.zeros(len(counts), dtype=np.intp)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        self.sizes = sizes
+        self.starts = starts
+        self.ends = np.stack((starts, starts + (sizes - 1)))  # each metric's first and last record
+        self.n = sizes.astype(np.float64)
+        self.single = 1 in counts  # a metric of one record (its total keeps a -0.0)
+        self.shift = (2 * max(counts) - 1).bit_length()  # M of _exact_sums: 2**M >= twice the longest metric
+        self.sigma = 2.0**self.shift
+        self.scale = 2.0 ** (self.shift - 53)  # the second extraction's sigma over the first's
+        self.top = 2.0 ** (_EXP_TOP - self.shift)  # magnitudes from here are left to fsum (sigma stays finite)
+
+    def rows(self, flat: Any, indices: Iterable[int]) -> list[list[float]]:
+        """The records of the metrics at ``indices`` (in order), as lists."""
+        counts, starts = self.counts, self.starts.tolist()
+        return [flat[starts[i] : starts[i] + counts[i]].tolist() for i in indices]
+
+
+def joined(chunks: list[list[float]]) -> Any:
+    """The records of ``chunks`` (lists of floats) one after another, as a read-only float64 array."""
+    floats = [*chain.from_iterable(chunks)]
+    return np.frombuffer(_pack(f"{len(floats)}d", *floats), dtype=np.float64)
+
+
 def summarize(names: list[str], chunks: list[list[float]], others: dict[str, Summary]) -> Mapping[str, Summary]:
     """The micro summaries of ``names``' plain unit-weight records (``chunks``, each non-empty, in log order) and
     ``others`` (already summarised): a :class:`MicroUpdate`, or a dict when no metric has records in columns."""
@@ -113,58 +155,132 @@ def summarize(names: list[str], chunks: list[list[float]], others: dict[str, Sum
         for name, chunk in zip(names, chunks, strict=True):
             others[name] = Summary.of_batch(chunk, None)
         return others
-    counts = [*map(len, chunks)]
-    joined: list[float] = []
-    for chunk in chunks:
-        joined += chunk
-    flat = np.fromiter(joined, dtype=np.float64, count=len(joined))
-    if not np.isfinite(flat).all():
-        return _some_nonfinite(names, chunks, others)
-    try:
-        totals = [*map(_fsum, chunks)]
-    except OverflowError:  # an intermediate sum beyond the double range: one metric at a time
-        return _one_at_a_time(names, chunks, others)
-    los = [_fsum([*c, -t]) for c, t in zip(chunks, totals, strict=True)]
-    if any(los):  # a remainder: make sure nothing is left beyond (total, lo), else that metric takes of_batch
-        left = [i for i, lo in enumerate(los) if lo and _fsum([*chunks[i], -totals[i], -lo])]
-        if left:
-            return _split(names, chunks, others, left)
+    return summarize_joined(names, Segments([*map(len, chunks)]), joined(chunks), others)
+
+
+def summarize_joined(
+    names: Sequence[str], segments: Segments, flat: Any, others: dict[str, Summary]
+) -> Mapping[str, Summary]:
+    """:func:`summarize` of the records ``flat`` (float64), metric ``i``'s at ``segments`` ``i``."""
     k = len(names)
-    sizes = np.array(counts, dtype=np.intp)
-    starts = np.zeros(k, dtype=np.intp)
-    np.cumsum(sizes[:-1], out=starts[1:])
-    n = sizes.astype(np.float64)
-    total = np.array(totals, dtype=np.float64)
-    if 1 in counts:  # one record: its value is the sum (of_value keeps -0.0, which fsum makes 0.0)
-        total = np.where(sizes == 1, flat[starts], total)
-    with np.errstate(over="ignore", invalid="ignore"):  # deviations beyond the double range: inf, as of_batch's
-        deviations = flat - np.repeat(total / n, sizes)
+    if k < COLUMNS_FROM:
+        for name, chunk in zip(names, segments.rows(flat, range(k)), strict=True):
+            others[name] = Summary.of_batch(chunk, None)
+        return others
     fields = np.empty((N_FIELDS, k))
-    fields[0] = n
-    fields[1] = n
-    fields[2] = 0.0
-    fields[3] = total
-    fields[4] = los
-    fields[5] = total
-    fields[6] = los
+    low = np.minimum.reduceat(flat, segments.starts, out=fields[8])
+    high = np.maximum.reduceat(flat, segments.starts, out=fields[9])
+    big = np.maximum(np.negative(low), high)  # each metric's largest magnitude (NaN where it has a NaN)
+    largest = big.max()
+    if not largest <= _MAX:  # a NaN or an infinity
+        finite = math.isfinite
+        rows = segments.rows(flat, range(k))
+        return _split(names, segments, flat, others, [i for i, c in enumerate(rows) if not all(map(finite, c))])
+    if largest < _QUIET:
+        return _columns(names, segments, flat, others, fields=fields, big=big)
     with np.errstate(over="ignore", invalid="ignore"):  # a square beyond the double range: inf, as of_batch's
-        fields[7] = np.add.reduceat(deviations * deviations, starts)
-    fields[8] = np.minimum.reduceat(flat, starts)
-    fields[9] = np.maximum.reduceat(flat, starts)
-    fields[10] = flat[starts]
-    fields[11] = flat[starts + (sizes - 1)]
-    zeros = flat == 0.0
-    if zeros.any() and np.signbit(flat[zeros]).any():  # -0.0 and 0.0 tie: the first in log order, as of_batch
-        _first_of_ties(fields, chunks)
+        return _columns(names, segments, flat, others, fields=fields, big=big)
+
+
+def _columns(
+    names: Sequence[str], segments: Segments, flat: Any, others: dict[str, Summary], *, fields: Any, big: Any
+) -> Mapping[str, Summary]:
+    """The rest of :func:`summarize_joined` for finite records (``fields``: min and max filled in)."""
+    total, lo, unsettled = _exact_sums(flat, segments, big)
+    if unsettled:  # fsum, as of_batch, where the extraction does not settle the sum
+        if lo is None:
+            lo = np.zeros(len(names))
+        left = _settle(segments.rows(flat, unsettled), unsettled, total, lo)
+        if left:
+            return _split(names, segments, flat, others, left)
+    negative_zero = flat.view(np.int64).min() == _NEGATIVE_ZERO  # its bits are the least int64
+    if negative_zero and _FSUM_SIGNED_ZERO:  # fsum keeps the sign of a sum of -0.0s: take its zeros
+        zero = np.flatnonzero(total == 0.0).tolist()
+        for i, row in zip(zero, segments.rows(flat, zero), strict=True):
+            total[i] = _fsum(row)
+    sizes, starts = segments.sizes, segments.starts
+    if segments.single:  # one record: its value is the sum (of_value keeps -0.0, which fsum makes 0.0)
+        total = np.where(sizes == 1, flat[starts], total)
+    deviations = flat - np.repeat(total / segments.n, sizes)
+    deviations *= deviations
+    np.add.reduceat(deviations, starts, out=fields[7])
+    fields[0:2] = segments.n  # count, weight
+    fields[3:6:2] = total  # total (hi), wsum (hi)
+    if lo is None:
+        fields[2:7:2] = 0.0  # weight_lo, wsum_lo, total_lo
+    else:
+        fields[2] = 0.0
+        fields[4:7:2] = lo
+    np.take(flat, segments.ends, out=fields[10:12])  # first, last
+    if negative_zero:  # -0.0 and 0.0 tie: the first in log order, as of_batch
+        _first_of_ties(fields, segments, flat)
     fields.flags.writeable = False
     return MicroUpdate(names=tuple(names), fields=fields, others=others)
 
 
-def _first_of_ties(fields: Any, chunks: list[list[float]]) -> None:
+def _exact_sums(flat: Any, segments: Segments, big: Any) -> tuple[Any, Any, list[int]]:
+    """Each metric's exact sum as ``(total, lo)``: ``total`` its correct rounding (fsum's) and ``lo`` the rounded
+    remainder (None: all 0.0), with nothing left beyond; and the metrics this leaves unsettled (their entries are
+    meaningless). ``big``: each metric's largest magnitude.
+
+    Two error-free extractions (Rump, Ogita and Oishi, "Accurate floating-point summation", 2008): with ``sigma``
+    a power of two at least ``2**M`` times a metric's largest magnitude (``2**M`` >= twice its records),
+    ``q = (sigma + x) - sigma`` is exact, a multiple of ``sigma * 2**-53``, and so is ``x - q``; the ``q`` of a
+    metric sum exactly in any order (every partial sum is such a multiple below ``sigma``), as ``reduceat`` does.
+    The second extraction takes the remainders the same way at ``sigma * 2**(M-53)``. Where nothing remains after
+    it (records within ~40 binades of the largest), the exact sum is ``tau1 + tau2``: one IEEE addition rounds it
+    correctly, and TwoSum's error is the remainder, exactly. Others (and magnitudes near the top of the range,
+    kept away from overflow) are left to fsum.
+    """
+    unsettled: list[int] = []
+    huge = big >= segments.top
+    if huge.any():
+        unsettled = np.flatnonzero(huge).tolist()
+        big = np.where(huge, 0.0, big)
+    sigma = np.repeat(np.ldexp(segments.sigma, np.frexp(big)[1]), segments.sizes)  # 2**M * 2**e > 2**M * big
+    q = sigma + flat
+    q -= sigma
+    left = flat - q
+    total = np.add.reduceat(q, segments.starts)
+    if not left.any():  # the common case of short binary fractions: one extraction takes everything
+        return total, None, unsettled
+    sigma *= segments.scale
+    np.add(sigma, left, out=q)
+    q -= sigma
+    left -= q
+    tail = np.add.reduceat(q, segments.starts)
+    if left.any():
+        unsettled = sorted({*unsettled, *np.flatnonzero(np.logical_or.reduceat(left != 0.0, segments.starts)).tolist()})
+    hi = total + tail
+    b = hi - total
+    lo = total - (hi - b)
+    lo += tail - b
+    return hi, lo, unsettled
+
+
+def _settle(rows: list[list[float]], indices: list[int], total: Any, lo: Any) -> list[int]:
+    """Put the exact sums of ``rows`` (the metrics at ``indices``) as fsum gives them into ``total`` and ``lo``;
+    return the indices of those that leave the columns (beyond the double range, or more than two components)."""
+    over = []
+    three = []
+    for i, row in zip(indices, rows, strict=True):
+        try:
+            hi = _fsum(row)
+        except OverflowError:  # an intermediate sum beyond the double range
+            over.append(i)
+            continue
+        rest = _fsum([*row, -hi])
+        if rest and _fsum([*row, -hi, -rest]):
+            three.append(i)
+        total[i], lo[i] = hi, rest
+    return over or three  # as before: those beyond the range leave first, the others are checked again
+
+
+def _first_of_ties(fields: Any, segments: Segments, flat: Any) -> None:
     """Where a metric's min or max is a zero, take the zero ``of_batch`` takes: ``sorted()``'s first and last (the
     first and the last of equal zeros in log order) up to 32 records, else ``min()``'s and ``max()``'s (the first)."""
-    for i in np.flatnonzero((fields[8] == 0.0) | (fields[9] == 0.0)).tolist():
-        chunk = chunks[i]
+    tied = np.flatnonzero((fields[8] == 0.0) | (fields[9] == 0.0)).tolist()
+    for i, chunk in zip(tied, segments.rows(flat, tied), strict=True):
         if len(chunk) <= 32:
             ordered = sorted(chunk)
             fields[8, i], fields[9, i] = ordered[0], ordered[-1]
@@ -173,26 +289,15 @@ def _first_of_ties(fields: Any, chunks: list[list[float]]) -> None:
 
 
 def _split(
-    names: list[str], chunks: list[list[float]], others: dict[str, Summary], single: list[int]
+    names: Sequence[str], segments: Segments, flat: Any, others: dict[str, Summary], single: list[int]
 ) -> Mapping[str, Summary]:
-    """``single`` (indices) summarised by ``of_batch``, the rest in columns."""
-    apart = set(single)
-    for i in single:
-        others[names[i]] = Summary.of_batch(chunks[i], None)
-    keep = [i for i in range(len(names)) if i not in apart]
-    return summarize([names[i] for i in keep], [chunks[i] for i in keep], others)
-
-
-def _some_nonfinite(names: list[str], chunks: list[list[float]], others: dict[str, Summary]) -> Mapping[str, Summary]:
-    finite = math.isfinite
-    return _split(names, chunks, others, [i for i, c in enumerate(chunks) if not all(map(finite, c))])
-
-
-def _one_at_a_time(names: list[str], chunks: list[list[float]], others: dict[str, Summary]) -> Mapping[str, Summary]:
-    single = []
-    for i, chunk in enumerate(chunks):
-        try:
-            _fsum(chunk)
-        except OverflowError:
-            single.append(i)
-    return _split(names, chunks, others, single)
+    """``single`` (indices, ascending) summarised by ``of_batch``, the rest in columns."""
+    for i, chunk in zip(single, segments.rows(flat, single), strict=True):
+        others[names[i]] = Summary.of_batch(chunk, None)
+    keep = np.ones(len(names), dtype=bool)
+    keep[single] = False
+    kept = keep.tolist()
+    counts = [*compress(segments.counts, kept)]
+    if not counts:
+        return others
+    return summarize_joined([*compress(names, kept)], Segments(counts), flat[np.repeat(keep, segments.sizes)], others)

@@ -45,18 +45,19 @@ class Exchange:
     journal: list[tuple[int, Partial]]  # (worker rank, its partial with the agreed specs); [] if not journaled
     rejected: dict[str, str] = field(default_factory=dict)  # metric -> which other rank dropped its records
     ranked: Ranked | None = None  # the rank level already merged (torch.distributed)
+    version: int | None = None  # the spec table's version, where ``specs`` is its mapping (see StepReducer.commit)
 
     def names(self) -> set[str]:
         """The metrics this commit holds."""
         if self.ranked is not None:
             return set(self.ranked)
-        return {name for states in self.workers for name in states}
+        return set().union(*self.workers)
 
     def commit_to(self, reducer: StepReducer) -> dict[str, float] | None:
         """Add this commit to ``reducer``; the emitted values when its window completes."""
         if self.ranked is not None:
             return reducer.commit_ranked(self.ranked, self.specs)
-        return reducer.commit(self.workers, self.specs)
+        return reducer.commit(self.workers, self.specs, version=self.version)
 
 
 class RankTransport(Protocol):
@@ -111,7 +112,7 @@ class LocalRanks:
             else []
         )
         if not commit.ingested:
-            return Exchange([own], specs, journal)
+            return Exchange([own], specs, journal, version=commit.table.version)
         ranked = rank_level_of(commit.ingested, [own] if own else [], specs, commit.reducer)
         return Exchange([], specs, journal, ranked=ranked)
 

@@ -224,10 +224,13 @@ class StepReducer:
 
         return rank_level_of((), workers, specs, self)
 
-    def commit(self, workers: Sequence[WorkerStates], specs: Mapping[str, Spec]) -> dict[str, float] | None:
-        """Add one commit (every worker's states, in rank order); the emitted values when the window completes."""
+    def commit(
+        self, workers: Sequence[WorkerStates], specs: Mapping[str, Spec], *, version: int | None = None
+    ) -> dict[str, float] | None:
+        """Add one commit (every worker's states, in rank order); the emitted values when the window completes.
+        ``version``: the spec table's, when ``specs`` is its mapping (a repeated layout is then known at once)."""
         if len(workers) == 1 and self._log_every == 1:
-            return self._single(workers[0], specs)
+            return self._single(workers[0], specs, version)
         return self.commit_ranked(self.rank_level(workers, specs), specs)
 
     def commit_ranked(self, ranked: Ranked, specs: Mapping[str, Spec]) -> dict[str, float] | None:
@@ -247,11 +250,14 @@ class StepReducer:
             return None
         return self.finish()
 
-    def _single(self, states: WorkerStates, specs: Mapping[str, Spec]) -> dict[str, float]:
+    def _single(self, states: WorkerStates, specs: Mapping[str, Spec], version: int | None) -> dict[str, float]:
         """``commit()`` for one worker and ``log_every=1``, the common case: no merge at the rank or step level."""
         if type(states) is ColumnStates:
             return states.emit(
-                specs=specs, layouts=self._layouts, scalar=lambda name, held: self._emit_into({}, name, held, specs)
+                specs=specs,
+                layouts=self._layouts,
+                scalar=lambda name, held: self._emit_into({}, name, held, specs),
+                version=version,
             )
         out: dict[str, float] = {}
         for name, by_key in states.items():
