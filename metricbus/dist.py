@@ -147,7 +147,7 @@ class TorchRanks:
         head = np.concatenate(([float(len(payload))], maxima.ravel(), sketch_level.bounds(mine).ravel()))
         guess = None if sketched else self._guess
         if guess is not None:  # the sums laid out by the guess travel with the maxima (see metricbus.speculate)
-            early = rank_level.sums(prep, guess)
+            early = rank_level.sums(prep, guess) if speculate.holds(maxima, guess) else speculate.blank(guess)
             head, summed = self._all_reduce_pair(head, early)
         else:
             head = self._all_reduce(head, "max")

@@ -202,7 +202,7 @@ def _layout(agreed: Array) -> tuple[Array, Array, Array, int]:
     n_cols = agreed.shape[0]
     e_max = agreed[:, :SLOTS].copy()
     e_max[agreed[:, _WEIGHTED] == 0, :2] = fixed.NONE
-    nq_max = agreed[:, SLOTS : 2 * SLOTS].ravel()
+    nq_max = agreed[:, SLOTS : 2 * SLOTS].flatten()  # a copy: the layout outlives the caller's array
     sizes = fixed.widths(e_max.ravel(), nq_max)
     ends = np.cumsum(sizes) + n_cols * NS
     found = (nq_max, ends - sizes, sizes, int(ends[-1]) if n_cols else 0)

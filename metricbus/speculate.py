@@ -13,7 +13,10 @@ every rank's terms lay inside the guessed window and were added exactly), the sa
 lowest ranks. Then the sums are finished under the guess's layout with the agreed extrema (:func:`within`); the
 exact sums are the same integers in a wider window, and :func:`metricbus.fixed.components` is canonical in the value,
 so the result is bit for bit the sequential one. Otherwise (a value grew beyond the margin, a metric moved to
-another rank) every rank runs the sums pass again under the agreed maxima: one extra collective, on every rank.
+another rank, a slot empty at the last commit has terms) every rank runs the sums pass again under the agreed
+maxima: one extra collective, on every rank. A rank whose own terms already fall outside the guess (:func:`holds`)
+sends zeros of the guess's length (:func:`blank`) rather than limbs outside their slots; the agreed maxima, at
+least its own, then miss the guess on every rank.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 
 from metricbus import fixed
 from metricbus.fixed import Array
-from metricbus.rank_level import NM, SLOTS
+from metricbus.rank_level import NM, SLOTS, layout
 
 E_MARGIN = 8.0  # values may grow 256-fold before the guess misses
 Q_MARGIN = 32.0  # and their lowest bit may drop 32 bits (one more limb per exact sum)
@@ -50,13 +53,26 @@ def guess_of(agreed: Array, previous: Array | None) -> Array:
     return guess
 
 
+def holds(maxima: Array, guess: Array) -> bool:
+    """True if every term behind ``maxima`` (one rank's, or every rank's agreed ones) lies inside the windows of
+    ``guess``: each non-empty slot's ``E`` and ``-Q`` at most the guessed ones, in a slot the guess holds non-empty.
+    A rank whose own terms do not sends no sums laid out by the guess (its limbs would fall outside their slots)."""
+    if maxima.shape != guess.shape:
+        return False
+    e_held, e_guess = maxima[:, _E], guess[:, _E]
+    inside = (e_held == _NONE) | ((e_guess != _NONE) & (e_held <= e_guess) & (maxima[:, _NQ] <= guess[:, _NQ]))
+    return bool(inside.all())
+
+
 def fits(agreed: Array, guess: Array) -> bool:
     """True if sums laid out by ``guess`` hold every rank's terms exactly and pick the same rows as ``agreed``."""
-    if agreed.shape != guess.shape:
-        return False
-    e_agreed, e_guess = agreed[:, _E], guess[:, _E]
-    inside = (e_agreed == _NONE) | ((e_guess != _NONE) & (e_agreed <= e_guess) & (agreed[:, _NQ] <= guess[:, _NQ]))
-    return bool(inside.all()) and bool((agreed[:, _LAYOUT] == guess[:, _LAYOUT]).all())
+    return holds(agreed, guess) and bool((agreed[:, _LAYOUT] == guess[:, _LAYOUT]).all())
+
+
+def blank(guess: Array) -> Array:
+    """The sums a rank whose own terms do not fit ``guess`` sends: zeros of the guess's layout (every rank then sees
+    that the agreed maxima do not fit it, and runs the sums pass again)."""
+    return np.zeros(layout(guess)[2], dtype=np.int64)
 
 
 def within(agreed: Array, guess: Array) -> Array:

@@ -128,7 +128,7 @@ def test_ingest_and_replay_agree_bit_for_bit_over_splits(seed: int, tmp_path: Pa
 def _guessed_plan(seed: int, *, ranks: int) -> dict[str, Any]:
     """8 steps of every rank logging the same metrics at steady scales, without distributions (their sums pass is
     never guessed); at step 4 rank 1's losses grow 2**30-fold and gain low bits (the guess misses), at step 6 rank 0
-    lacks ``loss`` (its lowest rank moves), at step 7 it has it again."""
+    lacks ``loss`` (its lowest rank moves), at step 7 it has it again; ``eval`` is logged at steps 0 and 5 only."""
     rng = random.Random(seed)
     steps = []
     for step in range(8):
@@ -149,9 +149,11 @@ def _guessed_plan(seed: int, *, ranks: int) -> dict[str, Any]:
                     records.append((update, "clip", [rng.random() for _ in range(n)], [float(rng.randint(1, 9))] * n))
                     records.append((update, "tight", tight, None))
                     records.append((update, "tokens", [float(rng.randint(1, 512))], None))
+            if step in {0, 5}:  # agreed at step 0, absent on every rank until step 5: a slot the guess holds empty
+                records.append((0, "eval", [rng.gauss(0.0, 1.0)], None))
             per_rank.append(records)
         steps.append(per_rank)
-    rules = {name: RULES[name] for name in ("loss", "pg_loss", "clip", "tight", "tokens")}
+    rules = {name: RULES[name] for name in ("loss", "pg_loss", "clip", "tight", "tokens")} | {"eval": "mean"}
     return {"steps": steps, "rules": rules, "logger": "tests.test_bitwise:log_share"}
 
 
@@ -172,5 +174,6 @@ def test_guessed_sums_agree_bit_for_bit_hit_or_miss(ranks: int) -> None:
         assert bits(rows) == expected, rank
         assert calls[2] == calls[3] == {"async": 2, "sync": 0}, calls  # guessed: both passes at once
         assert calls[4] == {"async": 2, "sync": 1}, calls  # values grew beyond the margin: the sums pass again
+        assert calls[5] == {"async": 2, "sync": 1}, calls  # eval's slots were empty at step 4: zeros, then again
         assert calls[6] == {"async": 2, "sync": 1}, calls  # loss's lowest rank moved
         assert calls[7] == {"async": 2, "sync": 1}, calls  # and back

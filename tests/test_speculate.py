@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metricbus import fixed, speculate
-from metricbus.rank_level import SLOTS, block_of, finish, maxima, merge, prepare, sums
+from metricbus.rank_level import SLOTS, Prepared, block_of, finish, maxima, merge, prepare, sums
+from metricbus.summary import Summary
 from tests.test_rank_level import bits, cell, summary
 
 _NONE = float(fixed.NONE)
@@ -68,3 +69,24 @@ def test_a_guess_narrows_by_at_most_a_bit_per_commit() -> None:
     after = speculate.guess_of(small, guess)
     assert after[0, 2] == guess[0, 2] - speculate.SHRINK
     assert speculate.fits(wide, after)
+
+
+def test_a_rank_whose_own_terms_leave_the_guess_sends_zeros_of_its_length() -> None:
+    """A column absent (or summing to 0.0) at the last commit, or a value beyond the margin in the last slot: the
+    rank's own maxima do not hold in the guess, so it sends blank sums (limbs outside their slots would raise)."""
+    def prepared(row: list[Summary | None]) -> Prepared:
+        return prepare(block_of([row], [0], [False] * len(row)))
+
+    for before, now in (
+        ([None, Summary.of_value(0.7)], [Summary.of_value(0.25), Summary.of_value(0.7)]),
+        ([Summary.of_value(0.0), Summary.of_value(0.7)], [Summary.of_value(0.25), Summary.of_value(0.7)]),
+        ([Summary.of_value(1.0), Summary.of_value(1.0)], [Summary.of_value(1.0), Summary.of_value(2.0**40)]),
+    ):
+        guess = speculate.guess_of(maxima(prepared(before)), None)
+        own = maxima(prepared(now))
+        assert not speculate.holds(own, guess)
+        assert not speculate.fits(own, guess)
+        blank = speculate.blank(guess)
+        assert blank.dtype == np.int64
+        assert not blank.any()
+        assert len(blank) == len(sums(prepared(before), guess))
