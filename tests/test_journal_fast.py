@@ -7,8 +7,6 @@ does not depend on which path wrote a commit.
 
 from __future__ import annotations
 
-import errno
-import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +20,7 @@ from metricbus.journal import Gap, open_journal, rank_file, read_journal
 from metricbus.partial import Entry, Partial, from_packed, pack
 from metricbus.spec import parse_spec
 from metricbus.summary import Summary
+from tests.test_journal_faults import torn_then_full
 
 RUN = RunInfo(project="proj", name="run-1", tags=(), config={}, start_time_unix_ns=123, id="fixed")
 MEAN = parse_spec("mean", metric="loss")
@@ -120,19 +119,7 @@ def test_a_failed_steady_write_is_a_gap_and_later_commits_read(tmp_path: Path, m
     """ENOSPC after 7 bytes of step 3's frame: JournalError, a gap 3..3, the torn bytes skipped, the rest read."""
     directory = tmp_path / "j"
     writer = open_journal(path=directory, fsync="never", rank=0, run=RUN, rules=[], log_every=1)
-    inode = rank_file(directory, 0).stat().st_ino
-    real = os.write
-    failing: list[bool] = []
-
-    def write(fd: int, data: Any) -> int:
-        if failing and os.fstat(fd).st_ino == inode:
-            if not failing[-1]:
-                failing[-1] = True
-                return real(fd, bytes(data[:7]))
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, data)
-
-    monkeypatch.setattr(os, "write", write)
+    failing = torn_then_full(monkeypatch, rank_file(directory, 0))
     for step in range(8):
         failing[:] = [False] if step == 3 else []
         partial = packed(entries(step, NAMES))

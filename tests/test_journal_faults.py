@@ -83,6 +83,25 @@ def flipped(data: bytes, at: int) -> bytes:
 # -- one writer per rank file ----------------------------------------------------------------------------------
 
 
+def torn_then_full(monkeypatch: pytest.MonkeyPatch, path: Path) -> list[bool]:
+    """Make ``os.write`` to ``path`` fail while the returned list is not empty (one entry per failing commit: whether
+    its partial write was done): its first write writes 7 bytes, the later ones raise ENOSPC."""
+    inode = path.stat().st_ino
+    real = os.write
+    failing: list[bool] = []
+
+    def write(fd: int, data: Any) -> int:
+        if failing and os.fstat(fd).st_ino == inode:
+            if not failing[-1]:
+                failing[-1] = True
+                return real(fd, bytes(data[:7]))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    return failing
+
+
 def test_a_second_writer_in_the_same_process_is_refused(tmp_path: Path) -> None:
     """A second bus on the same directory and rank gets a JournalError naming the file and this PID; no damage."""
     journal = tmp_path / "j"
@@ -165,19 +184,7 @@ def test_consecutive_write_errors_are_one_gap_and_every_later_commit_replays(
     journal = tmp_path / "j"
     memory = MemoryAdapter()
     bus = MetricBus(dist=None, journal=str(journal), adapters=[memory], strict=True)
-    inode = rank_file(journal, 0).stat().st_ino
-    real = os.write
-    failing: list[bool] = []  # one entry per failing commit: whether its partial write was done
-
-    def write(fd: int, data: Any) -> int:
-        if failing and os.fstat(fd).st_ino == inode:
-            if not failing[-1]:
-                failing[-1] = True
-                return real(fd, bytes(data[:7]))
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, data)
-
-    monkeypatch.setattr(os, "write", write)
+    failing = torn_then_full(monkeypatch, rank_file(journal, 0))
     errors = {}
     size = 0
     for step in range(12):
