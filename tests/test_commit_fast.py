@@ -35,6 +35,13 @@ def expected(records: list[float]) -> dict[str, float]:
             "min": s.min, "sum": s.sum(), "std": s.std()}  # fmt: skip
 
 
+def log_each(bus: MetricBus, logged: dict[str, list[float]]) -> None:
+    """``log(name, x)`` of every record, metric by metric."""
+    for name, records in logged.items():
+        for x in records:
+            bus.log(name, x)
+
+
 def assert_emits(out: dict[str, float], logged: dict[str, list[float]]) -> None:
     """``out`` holds each metric's kinds as ``expected`` says: bit for bit, std within a few ulps."""
     assert sorted(out) == sorted(f"{name}/{kind}" for name in logged for kind in ALL)
@@ -55,9 +62,7 @@ def test_commits_of_the_same_metrics_equal_of_batch() -> None:
         logged = {name: (rng.standard_normal(8) * 10.0 ** rng.integers(-3, 4)).tolist() for name in NAMES}
         if step % 2:
             logged = {name: [0.25 * j for j in range(8)] for name in NAMES}
-        for name, records in logged.items():
-            for x in records:
-                b.log(name, x)
+        log_each(b, logged)
         assert_emits(b.commit(), logged)
     b.close()
 
@@ -67,9 +72,7 @@ def test_touched_metrics_keep_log_order_between_plain_commits() -> None:
     b = MetricBus(dist=None, strict=True, rules={"m*": ALL})
     for step in range(5):
         logged: dict[str, list[float]] = {name: [float(i), 0.5, -float(step)] for i, name in enumerate(NAMES)}
-        for name, records in logged.items():
-            for x in records:
-                b.log(name, x)
+        log_each(b, logged)
         special = NAMES[3]
         if step == 1:
             b.log(special, 7)  # an int: the validated path
@@ -94,9 +97,7 @@ def test_metrics_that_come_and_go() -> None:
     for step in range(6):
         names = NAMES[step % 3 :: 1 + step % 2] + ([f"m_new{step}"] if step > 2 else [])
         logged = {name: [step + 0.5, float(len(name))] for name in names}
-        for name, records in logged.items():
-            for x in records:
-                b.log(name, x)
+        log_each(b, logged)
         assert_emits(b.commit(), logged)
     b.close()
 
