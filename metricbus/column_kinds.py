@@ -71,7 +71,7 @@ def divide_by_count(hi: Array, lo: Array, count: Array) -> Settled:
     with np.errstate(all="ignore"):
         q = hi / count
         power = np.frexp(count)[0] == 0.5
-        done = usable & shifted(q, count)
+        done = usable & power & _in_range(q)  # shifted(q, count), with ``power`` found once
         left = usable & ~power
         for _ in range(2):
             if not left.any():  # every element decided (a power-of-two count, the usual case, or none usable)
