@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from metricbus import rank_level, sketch_level, speculate
+from metricbus import one_pass, rank_level, sketch_level, speculate
 from metricbus.column_states import ColumnStates
 from metricbus.errors import DistributedError, MetricBusWarning, SpecError
 from metricbus.partial import Partial
@@ -111,6 +111,8 @@ class TorchRanks:
         self._sketched: list[int] = []  # the columns whose states carry a sketch
         self._held: list[tuple[Any, int]] = []  # (tensor, its use count before the collective): not yet let go
         self._guess: Any = None  # the next commit's guessed maxima (see metricbus.speculate); None: no guess
+        self._one_pass = False  # whether a steady commit may take one collective (see metricbus.one_pass)
+        self._hits = 0  # one-pass commits since the maxima were last agreed
         self._settled_names: tuple[Any, ...] = ()  # (names, table version) whose claims the agreed table holds
         backend = str(tdist.get_backend(group)).lower()
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
@@ -146,28 +148,42 @@ class TorchRanks:
         maxima = rank_level.maxima(prep)
         head = np.concatenate(([float(len(payload))], maxima.ravel(), sketch_level.bounds(mine).ravel()))
         guess = None if sketched else self._guess
-        if guess is not None:  # the sums laid out by the guess travel with the maxima (see metricbus.speculate)
+        one = guess is not None and self._one_pass and self._hits < one_pass.REFRESH
+        hit, paired = False, False
+        if one:  # the sums laid out by the guess, checked in the same all_reduce (see metricbus.one_pass)
+            hit, longest, summed = self._one_pass_sums(prep, maxima, guess, len(payload))
+        elif guess is not None:  # the sums laid out by the guess travel with the maxima (see metricbus.speculate)
             early = rank_level.sums(prep, guess) if speculate.holds(maxima, guess) else speculate.blank(guess)
             head, summed = self._all_reduce_pair(head, early)
+            longest, paired = int(head[0]), True
         else:
             head = self._all_reduce(head, "max")
-        longest = int(head[0])
-        bounds = head[1 + maxima.size :].reshape(-1, sketch_level.NB)
-        agreed = head[1 : 1 + maxima.size].reshape(-1, rank_level.NM)
+            longest = int(head[0])
         columns, names = self._columns, self._names
         dropped: dict[str, str] = {}
         fresh: Ranked = {}
         if longest:
             fresh, dropped = self._agree(payload, longest, table, reducer)
-        self._guess = None if longest else speculate.guess_of(agreed, guess)  # an agreement changed the columns
-        if guess is not None and speculate.fits(agreed, guess):
-            merged = rank_level.finish(speculate.within(agreed, guess), summed, prep.block.moments)
-        else:  # the sums pass under the agreed maxima (again, if the guess missed: every rank sees the same)
-            sums = rank_level.sums(prep, agreed)
-            summed = self._all_reduce(np.concatenate((sums, sketch_level.counts(mine, bounds))), "sum")
-            merged = rank_level.finish(agreed, summed[: sums.size], prep.block.moments)
-            if sketched:
-                rank_level.attach(merged, sketched, sketch_level.finish(bounds, summed[sums.size :]))
+        if hit:  # the guess's layout; its extrema are NaN (no chain reads them)
+            merged = rank_level.finish(guess, summed, prep.block.moments)
+            self._hits += 0 if longest else 1  # (an agreement changed the columns and dropped the guess)
+        else:
+            if one:  # the guess missed: the maxima pass after all (the length is known: the gather is done)
+                head[0] = 0.0
+                head = self._all_reduce(head, "max")
+            bounds = head[1 + maxima.size :].reshape(-1, sketch_level.NB)
+            agreed = head[1 : 1 + maxima.size].reshape(-1, rank_level.NM)
+            if paired and speculate.fits(agreed, guess):
+                merged = rank_level.finish(speculate.within(agreed, guess), summed, prep.block.moments)
+            else:  # the sums pass under the agreed maxima (again, if the guess missed: every rank sees the same)
+                sums = rank_level.sums(prep, agreed)
+                summed = self._all_reduce(np.concatenate((sums, sketch_level.counts(mine, bounds))), "sum")
+                merged = rank_level.finish(agreed, summed[: sums.size], prep.block.moments)
+                if sketched:
+                    rank_level.attach(merged, sketched, sketch_level.finish(bounds, summed[sums.size :]))
+            if not longest:  # (an agreement changed the columns and dropped the guess)
+                self._guess = speculate.guess_of(agreed, guess, commits=self._hits + 1)
+                self._hits = 0
         ranked: Ranked = {}
         for name, (base, width) in zip(names, columns, strict=True):
             if width == 1:
@@ -262,6 +278,16 @@ class TorchRanks:
                 claims[name] = claim
         self._settled_names = () if claims else (names, table.version)
         return claims
+
+    def _one_pass_sums(self, prep: rank_level.Prepared, maxima: Any, guess: Any, length: int) -> tuple[bool, int, Any]:
+        """One all_reduce(SUM) of this rank's sums laid out by ``guess`` and the checks of it
+        (:mod:`metricbus.one_pass`): ``(hit, a bound on the longest claims payload, the reduced sums)``."""
+        present, unit = prep.present[0], prep.unit[0]
+        weighted = present & ~unit
+        fits = one_pass.own_fit(maxima=maxima, present=present, weighted=weighted, rank=self.rank, guess=guess)
+        sums = rank_level.sums(prep, guess) if fits else speculate.blank(guess)
+        checks = one_pass.flags(fits=fits, length=length, weighted=weighted, guess=guess)
+        return one_pass.read(self._all_reduce(np.concatenate((checks, sums)), "sum"), guess)
 
     def _all_reduce_pair(self, maxima: Any, sums: Any) -> tuple[Any, Any]:
         """An all_reduce(MAX) of float64 ``maxima`` and an all_reduce(SUM) of int64 ``sums``, issued together; both
@@ -400,6 +426,8 @@ class TorchRanks:
         self._width = width
         self._direct = {}
         self._guess = None
+        self._hits = 0
+        self._one_pass = not one_pass.reads_extrema(self._specs)
         self._settled_names = ()
 
 

@@ -37,19 +37,20 @@ _LAYOUT = slice(2 * SLOTS + 2, NM)  # -rank and weighted: they pick the rows and
 _NONE = float(fixed.NONE)
 
 
-def guess_of(agreed: Array, previous: Array | None) -> Array:
+def guess_of(agreed: Array, previous: Array | None, *, commits: int = 1) -> Array:
     """The next commit's guessed maxima: ``agreed``'s columns, ranks and weights; each slot's ``E`` and ``-Q`` the
-    agreed ones plus the margins, or the ``previous`` guess's less ``SHRINK`` bits where that is wider (so a slot
-    that is sometimes empty or a value that dips for one commit do not make the next guess miss; a window widened by
-    a spike narrows again over the following commits)."""
+    agreed ones plus the margins, or the ``previous`` guess's (made ``commits`` commits ago) less ``SHRINK`` bits
+    per commit where that is wider (so a slot that is sometimes empty or a value that dips for one commit do not
+    make the next guess miss; a window widened by a spike narrows again over the following commits)."""
     guess = agreed.copy()
+    guess[:, _EXTREMA] = np.nan  # not guessed: a one-pass commit (metricbus.one_pass) finishes without them
     for part, margin in ((_E, E_MARGIN), (_NQ, Q_MARGIN)):
         held = guess[:, part]
         held[held != _NONE] += margin
         if previous is not None and previous.shape == agreed.shape:
             before = previous[:, part]
             kept = before != _NONE
-            held[kept] = np.maximum(held[kept], before[kept] - SHRINK)
+            held[kept] = np.maximum(held[kept], before[kept] - SHRINK * commits)
     return guess
 
 

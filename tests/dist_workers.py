@@ -69,8 +69,12 @@ def pg_loss_worker(rank: int, size: int, port: int, tokens: list[list[list[float
         tdist.destroy_process_group()
 
 
+COUNT_STEPS = 20  # count_worker's commits: past one refresh of the one-pass guess (metricbus.one_pass.REFRESH)
+
+
 def count_worker(rank: int, size: int, port: int, out: Any) -> None:
-    """Count torch.distributed calls per steady-state commit for 10 and 1000 metrics."""
+    """Count torch.distributed calls and bytes per commit for 10 and 1000 metrics (mean), and 10 metrics whose rank
+    level reads ``max``."""
     init_gloo(rank, size, port)
     try:
         names = (
@@ -102,15 +106,15 @@ def count_worker(rank: int, size: int, port: int, out: Any) -> None:
             setattr(tdist, n, wrap)
         assert mdist  # the transport looks functions up on torch.distributed at call time
         result = {}
-        for k in (10, 1000):
-            bus = MetricBus(dist="torch")
-            for step in range(3):
+        for label, k, rules in ((10, 10, None), (1000, 1000, None), ("max", 10, {f"m{i}": "max" for i in range(10)})):
+            bus = MetricBus(dist="torch", rules=rules)
+            for step in range(COUNT_STEPS):
                 for i in range(k):
                     bus.log(f"m{i}", float(i + rank + step))
                 calls.clear()
                 sent.clear()
                 got = bus.commit(step=step)
-                result[(k, step)] = (dict(calls), got[f"m{k - 1}"], dict(sent))
+                result[(label, step)] = (dict(calls), got[f"m{k - 1}"], dict(sent))
             bus.close()
         out.put((rank, result))
     finally:

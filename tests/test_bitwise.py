@@ -177,3 +177,73 @@ def test_guessed_sums_agree_bit_for_bit_hit_or_miss(ranks: int) -> None:
         assert calls[5] == {"async": 2, "sync": 1}, calls  # eval's slots were empty at step 4: zeros, then again
         assert calls[6] == {"async": 2, "sync": 1}, calls  # loss's lowest rank moved
         assert calls[7] == {"async": 2, "sync": 1}, calls  # and back
+
+
+def _one_pass_plan(seed: int, *, ranks: int) -> dict[str, Any]:
+    """32 steps of metrics no chain reads a merged min/max of (so a steady commit is one all_reduce,
+    metricbus.one_pass), each a way the guess must be found to miss from the reduced checks alone: at step 4 rank
+    1's losses grow 2**30-fold and gain low bits; ``eval`` is logged at steps 0 and 5 only; at step 6 rank 0 lacks
+    ``loss``, at step 7 it has it again; ``late`` appears on rank 1 at step 8 (an agreement inside a one-pass
+    commit); ``w`` has weights but at step 12 (a column guessed weighted has none, then weights in a column guessed
+    unweighted)."""
+    rng = random.Random(seed)
+    steps = []
+    for step in range(32):
+        per_rank = []
+        for rank in range(ranks):
+            records = []
+            for update in range(2):
+                for _ in range(rng.randint(1, 3)):
+                    n = rng.randint(1, 6)
+                    loss = [rng.gauss(0.0, 3.0) for _ in range(n)]
+                    if step == 4 and rank == 1:
+                        loss = [v * 2.0**30 + 2.0**-40 for v in loss]
+                    if not (step == 6 and rank == 0):
+                        records.append((update, "loss", loss, None))
+                    records.append((update, "pg_loss", [rng.uniform(-2, 2) / 7.0], None))
+                    records.append((update, "clip", [rng.random() for _ in range(n)], [float(rng.randint(2, 9))] * n))
+                    weights = [1.0] * n if step == 12 else [float(rng.randint(2, 9)) for _ in range(n)]
+                    records.append((update, "w", [rng.uniform(0, 4) for _ in range(n)], weights))
+                    records.append((update, "tight", [1e6 + 1e-3 * rng.gauss(0, 1) for _ in range(n)], None))
+                    records.append((update, "tokens", [float(rng.randint(1, 512))], None))
+            if step in {0, 5}:
+                records.append((0, "eval", [rng.gauss(0.0, 1.0)], None))
+            if step >= 8 and rank == 1:
+                records.append((0, "late", [rng.gauss(5.0, 1.0)], None))
+            per_rank.append(records)
+        steps.append(per_rank)
+    rules = {
+        "loss": ["mean", "std", "first", "last", "count", "sum"],
+        "pg_loss": RULES["pg_loss"],
+        "clip": Agg(micro="mean", rank="mean"),
+        "w": "mean",
+        "tight": RULES["tight"],
+        "tokens": RULES["tokens"],
+        "eval": "mean",
+        "late": "mean",
+    }
+    return {"steps": steps, "rules": rules, "logger": "tests.test_bitwise:log_share"}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_one_pass_commits_agree_bit_for_bit_hit_or_miss(ranks: int) -> None:
+    """A steady commit of a layout without rank-level min/max is one all_reduce of the guessed sums and their
+    checks; a miss found there costs the maxima pass and the sums pass again; a new metric costs the byte gather
+    alone; every REFRESH-th one-pass commit agrees the maxima (both passes at once). The values are the same bits as
+    the driver's ingest."""
+    pytest.importorskip("torch")
+    from metricbus import one_pass
+    from tests import dist_workers
+    from tests.test_dist import _spawn
+
+    plan = _one_pass_plan(3000 + ranks, ranks=ranks)
+    live = _spawn(dist_workers.guess_worker, ranks, plan)
+    expected = bits(ingested(plan, ranks=ranks))
+    one, again, first = {"async": 0, "sync": 1}, {"async": 0, "sync": 3}, {"async": 0, "sync": 2}
+    refresh = 14 + one_pass.REFRESH
+    want = [first, first, one, one, again, again, again, again, one, first, one, one, again, again]
+    want += [{"async": 2, "sync": 0} if step == refresh else one for step in range(14, 32)]
+    for rank in range(ranks):
+        rows, calls = live[rank]
+        assert bits(rows) == expected, rank
+        assert calls == want, calls

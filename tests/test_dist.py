@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 mp = torch.multiprocessing
 
-from metricbus import MetricBus, rank_level  # noqa: E402
+from metricbus import MetricBus, one_pass, rank_level  # noqa: E402
 from metricbus.journal import read_journal  # noqa: E402
 from metricbus.replay import emitted  # noqa: E402
 from tests import dist_workers  # noqa: E402  (after the importorskip)
@@ -123,20 +123,34 @@ def test_prescaled_pg_loss_is_global_token_mean() -> None:
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_a_steady_commit_is_two_collectives_of_o_k_bytes_whatever_r(size: int) -> None:
-    """A steady-state commit makes two all_reduces (MAX, then SUM) for 10 and 1,000 metrics, at 2 and 4 ranks; the
-    bytes each rank hands them are bounded per metric (O(K)), with no term in R; new keys add one byte gather."""
+def test_a_steady_commit_is_one_collective_of_o_k_bytes_whatever_r(size: int) -> None:
+    """For 10 and 1,000 ``mean`` metrics, at 2 and 4 ranks: the first commit agrees the keys (two all_reduces and a
+    byte gather), the next lays out the sums by the agreed maxima (two all_reduces), and from then on a commit is
+    one all_reduce (the guessed sums with their checks, metricbus.one_pass) but every REFRESH-th, which agrees the
+    maxima again (two). A layout that reads ``max`` at the rank level takes two all_reduces per steady commit. The
+    bytes each rank hands them are bounded per metric (O(K)), with no term in R."""
     results = _spawn(dist_workers.count_worker, size)
+    refresh = 2 + one_pass.REFRESH
+    assert refresh + 1 < dist_workers.COUNT_STEPS
     for rank in range(size):
         got = results[rank]
-        assert got[(10, 2)][0] == got[(1000, 2)][0] == got[(10, 1)][0] == {"all_reduce": 2}
-        assert got[(1000, 0)][0] == {"all_reduce": 2, "all_gather_single": 1}  # new keys: +1 byte gather
+        for label in (10, 1000, "max"):
+            calls = [got[(label, step)][0] for step in range(dist_workers.COUNT_STEPS)]
+            assert calls[0] == {"all_reduce": 2, "all_gather_single": 1}, label  # new keys: +1 byte gather
+            assert calls[1] == {"all_reduce": 2}, label
+            steady = [calls[step]["all_reduce"] for step in range(2, dist_workers.COUNT_STEPS)]
+            if label == "max":
+                assert steady == [2] * len(steady)
+            else:
+                assert steady == [2 if step == refresh else 1 for step in range(2, dist_workers.COUNT_STEPS)]
         assert got[(1000, 2)][1] == 999 + (size - 1) / 2 + 2
         small, large = got[(10, 2)][2]["all_reduce"], got[(1000, 2)][2]["all_reduce"]
-        # per metric: NM maxima, NS fixed sums and the limbs of four exact sums (a few each for these values)
-        per_metric = 8 * (rank_level.NM + rank_level.NS + 4 * 6)
-        assert 8 * (rank_level.NM + rank_level.NS) * 1000 < large <= per_metric * 1000 + 8
-        assert small <= per_metric * 10 + 8
+        # per metric: NS fixed sums and the limbs of its exact sums (a few each for these values); the checks
+        per_metric, checks = 8 * (rank_level.NS + 4 * 6), 8 * (1 + one_pass.LENGTH_BITS)
+        assert 8 * rank_level.NS * 1000 < large <= per_metric * 1000 + checks
+        assert small <= per_metric * 10 + checks
+        paired = got[(1000, refresh)][2]["all_reduce"]  # both passes: NM maxima more per metric
+        assert paired <= 8 * rank_level.NM * 1000 + 8 + per_metric * 1000
 
 
 def test_a_strict_adapter_failure_on_the_writer_keeps_the_ranks_in_step() -> None:
