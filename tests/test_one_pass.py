@@ -96,7 +96,7 @@ def test_a_payload_too_long_for_the_length_bits_is_refused() -> None:
         ({"a": ["mean", "std", "first", "last", "count"]}, False),
         ({"a": "mean", "b": "max"}, True),
         ({"a": Agg(micro="mean", rank="min")}, True),
-        ({"a": Agg(micro="max", rank="mean")}, False),  # the micro level's max is read per worker, before the rank level
+        ({"a": Agg(micro="max", rank="mean")}, False),  # each worker's max, read before the rank level
     ],
 )
 def test_which_layouts_read_the_merged_extrema(rules: dict[str, object], reads: bool) -> None:
