@@ -1,4 +1,5 @@
-"""The rank level over torch.distributed: two collectives of O(K) values per commit, whatever the number of ranks.
+"""The rank level over torch.distributed: one or two collectives of O(K) values per commit, whatever the number of
+ranks.
 
 All ranks keep an identical *agreed table* of metric names and spec claims, hence the same *columns* (each agreed
 metric's rank-level inputs, :func:`metricbus.reduce.columns_of`). Each rank reduces its own records to its
@@ -10,9 +11,12 @@ update-level states (:meth:`metricbus.reduce.StepReducer.worker`) and lifts them
 2. one ``all_reduce(SUM)`` of int64 :func:`metricbus.rank_level.sums` (``NS`` per column plus the fixed-point limbs
    of its exact sums), laid out by the agreed maxima.
 
-In a steady run the second pass does not wait for the first: it is laid out by a guess made from the previous
-commit's agreed maxima, and both all_reduces are issued together; when the agreed maxima show the guess missed,
-every rank runs the sums pass again under them (:mod:`metricbus.speculate`). Either way
+In a steady run the second pass does not wait for the first: it is laid out by a guess made from the last agreed
+maxima (:mod:`metricbus.speculate`). Where no agreed chain reads a merged ``min``/``max`` at the rank level and no
+column is sketched, the first pass is skipped: the sums pass carries the guess's checks and is the commit's one
+collective (:mod:`metricbus.one_pass`; both passes again every ``REFRESH`` commits, to narrow the guess). Otherwise
+both all_reduces are issued together. When the checks or the agreed maxima show the guess missed, every rank runs
+the sums pass again under the agreed maxima. Either way
 :func:`metricbus.rank_level.finish` gives every rank the same merged states, bit for bit what a single process,
 the driver's ``ingest()`` and journal replay compute from the same records. Nothing of size R is sent or received.
 
@@ -34,8 +38,10 @@ GIL released. On the CPU (Gloo) that happens right after each collective (the wo
 once it can take the GIL); on CUDA (NCCL, whose watchdog polls) the tensors are kept and settled at ``close()``
 and at interpreter exit, so the hot path never waits for the watchdog.
 
-Cost per commit with K agreed columns: 8·(1 + NM·K) bytes all-reduced by MAX and 8·(NS·K + limbs) by SUM per rank
-(limbs: (E - Q)//32 + 3 per exact sum, 3-4 for typical data; see :mod:`metricbus.fixed`), independent of R.
+Cost per commit with K agreed columns: 8·(1 + NM·K) bytes all-reduced by MAX (none in a one-pass commit) and
+8·(NS·K + limbs) by SUM per rank (limbs: (E - Q)//32 + 3 per exact sum, 3-4 for typical data, about one more in a
+guessed window; see :mod:`metricbus.fixed`), plus 8·(1 + LENGTH_BITS + weighted columns) of checks in a one-pass
+commit, independent of R.
 """
 
 from __future__ import annotations

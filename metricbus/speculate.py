@@ -5,7 +5,8 @@ the largest exponent ``E`` and the smallest ``Q`` of every worker's terms, wheth
 lowest rank that has it. In a steady run these change little from one commit to the next, so every rank lays its
 sums out by a *guess* made from the previous commit's agreed maxima, widened (:func:`guess_of`: ``E`` plus
 ``E_MARGIN`` bits, ``-Q`` plus ``Q_MARGIN`` bits, about one more limb per sum, and never narrower than the guess
-before it less ``SHRINK`` bit), and issues both all_reduces together.
+before it less ``SHRINK`` bit per commit), and issues both all_reduces together (or the sums pass alone, checked
+inside itself: :mod:`metricbus.one_pass`). A guess holds no extrema (NaN): they are agreed, not guessed.
 
 The guess is identical on every rank (made from values every rank agreed), and so is the check once both passes are
 back (:func:`fits`): every agreed ``E`` at most the guessed one, every agreed ``-Q`` at most the guessed one (so
