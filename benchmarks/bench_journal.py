@@ -76,7 +76,8 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         best = min(times)
         summaries, records = record_counts(read_journal(path))
-        print(f"replay into MemoryAdapter: {summaries} summaries ({records} records), journal {size / 1e6:.2f} MB")
+        print(f"replay into MemoryAdapter: {summaries} summaries ({records} records), journal {size / 1e6:.2f} MB "
+              f"({size / args.commits / 1e3:.2f} KB per commit)")
         print(f"  {best:.3f} s  ->  {summaries / best:,.0f} summaries/s, {records / best:,.0f} records/s "
               "(target >= 500,000 records/s)")
 

@@ -23,13 +23,14 @@ from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT, Accumulator, PlainBuffers
 from metricbus.errors import MetricTypeError, MetricValueError, SpecError
 from metricbus.micro_columns import COLUMNS_FROM, MicroUpdate, Segments, packed_update, summarize_joined
-from metricbus.partial import Packed, Partial, Updates, from_packed
+from metricbus.partial import Packed, Partial, Updates, from_packed, with_fields
 from metricbus.sketch import unknown
 from metricbus.spec import NanPolicy, SpecLike, micro_sketch
 from metricbus.spec_table import DEFAULT, SpecTable
 from metricbus.summary import EMPTY, Summary, with_sketch
 from metricbus.values import check_finite, is_tensor, to_values, to_weights
 
+_NONE: frozenset[str] = frozenset()
 _MAX_SHAPES = 256  # dict shapes the log(dict) fast path keeps; others take the validated path
 _append = list.append
 _consume: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend  # runs an iterator in C, keeping nothing
@@ -376,6 +377,10 @@ class Collector:
         table = self.table
         if len(updates) == 1 and type(updates[0]) is MicroUpdate:
             update = updates[0]
+            if not undeclared:  # a commit's own partial: usually the metrics and specs of the last one
+                last, version = self._packed.get(_NONE, (None, -1))
+                if last is not None and version == table.version and not update.others and last.names == update.names:
+                    return from_packed(with_fields(last, update.fields), _NONE)  # packed_update's usual case
             claims = table.claim
             unclaimed = (
                 frozenset(n for n in update if (c := claims(n)) is None or c.origin == DEFAULT)

@@ -140,6 +140,26 @@ _set_packed = vars(Partial)["_packed"].__set__
 _set_undeclared = vars(Partial)["undeclared"].__set__
 
 
+def with_fields(packed: Packed, fields: Any) -> Packed:
+    """``packed``'s names, specs and layout with ``fields`` of the same shape, and no rests or sketches (a commit of
+    the metrics of the one before); its slots set directly, ~2x cheaper than the dataclass's ``__init__``."""
+    out = _new_packed(Packed)
+    _set_names(out, packed.names)
+    _set_specs(out, packed.specs)
+    _set_fields(out, fields)
+    _set_rests(out, ())
+    _set_layout(out, packed.layout)
+    _set_single(out, packed.single)
+    _set_sketches(out, ())
+    return out
+
+
+_new_packed = object.__new__
+_set_names, _set_specs, _set_fields, _set_rests, _set_layout, _set_single, _set_sketches = (
+    vars(Packed)[name].__set__ for name in ("names", "specs", "fields", "rests", "layout", "single", "sketches")
+)
+
+
 def layout_of(names: tuple[str, ...], specs: tuple[Spec, ...], undeclared: frozenset[str]) -> bytes:
     """The digest of a layout (see :class:`Packed`), remembered for the same names and spec objects."""
     key = (names, tuple(map(id, specs)), undeclared)

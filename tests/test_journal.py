@@ -33,7 +33,7 @@ def journal_dir(tmp_path: Path) -> Path:
 def test_header_holds_run_rules_and_version(journal_dir: Path) -> None:
     """The header records the format, metricbus version, rank, rules and log_every."""
     journal = read_journal(journal_dir)
-    assert journal.header["format"] == FORMAT_VERSION == 4
+    assert journal.header["format"] == FORMAT_VERSION == 5
     assert journal.header["metricbus"]
     assert journal.log_every == 1
     assert [p for p, _ in journal.rules] == list(RULES)
@@ -84,13 +84,17 @@ def test_damaged_middle_record_is_skipped_and_the_rest_recovered(journal_dir: Pa
     """A flipped byte in one commit loses that commit; later commits are still read."""
     path = rank_file(journal_dir, 0)
     data = bytearray(path.read_bytes())
-    data[len(data) // 2 + 40] ^= 0xFF
+    starts, pos = [], len(MAGIC)  # the frames, by the documented layout (<I length> <I crc> payload)
+    while pos < len(data):
+        starts.append(pos)
+        pos += 8 + struct.unpack_from("<I", data, pos)[0]
+    commits = [at for at in starts if bytes(data[at + 8 : at + 9]) in {b"S", b"R", b"P"}]
+    data[(commits[2] + commits[3]) // 2] ^= 0xFF  # in the middle of the third commit (step 2)
     path.write_bytes(bytes(data))
     with pytest.warns(JournalWarning, match="damaged"):
         journal = read_journal(journal_dir)
     steps = [s for s, _ in journal.commits]
-    assert len(steps) == 4
-    assert steps[-1] == 4
+    assert steps == [0, 1, 3, 4]
 
 
 def test_garbage_after_magic_never_crashes(tmp_path: Path) -> None:

@@ -108,7 +108,7 @@ def test_checkpoints_between_steady_commits_are_the_bytes_of_the_general_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The whole name table written again every ~3 commits: the same file as entries, every commit read back."""
-    monkeypatch.setattr("metricbus.journal.writer.CHECKPOINT_BYTES", 5000)
+    monkeypatch.setattr("metricbus.journal.writer.CHECKPOINT_BYTES", 2500)
     commits: Commits = [(step, [(0, entries(step, NAMES))]) for step in range(12)]
     data = same_bytes(tmp_path, commits)
     assert data.count(b'"group0/metric0"') > 4  # two copies at first, then at each checkpoint

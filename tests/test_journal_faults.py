@@ -289,7 +289,7 @@ def test_a_flipped_byte_in_a_commit_loses_that_commit_only(
     journal, live = run_of_20
     path = rank_file(journal, 0)
     data = path.read_bytes()
-    commits = [(pos, size) for pos, kind, size in frames(data) if kind in {b"S", b"R"}]
+    commits = [(pos, size) for pos, kind, size in frames(data) if kind in {b"S", b"R", b"P"}]
     pos, size = commits[3]
     path.write_bytes(flipped(data, pos + size // 2))
     got, caught = quietly_read(journal)

@@ -58,11 +58,11 @@ def frame(kind: bytes, body: bytes) -> bytes:
 
 
 def test_header_holds_the_version_stable_keys(tmp_path: Path) -> None:
-    """open_journal's header holds format 4, the version, rank, run, rules and log_every."""
+    """open_journal's header holds format 5, the version, rank, run, rules and log_every."""
     write(tmp_path, [(0, [(5, Partial((("loss", MEAN, summary_of([1.0])),)))])], rank=5)
     journal = read_journal(tmp_path)
     assert {"format", "metricbus", "rank", "run", "rules", "log_every"} <= set(journal.header)
-    assert (journal.header["format"], journal.header["metricbus"], journal.header["rank"]) == (4, __version__, 5)
+    assert (journal.header["format"], journal.header["metricbus"], journal.header["rank"]) == (5, __version__, 5)
     assert journal.run == RUN
     assert journal.rules == RULES
     assert journal.log_every == 2

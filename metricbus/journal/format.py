@@ -1,6 +1,6 @@
 """The journal's byte format: magic, frames, a commit's entries, and the JSON of specs, runs and headers.
 
-File format (version 4), little-endian::
+File format (version 5), little-endian::
 
     magic   b"MBJOURN\\x00"                      8 bytes, once
     frame   <I length> <I crc32(payload)> payload   repeated; payload[0] is the frame type
@@ -11,14 +11,17 @@ File format (version 4), little-endian::
       b"S" + <q step> <I n> n * (<I rank> <I id> <12d summary fields>)     a commit, no entry has a rest
       b"R" + the body of an "S" frame, then the rests of its entries that have one:
              <I m> m * (<I entry index> <I k>) <K d>                    indexes increasing, K = the sum of the k
+      b"P" + <q step> <I n> <I rank> <12 B codes> n * <I id> then the 12 summary fields column by column, each
+             stored, left out or stored once as its code says      a commit of one worker's unit-weight entries
+             (:mod:`metricbus.journal.compact`)
       b"G" + <q first step> <q last step>   every commit of this writer in that range failed to be journaled
                                             (written with the next write that succeeds)
 
 An entry is one Summary of one worker's metric; a name may repeat within a commit (one entry per optimizer update
 of that worker, in update order) and entries keep their order. ``Summary.rest_flat()`` (the terms that make a
-sum exact beyond its ``hi``/``lo`` pair) is stored bit for bit in an "R" frame, so the common commit, with no
-rest, is the same "S" frame as in format 1 and costs the same to write. A commit is always one frame, so one CRC
-covers its entries and their rests together.
+sum exact beyond its ``hi``/``lo`` pair) is stored bit for bit in an "R" frame, so a commit with no rest is the
+same "S" frame as in format 1 (or a "P" frame, below) and costs the same to write. A commit is always one frame, so
+one CRC covers its entries and their rests together.
 
 Damage. Any single frame can be lost (a flipped byte, a torn or partial write) and cost at most the commit it holds:
 the header and every name-table addition have a second copy, and the reader resynchronises on the next frame whose
@@ -28,12 +31,16 @@ addition loses the entries naming it until the next checkpoint of the whole tabl
 file, ~0.5% of it for 50 names). A writer that could not write a commit writes a "G" frame with its next write, so
 the reader reports the hole instead of presenting the journal as complete.
 
-Format 4 adds sketches (the state of the quantile and ``hist`` kinds): an entry with one has its
+Format 5 adds "P" frames: a commit of one worker whose entries are unit-weight summaries without rests or sketches
+(the usual commit) stores each field once per column and leaves out the columns that follow from others (``weight``
+is ``count``, ``total`` is ``wsum``, ...), about half an "S" frame's bytes; other commits are "S" or "R" frames as
+before. Format 4 adds sketches (the state of the quantile and ``hist`` kinds): an entry with one has its
 ``Sketch.to_ints()`` after its rest floats in an "R" frame (``rest_flat()`` says how). Format 3 is format 4 without
 sketches. Format 2 has no "G" frames and writes its header and name-table additions once; format 1 has no "R"
 frames either and its chains have four levels (no ``update``). All are read as they are. A reader refuses newer
-formats: a format-3 reader would take a sketch for damage, a format-2 one would read a journal with holes as
-complete, a format-1 one would skip "R" frames.
+formats: a format-4 reader would skip "P" frames (an unknown type) and lose those commits, a format-3 one would take
+a sketch for damage, a format-2 one would read a journal with holes as complete, a format-1 one would skip "R"
+frames.
 """
 
 from __future__ import annotations
@@ -57,12 +64,12 @@ from metricbus.summary import N_FIELDS
 if TYPE_CHECKING:
     from metricbus.partial import Partial
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 MAGIC = b"MBJOURN\x00"
 SUFFIX = ".mbj"
 FSYNC_MODES = ("commit", "interval", "never")
 FSYNC_INTERVAL_S = 1.0
-FRAME_TYPES = b"HNSRG"
+FRAME_TYPES = b"HNSRGP"
 CHECKPOINT_BYTES = 1 << 20  # the whole name table is written again after this many bytes
 MAX_FRAME = 1 << 30
 FRAME = struct.Struct("<II")

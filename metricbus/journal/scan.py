@@ -6,8 +6,9 @@ commits that stay in the timeline, each as a :class:`RawPart`, decoded into Summ
 (:func:`entries_of`).
 
 Both passes read a writer's commits of one shape (same length, ranks and name ids) a run at a time, as one numpy
-array over the bytes read (:meth:`_Source.frames`, :func:`run_of`): one CRC per frame and no Python per frame
-beyond it; the second pass does not compute again the CRCs the first one checked (why that is safe: ``frames``).
+array over the bytes read (:meth:`_Source.frames`, :func:`run_of`; "P" frames decoded together by
+:func:`~metricbus.journal.compact.compact_run`): one CRC per frame and no Python per frame beyond it; the second
+pass does not compute again the CRCs the first one checked (why that is safe: ``frames``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 
 from metricbus.errors import JournalError, JournalWarning
+from metricbus.journal.compact import compact_rows, compact_run
 from metricbus.journal.format import (
     ENTRY,
     FORMAT_VERSION,
@@ -51,10 +53,11 @@ _MAGIC_SLACK = 2  # a magic with at most this many wrong bytes is damage, not a 
 _CHUNK = 1 << 22  # a file is read this many bytes at a time
 _WHOLE = 1 << 24  # a frame up to this long is read whole before its CRC is checked (a longer one, a chunk at a time:
 # a damaged length field costs at most this much memory)
-_COMMITS = (b"S", b"R")
+_COMMITS = (b"S", b"R", b"P")
 _COUNT_AT = 8  # an entry's count (its first field) follows its rank and id (<II)
 _SMALL = 1 << 10  # a commit of at most this many entries compares its ids with the commit before's
 _S = b"S"[0]
+_RUNS = b"SP"  # the commit frames read a run at a time
 _RUN = 1 << 20  # a run of frames spans at most this many bytes (the second pass copies it: memory it holds)
 _HEAD = np.dtype([("length", "<u4"), ("crc", "<u4"), ("kind", "u1")])  # a frame's header and type byte
 _NO_RESTS: Mapping[int, tuple[float, ...]] = MappingProxyType({})
@@ -206,7 +209,7 @@ class _Source:
         """``(offset, payload, 1)`` of each valid frame; ``report(offset, resume or None)`` at each damaged stretch.
         ``whole``: offsets of long frames found valid before (by the first pass), read at once like short ones.
 
-        ``runs``: a short "S" frame comes with the frames right after it, in the chunk already read and up to
+        ``runs``: a short "S" or "P" frame comes with the frames right after it, in the chunk already read and up to
         ``_RUN`` bytes in all, that have its length and type and a valid CRC: ``(offset, span, k)`` for ``k`` frames,
         ``span`` from the first payload to the end of the last (:func:`run_of`, :func:`_split` read it). A writer's
         commits of one shape then cost one step of this loop, not one each; each frame is checked as it would be
@@ -231,7 +234,7 @@ class _Source:
                         payload = self.view(pos + FRAME.size, length)
                         if sure or zlib.crc32(payload) == crc:
                             k = 1
-                            if runs and payload[0] == _S and length <= _WHOLE:
+                            if runs and payload[0] in _RUNS and length <= _WHOLE:
                                 k = self._run(pos, length, trusted[1] if sure else 0)
                             if k > 1:  # within the chunk read: no read
                                 stop = pos + k * (FRAME.size + length)
@@ -251,8 +254,8 @@ class _Source:
             pos = resume
 
     def _run(self, pos: int, length: int, sound: int) -> int:
-        """How many frames from ``pos`` (a valid "S" frame of ``length`` bytes) on, one after the other and all in
-        the chunk read, have that length, type "S" and a valid CRC (at least 1): their headers compared at once,
+        """How many frames from ``pos`` (a valid "S" or "P" frame of ``length`` bytes) on, one after the other and all
+        in the chunk read, have that length, its type and a valid CRC (at least 1): their headers compared at once,
         then one CRC each for those that end after ``sound`` (the CRCs before it hold: :meth:`frames`)."""
         stride = FRAME.size + length
         off = pos - self._base
@@ -261,7 +264,7 @@ class _Source:
         if off < 0 or fit < 2:  # its payload was read alone (its header ended a chunk), or ends the chunk
             return 1
         heads = np.ndarray((fit,), _HEAD, buf, off, (stride,))
-        same = (heads["length"] == length) & (heads["kind"] == _S)
+        same = (heads["length"] == length) & (heads["kind"] == buf[off + FRAME.size])
         k = fit if same.all() else int(same.argmin())
         checked = max(1, min(k, (sound - pos) // stride))  # the first frames, inside what is sound
         at = off + checked * stride + FRAME.size
@@ -334,7 +337,10 @@ def _names(body: memoryview, names: Names) -> tuple[dict[int, tuple[str, Spec]],
 
 
 def _commit_step(kind: bytes, body: memoryview) -> int:
-    """The step of an "S" or "R" body; ValueError or struct.error if it is inconsistent (nothing is decoded)."""
+    """The step of an "S", "R" or "P" body; ValueError or struct.error if it is inconsistent (nothing is decoded,
+    but a "P" body: as the second pass will)."""
+    if kind == b"P":
+        return compact_rows(body)[0]
     step, n = STEP.unpack_from(body, 0)
     end = STEP.size + n * ENTRY.size
     if kind == b"R":  # rare: checked by decoding it
@@ -373,10 +379,15 @@ _RUN_DTYPES: dict[int, np.dtype[Any]] = {}
 _RUN_DTYPES_KEPT = 256
 
 
+def _run_array(span: memoryview | bytes, k: int) -> Any:
+    """:func:`run_of` a run of "S" frames, :func:`~metricbus.journal.compact.compact_run` of "P" frames."""
+    return run_of(span, k) if span[0] == _S else compact_run(span, k)
+
+
 def _run_steps(span: memoryview, k: int) -> Any:
     """The steps of a run's commits when each is one :func:`_commit_step` accepts and they do not go back (so only
     the first may reset the file); else None (the run is read frame by frame, with the warnings)."""
-    run = run_of(span, k)
+    run = _run_array(span, k)
     if run is None:
         return None
     steps, counts = run["step"], run["rows"]["fields"][..., 0]
@@ -542,7 +553,8 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
             if run is not None:
                 prior, missing, shape, rows = b"", 0, None, None
                 if decode:
-                    run = run_of(source.keep(span), k)
+                    if span[0] == _S:  # a view of the span read: copied ("P" rows are decoded already)
+                        run = run_of(source.keep(span), k)
                     rows = run["rows"]
                     if names is not sized:
                         sized, dense = names, _dense(names)
@@ -585,7 +597,10 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
                     if not decode:
                         yield step, nth, starts, None
                         continue
-                    rows = np.frombuffer(source.keep(payload), ENTRY_DTYPE, count=n, offset=1 + STEP.size)
+                    if kind == b"P":
+                        rows = compact_rows(payload[1:])[1]
+                    else:
+                        rows = np.frombuffer(source.keep(payload), ENTRY_DTYPE, count=n, offset=1 + STEP.size)
                     if names is not sized:
                         sized, dense = names, _dense(names)
                     ids, small = rows["id"], n <= _SMALL
@@ -640,7 +655,7 @@ def _alike(start: int, span: memoryview, k: int, bad: Container[int]) -> Any:
     stride = (len(span) + FRAME.size) // k
     if bad and any(start + i * stride in bad for i in range(k)):
         return None
-    run = run_of(span, k)
+    run = _run_array(span, k)
     if run is None:
         return None
     rows = run["rows"]

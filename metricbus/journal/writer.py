@@ -35,6 +35,7 @@ import numpy as np
 
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError, JournalWarning
+from metricbus.journal.compact import CompactFrame
 from metricbus.journal.cursors import CursorStore, identity_of
 from metricbus.journal.format import (
     CHECKPOINT_BYTES,
@@ -106,6 +107,8 @@ class JournalWriter:
         self._layouts: dict[int, struct.Struct] = {}  # one packing layout per entry count, built once
         self._layout_ids: dict[bytes, Any] = {}  # a packed partial's layout -> its names' ids (uint32 array)
         self._frames: dict[tuple[tuple[bytes, int], ...], SteadyFrame] = {}  # ((layout, rank), ...) -> its frame
+        self._compacts: dict[tuple[bytes, int], CompactFrame] = {}  # (layout, rank) -> its "P" frame writer
+        self._compact: CompactFrame | None = None  # the last one used
         self._next_id = 0
         self._unchecked = 0  # bytes written since the whole name table was
         self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
@@ -175,11 +178,38 @@ class JournalWriter:
         """
         if self._fd is None:
             return
+        if len(entries) == 1:  # one worker's commit (the usual one): a "P" frame where its scheme holds
+            rank, partial = entries[0]
+            packed = partial.packed_form
+            if packed is not None and not packed.rests and not packed.sketches:
+                compact = self._compact
+                if compact is None or compact.layout != packed.layout or compact.rank != rank:
+                    compact = self._compact_of(packed.layout, rank)
+                if compact is not None:
+                    data = compact.frame(step, packed.fields)
+                    if data is not None:
+                        self._send(step, data, self._ids)
+                        return
         steady = self._steady(entries)
         if steady is None:
             self._append_entries(step, entries)
         else:
             self._send(step, steady.fill(step, entries), self._ids)
+
+    def _compact_of(self, layout: bytes, rank: int) -> CompactFrame | None:
+        """The "P" frame writer of ``layout`` from ``rank`` when its names are registered (else None), kept as the
+        last one used."""
+        key = (layout, rank)
+        held = self._compacts.get(key)
+        if held is None:
+            ids = self._layout_ids.get(layout)
+            if ids is None:
+                return None
+            if len(self._compacts) >= _FRAMES_KEPT:
+                self._compacts.clear()
+            held = self._compacts[key] = CompactFrame(layout=layout, rank=rank, ids=ids)
+        self._compact = held
+        return held
 
     def _steady(self, entries: list[tuple[int, Partial]]) -> SteadyFrame | None:
         """The preallocated frame of this commit's shape, when every part is a packed partial without rests or
@@ -209,9 +239,40 @@ class JournalWriter:
         ids = self._ids
         next_id = self._next_id
         new: list[list[Any]] = []
+        learned: dict[bytes, Any] = {}  # layouts whose ids this commit found: kept once the write succeeded
+        data: bytes | bytearray | None = None
+        if len(entries) == 1:  # one worker's commit: the "P" frame the steady path writes, where its scheme holds
+            rank, partial = entries[0]
+            packed = partial.packed
+            if not packed.rests and not packed.sketches:
+                known_ids = self._layout_ids.get(packed.layout)
+                if known_ids is None:
+                    ids, next_id, row = _register(zip(packed.names, packed.specs, strict=True), ids, next_id, new)
+                    known_ids = learned[packed.layout] = np.array(row, dtype=np.uint32)
+                data = CompactFrame(layout=packed.layout, rank=rank, ids=known_ids).frame(step, packed.fields)
+        if data is None:
+            data, ids, next_id = self._commit_frame(step, entries, ids=ids, next_id=next_id, new=new, learned=learned)
+        if new:
+            table = names_frame(new)
+            data = table + table + data  # two copies: losing one frame never loses a name
+        self._send(step, data, ids)
+        if new:  # a name (re)registered: ids of layouts seen before may have changed
+            self._layout_ids.clear()
+            self._frames.clear()
+            self._compacts.clear()
+            self._compact = None
+        self._layout_ids.update(learned)
+        self._ids = ids
+        self._next_id = next_id
+
+    def _commit_frame(
+        self, step: int, entries: list[tuple[int, Partial]], *, ids: Names, next_id: int, new: list[list[Any]],
+        learned: dict[bytes, Any],
+    ) -> tuple[bytes, Names, int]:
+        """The "S" (or, with rests or sketches, "R") frame of a commit, registering its names as :func:`_register`
+        says; returns ``(frame, ids, next_id)``."""
         pieces: list[bytes] = []
         rests: list[tuple[int, tuple[float, ...]]] = []
-        learned: dict[bytes, Any] = {}  # layouts whose ids this commit found: kept once the write succeeded
         fields = SUMMARY_FIELDS
         n = 0
         for rank, partial in entries:
@@ -241,17 +302,7 @@ class JournalWriter:
             if layout is None:
                 layout = self._layouts[n - start] = entries_layout(n - start)
             pieces.append(layout.pack(*flat))
-        data = body_frame(STEP.pack(step, n) + b"".join(pieces), rests)
-        if new:
-            table = names_frame(new)
-            data = table + table + data  # two copies: losing one frame never loses a name
-        self._send(step, data, ids)
-        if new:  # a name (re)registered: ids of layouts seen before may have changed
-            self._layout_ids.clear()
-            self._frames.clear()
-        self._layout_ids.update(learned)
-        self._ids = ids
-        self._next_id = next_id
+        return body_frame(STEP.pack(step, n) + b"".join(pieces), rests), ids, next_id
 
     def _send(self, step: int, data: bytes | bytearray, ids: Names) -> None:
         """Write a commit's ``data``, after a pending gap marker and, when one is due, the whole name table
@@ -271,21 +322,17 @@ class JournalWriter:
             raise self._error("write", exc, step) from exc
         self._gap = None
         self._unchecked = 0 if checkpoint else self._unchecked + len(data)
-        try:
-            self._sync()
+        try:  # fsync as the policy says (inline: this runs at every commit)
+            if self._fsync == "interval":
+                now = time.monotonic()
+                if now - self._last_sync >= FSYNC_INTERVAL_S:
+                    os.fsync(self._fd)
+                    self._last_sync = now
+            elif self._fsync == "commit":
+                os.fsync(self._fd)
         except OSError as exc:  # the bytes may never reach the disk: say so, and send the names again
             self._gap = (step, step)
             raise self._error("fsync", exc, step) from exc
-
-    def _sync(self) -> None:
-        assert self._fd is not None
-        if self._fsync == "commit":
-            os.fsync(self._fd)
-        elif self._fsync == "interval":
-            now = time.monotonic()
-            if now - self._last_sync >= FSYNC_INTERVAL_S:
-                os.fsync(self._fd)
-                self._last_sync = now
 
     def _error(self, what: str, exc: OSError, step: int) -> JournalError:
         return JournalError(

@@ -1,0 +1,237 @@
+"""The "P" frame (format 5): one worker's commit of unit-weight summaries, column by column, its redundancy left out.
+
+Most commits are one worker's (a single-process bus, or a torch.distributed rank writing its own file) and hold
+micro-level summaries of plain, unit-weight records. Of such a summary's 12 fields four follow from others:
+``weight`` is ``count``, ``weight_lo`` is 0.0, ``total`` is ``wsum`` and ``total_lo`` is ``wsum_lo`` (which is 0.0
+unless a sum needed a second component), and ``count`` is often the same for every metric. An "S" frame stores all
+of them per entry, with its rank, 104 bytes an entry; a "P" frame stores each field once per column and such
+columns not at all (52 bytes an entry, 60 with ``wsum_lo``), so ``commit()`` hands about half the bytes to the
+kernel and its CRC covers half as many. Layout, after the type byte::
+
+    <q step> <I n> <I rank> <12 B column codes> <B ids code> the name ids by their code:
+      0  listed: n * <I id>
+      1  consecutive: <I first id> (a layout's names registered together, as a bus's first commit registers them)
+    then column 0 .. 11 of the fields, each by its code:
+      0  stored: n * <d>
+      1  every entry +0.0 (no bytes)
+      2  every entry the same: one <d>
+      3 + j  a copy of column j (j before it; no bytes)
+
+Every column is bit for bit what the writer had (NaN payloads and -0.0 included): a code other than "stored" is
+written only where the bytes say it holds. :class:`CompactFrame` writes the one scheme above (a commit it does not
+fit, e.g. a weighted metric's, is an "S" frame); :func:`compact_rows` reads any valid codes.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import zlib
+from typing import Any
+
+import numpy as np
+
+from metricbus.journal.format import ENTRIES, FRAME
+from metricbus.summary import N_FIELDS
+
+STORED, ZERO, SAME, COPY = 0, 1, 2, 3  # column codes (COPY + j: a copy of column j)
+LISTED, CONSECUTIVE = 0, 1  # ids codes
+HEAD = struct.Struct("<qII")  # step, n, rank (after the type byte)
+_IDS_AT = HEAD.size + N_FIELDS  # the ids code follows the column codes, the ids follow it
+_FIRST = struct.Struct("<I")
+_KIND_STEP = struct.Struct("<cq")
+_PAIR = struct.Struct("<II")
+_NATIVE = sys.byteorder == "little"  # the frame's doubles are the fields' own bytes
+_ZERO8 = bytes(8)
+_crc32 = zlib.crc32
+
+
+def _codes(*, same_count: bool, zero_lo: bool) -> bytes:
+    """The writer's codes: count (column 0) stored or the same for all, wsum_lo (4) stored or zero."""
+    return bytes((
+        SAME if same_count else STORED,  # count
+        COPY + 0,  # weight = count
+        ZERO,  # weight_lo
+        STORED,  # wsum
+        ZERO if zero_lo else STORED,  # wsum_lo
+        COPY + 3,  # total = wsum
+        COPY + 4,  # total_lo = wsum_lo
+        *(STORED,) * (N_FIELDS - 7),  # m2, min, max, first, last
+    ))
+
+
+class CompactFrame:
+    """Writes the "P" frames of one layout (its ``layout`` digest, from worker ``rank``, with name ``ids``).
+
+    :meth:`frame` checks on the fields' bytes that the scheme holds (three comparisons of whole columns) and joins
+    the frame: the head kept for the last count column, the columns stored, the CRC."""
+
+    __slots__ = ("_count", "_head", "_n", "_size", "_width", "_zero", "layout", "rank")
+
+    def __init__(self, *, layout: bytes, rank: int, ids: Any) -> None:
+        self.layout = layout
+        self.rank = rank
+        self._n = n = len(ids)
+        self._width = 8 * n  # one column's bytes
+        # the fields' bytes (none fits where the frame's doubles would not be the fields' own bytes, or no entry)
+        self._size = N_FIELDS * self._width if n and _NATIVE else -1
+        self._zero = bytes(self._width)
+        listed = np.asarray(ids, dtype="<u4")
+        if n and bool((listed.astype(np.int64) == int(listed[0]) + np.arange(n)).all()):
+            ids_piece = bytes((CONSECUTIVE,)) + _FIRST.pack(int(listed[0]))
+        else:
+            ids_piece = bytes((LISTED,)) + listed.tobytes()
+        self._head = _PAIR.pack(n, rank), ids_piece
+        # the last count column and, per wsum_lo zero or not, what follows the step up to wsum (at first longer than
+        # any fields' bytes: no commit starts with it)
+        self._count = (bytes(self._size + 2), b"", b"")
+
+    def _recount(self, column: bytes) -> tuple[bytes, bytes, bytes]:
+        """The count column changed (the first commit; rarely later): the heads that go with it."""
+        same = column == column[:8] * self._n
+        head, ids = self._head
+        piece = column[:8] if same else column
+        nonzero, zero = (head + _codes(same_count=same, zero_lo=z) + ids + piece for z in (False, True))
+        self._count = (column, nonzero, zero)
+        return self._count
+
+    def frame(self, step: int, fields: Any) -> bytes | None:
+        """The frame of ``step`` of ``fields`` (a (N_FIELDS, n) float64 array), or None where the scheme fails."""
+        raw = fields.tobytes()
+        w = self._width
+        count = self._count
+        if len(raw) != self._size:
+            return None
+        if not raw.startswith(count[0]):
+            count = self._recount(raw[:w])
+        sums = raw[3 * w : 5 * w]  # wsum, wsum_lo
+        if not (
+            raw.startswith(count[0], w)  # weight == count
+            and raw.startswith(self._zero, 2 * w)  # weight_lo == +0.0
+            and raw.startswith(sums, 5 * w)  # (total, total_lo) == (wsum, wsum_lo)
+        ):
+            return None
+        if raw.startswith(self._zero, 4 * w):
+            payload = b"".join((_step(b"P", step), count[2], sums[:w], raw[7 * w :]))
+        else:
+            payload = b"".join((_step(b"P", step), count[1], sums, raw[7 * w :]))
+        return _frame(len(payload), _crc32(payload)) + payload
+
+
+_step = _KIND_STEP.pack
+_frame = FRAME.pack
+
+
+def _gather(codes: bytes, n: int) -> tuple[Any, int]:
+    """Where each field of each entry is in a "P" body's doubles (followed by one +0.0), as a (N_FIELDS, n) index
+    array, and how many doubles the body holds; ValueError for an invalid code."""
+    index = np.empty((N_FIELDS, n), dtype=np.intp)
+    columns: list[tuple[int, int]] = []  # per column: (code, where its doubles start)
+    held = 0
+    for i, code in enumerate(codes):
+        columns.append((code, held))
+        if code == STORED:
+            held += n
+        elif code == SAME:
+            held += 1
+        elif code != ZERO and not COPY <= code < COPY + i:
+            raise ValueError(f"column {i} of a compact commit has an invalid code {code}")
+    for i, (code, start) in enumerate(columns):
+        if code == STORED:
+            index[i] = np.arange(start, start + n)
+        elif code == SAME:
+            index[i] = start
+        elif code == ZERO:
+            index[i] = held  # the +0.0 after the body's doubles
+        else:
+            index[i] = index[code - COPY]
+    return index, held
+
+
+_GATHERS: dict[tuple[bytes, int], tuple[Any, int]] = {}
+_GATHERS_KEPT = 64
+
+
+def _gathered(codes: bytes, n: int) -> tuple[Any, int]:
+    """:func:`_gather`, remembered."""
+    key = (codes, n)
+    held = _GATHERS.get(key)
+    if held is None:
+        if len(_GATHERS) >= _GATHERS_KEPT:
+            _GATHERS.clear()
+        held = _GATHERS[key] = _gather(codes, n)
+    return held
+
+
+def _ids(body: bytes | memoryview, at: int, n: int) -> tuple[Any, int]:
+    """The name ids of the "P" body whose ids code is at ``at`` (a uint32 array), and where its doubles start;
+    ValueError for an invalid code or a body too short for its ids."""
+    code = body[at]
+    if code == LISTED:
+        end = at + 1 + 4 * n
+        if len(body) < end:
+            raise ValueError(f"a compact commit of {n} entries cannot be {len(body)} bytes long")
+        return np.frombuffer(body, dtype="<u4", count=n, offset=at + 1), end
+    if code != CONSECUTIVE:
+        raise ValueError(f"a compact commit has an invalid ids code {code}")
+    (first,) = _FIRST.unpack_from(body, at + 1)
+    if first + n > 1 << 32:
+        raise ValueError(f"a compact commit's {n} consecutive ids from {first} pass 2**32")
+    return np.arange(first, first + n, dtype=np.int64).astype("<u4"), at + 1 + _FIRST.size
+
+
+def compact_rows(body: bytes | memoryview) -> tuple[int, Any]:
+    """``(step, rows)`` of a "P" body (after its type byte): rows of :data:`~metricbus.journal.format.ENTRIES`, as
+    an "S" frame's read; ValueError or struct.error if the body is inconsistent."""
+    step, n, rank = HEAD.unpack_from(body, 0)
+    if len(body) <= _IDS_AT:
+        raise ValueError(f"a compact commit cannot be {len(body)} bytes long")
+    ids, doubles = _ids(body, _IDS_AT, n)
+    index, count = _gathered(bytes(body[HEAD.size : _IDS_AT]), n)
+    if len(body) != doubles + 8 * count:
+        raise ValueError(f"a compact commit of {n} entries cannot be {len(body)} bytes long")
+    values = np.frombuffer(bytes(body[doubles:]) + _ZERO8, dtype="<f8")
+    fields = values[index]  # (N_FIELDS, n): every field's bytes, copied
+    if n and not np.isfinite(fields[0]).all():
+        raise ValueError("a summary count that is not finite")
+    rows = np.empty(n, dtype=ENTRIES)
+    rows["rank"] = rank
+    rows["id"] = ids
+    rows["fields"] = fields.T
+    rows.flags.writeable = False
+    return int(step), rows
+
+
+def compact_run(span: bytes | memoryview, k: int) -> Any:
+    """``k`` "P" frames one after the other, all of one length (``span``: from the first payload to the end of the
+    last, as :meth:`metricbus.journal.scan._Source.frames` yields a run), as one array of what
+    :func:`~metricbus.journal.scan.run_of` gives for "S" frames (per commit its ``step``, ``n`` and ``rows``), when
+    they share their head (entries, rank, codes and name ids); else None (read them one at a time)."""
+    length = (len(span) + FRAME.size) // k - FRAME.size
+    _, n, rank = HEAD.unpack_from(span, 1)
+    try:
+        ids, doubles = _ids(span, 1 + _IDS_AT, n)  # where a payload's doubles start
+        index, count = _gathered(bytes(span[1 + HEAD.size : 1 + _IDS_AT]), n)
+    except ValueError:
+        return None
+    if length != doubles + 8 * count:
+        return None
+    stride = length + FRAME.size
+    payloads = np.ndarray((k, length), np.uint8, span, 0, (stride, 1))
+    heads = payloads[:, 1 + 8 : doubles]  # after the type and the step
+    if not (heads == heads[0]).all():
+        return None
+    values = np.zeros((k, count + 1))  # each commit's doubles, then the +0.0 ZERO columns read
+    values[:, :count] = np.ndarray((k, count), "<f8", span, doubles, (stride, 8))
+    fields = values[:, index]  # (k, N_FIELDS, n)
+    if n and not np.isfinite(fields[:, 0]).all():
+        return None
+    run = np.empty(k, dtype=np.dtype([("step", "<i8"), ("n", "<u4"), ("rows", ENTRIES, (n,))]))
+    run["step"] = np.ndarray((k,), "<i8", span, 1, (stride,))
+    run["n"] = n
+    rows = run["rows"]
+    rows["rank"] = rank
+    rows["id"] = ids
+    rows["fields"] = fields.transpose(0, 2, 1)
+    run.flags.writeable = False
+    return run
