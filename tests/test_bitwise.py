@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,34 +126,54 @@ def test_ingest_and_replay_agree_bit_for_bit_over_splits(seed: int, tmp_path: Pa
     assert bits([m for _, m in emitted(read_journal(tmp_path / "j"))]) == bits(rows)
 
 
+Records = list[tuple[int, str, list[float], list[float] | None]]
+
+
+def _steady_steps(
+    seed: int, *, ranks: int, steps: int, of_update: Callable[..., Records], of_rank: Callable[..., Records]
+) -> list[list[Records]]:
+    """Per step, per rank: 2 updates of 1-3 batches of 1-6 records each (``of_update(rng, step=, rank=, update=,
+    n=)`` gives a batch's records), then ``of_rank(rng, step=, rank=)``'s."""
+    rng = random.Random(seed)
+    out = []
+    for step in range(steps):
+        per_rank = []
+        for rank in range(ranks):
+            records: Records = []
+            for update in range(2):
+                for _ in range(rng.randint(1, 3)):
+                    records.extend(of_update(rng, step=step, rank=rank, update=update, n=rng.randint(1, 6)))
+            records.extend(of_rank(rng, step=step, rank=rank))
+            per_rank.append(records)
+        out.append(per_rank)
+    return out
+
+
 def _guessed_plan(seed: int, *, ranks: int) -> dict[str, Any]:
     """8 steps of every rank logging the same metrics at steady scales, without distributions (their sums pass is
     never guessed); at step 4 rank 1's losses grow 2**30-fold and gain low bits (the guess misses), at step 6 rank 0
     lacks ``loss`` (its lowest rank moves), at step 7 it has it again; ``eval`` is logged at steps 0 and 5 only."""
-    rng = random.Random(seed)
-    steps = []
-    for step in range(8):
-        per_rank = []
-        for rank in range(ranks):
-            records = []
-            for update in range(2):
-                for _ in range(rng.randint(1, 3)):
-                    n = rng.randint(1, 6)
-                    loss = [rng.gauss(0.0, 3.0) for _ in range(n)]
-                    tight = [1e6 + 1e-3 * rng.gauss(0, 1) for _ in range(n)]
-                    if step == 4 and rank == 1:
-                        loss = [v * 2.0**30 + 2.0**-40 for v in loss]
-                        tight = [v * 2.0**30 for v in tight]
-                    if not (step == 6 and rank == 0):
-                        records.append((update, "loss", loss, None))
-                    records.append((update, "pg_loss", [rng.uniform(-2, 2) / 7.0], None))
-                    records.append((update, "clip", [rng.random() for _ in range(n)], [float(rng.randint(1, 9))] * n))
-                    records.append((update, "tight", tight, None))
-                    records.append((update, "tokens", [float(rng.randint(1, 512))], None))
-            if step in {0, 5}:  # agreed at step 0, absent on every rank until step 5: a slot the guess holds empty
-                records.append((0, "eval", [rng.gauss(0.0, 1.0)], None))
-            per_rank.append(records)
-        steps.append(per_rank)
+
+    def of_update(rng: random.Random, *, step: int, rank: int, update: int, n: int) -> Records:
+        records: Records = []
+        loss = [rng.gauss(0.0, 3.0) for _ in range(n)]
+        tight = [1e6 + 1e-3 * rng.gauss(0, 1) for _ in range(n)]
+        if step == 4 and rank == 1:
+            loss = [v * 2.0**30 + 2.0**-40 for v in loss]
+            tight = [v * 2.0**30 for v in tight]
+        if not (step == 6 and rank == 0):
+            records.append((update, "loss", loss, None))
+        records.append((update, "pg_loss", [rng.uniform(-2, 2) / 7.0], None))
+        records.append((update, "clip", [rng.random() for _ in range(n)], [float(rng.randint(1, 9))] * n))
+        records.append((update, "tight", tight, None))
+        records.append((update, "tokens", [float(rng.randint(1, 512))], None))
+        return records
+
+    def of_rank(rng: random.Random, *, step: int, rank: int) -> Records:
+        # agreed at step 0, absent on every rank until step 5: a slot the guess holds empty
+        return [(0, "eval", [rng.gauss(0.0, 1.0)], None)] if step in {0, 5} else []
+
+    steps = _steady_steps(seed, ranks=ranks, steps=8, of_update=of_update, of_rank=of_rank)
     rules = {name: RULES[name] for name in ("loss", "pg_loss", "clip", "tight", "tokens")} | {"eval": "mean"}
     return {"steps": steps, "rules": rules, "logger": "tests.test_bitwise:log_share"}
 
@@ -186,32 +207,29 @@ def _one_pass_plan(seed: int, *, ranks: int) -> dict[str, Any]:
     ``loss``, at step 7 it has it again; ``late`` appears on rank 1 at step 8 (an agreement inside a one-pass
     commit); ``w`` has weights but at step 12 (a column guessed weighted has none, then weights in a column guessed
     unweighted)."""
-    rng = random.Random(seed)
-    steps = []
-    for step in range(32):
-        per_rank = []
-        for rank in range(ranks):
-            records = []
-            for update in range(2):
-                for _ in range(rng.randint(1, 3)):
-                    n = rng.randint(1, 6)
-                    loss = [rng.gauss(0.0, 3.0) for _ in range(n)]
-                    if step == 4 and rank == 1:
-                        loss = [v * 2.0**30 + 2.0**-40 for v in loss]
-                    if not (step == 6 and rank == 0):
-                        records.append((update, "loss", loss, None))
-                    records.append((update, "pg_loss", [rng.uniform(-2, 2) / 7.0], None))
-                    records.append((update, "clip", [rng.random() for _ in range(n)], [float(rng.randint(2, 9))] * n))
-                    weights = [1.0] * n if step == 12 else [float(rng.randint(2, 9)) for _ in range(n)]
-                    records.append((update, "w", [rng.uniform(0, 4) for _ in range(n)], weights))
-                    records.append((update, "tight", [1e6 + 1e-3 * rng.gauss(0, 1) for _ in range(n)], None))
-                    records.append((update, "tokens", [float(rng.randint(1, 512))], None))
-            if step in {0, 5}:
-                records.append((0, "eval", [rng.gauss(0.0, 1.0)], None))
-            if step >= 8 and rank == 1:
-                records.append((0, "late", [rng.gauss(5.0, 1.0)], None))
-            per_rank.append(records)
-        steps.append(per_rank)
+
+    def of_update(rng: random.Random, *, step: int, rank: int, update: int, n: int) -> Records:
+        records: Records = []
+        loss = [rng.gauss(0.0, 3.0) for _ in range(n)]
+        if step == 4 and rank == 1:
+            loss = [v * 2.0**30 + 2.0**-40 for v in loss]
+        if not (step == 6 and rank == 0):
+            records.append((update, "loss", loss, None))
+        records.append((update, "pg_loss", [rng.uniform(-2, 2) / 7.0], None))
+        records.append((update, "clip", [rng.random() for _ in range(n)], [float(rng.randint(2, 9))] * n))
+        weights = [1.0] * n if step == 12 else [float(rng.randint(2, 9)) for _ in range(n)]
+        records.append((update, "w", [rng.uniform(0, 4) for _ in range(n)], weights))
+        records.append((update, "tight", [1e6 + 1e-3 * rng.gauss(0, 1) for _ in range(n)], None))
+        records.append((update, "tokens", [float(rng.randint(1, 512))], None))
+        return records
+
+    def of_rank(rng: random.Random, *, step: int, rank: int) -> Records:
+        records: Records = [(0, "eval", [rng.gauss(0.0, 1.0)], None)] if step in {0, 5} else []
+        if step >= 8 and rank == 1:
+            records.append((0, "late", [rng.gauss(5.0, 1.0)], None))
+        return records
+
+    steps = _steady_steps(seed, ranks=ranks, steps=32, of_update=of_update, of_rank=of_rank)
     rules = {
         "loss": ["mean", "std", "first", "last", "count", "sum"],
         "pg_loss": RULES["pg_loss"],
