@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,10 +107,14 @@ def _check_backends(
     if rewound is not None:
         assert run.data.tags["metricbus.rewind"] == str(rewound)
     wandb_rows: dict[int, dict[str, Any]] = {}
-    folders = sorted((env / "wandb").glob("offline-run-*"))
-    assert folders
+    # offline-run-<time>-<run id>, and "-<n>" after it where another folder of the run started in the same second
+    # (wandb.init's x_sync_dir_suffix): in start order
+    named = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    started = {folder: named.fullmatch(folder.name) for folder in (env / "wandb").glob("offline-run-*")}
+    assert started
+    assert all(started.values()), sorted(started)
+    folders = sorted(started, key=lambda f: (started[f][1], int(started[f][2] or 0)))  # type: ignore[index]
     for folder in folders:
-        assert folder.name.endswith(f"-{run_id}")
         rows = wandb_history_of(read_wandb_records_now(folder))
         if rows and wandb_rows and int(rows[0]["_step"]) <= max(wandb_rows):
             assert rewound is not None, folder
