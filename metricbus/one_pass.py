@@ -16,8 +16,8 @@ all_reduce(SUM), what the guess's check needs (:func:`flags`):
 
 Every rank reads the same reduced flags (:func:`read`). A hit finishes the sums under the guess's layout with the
 extrema unknown (the guess's are NaN: nothing reads them); a miss costs the maxima pass and the sums pass
-again (three collectives that commit, every rank alike). The windows of a guess only widen on a miss, so every
-:data:`REFRESH`-th steady commit runs both passes (issued together) to narrow them again.
+again (three collectives that commit, every rank alike). The windows of a guess only widen on a miss, so after
+:data:`REFRESH` one-pass commits the next runs both passes (issued together) to narrow them again.
 """
 
 from __future__ import annotations
