@@ -354,7 +354,7 @@ def test_damaged_p_runs_read_as_their_commits_one_at_a_time(
         data[at] ^= 0xFF
     path.write_bytes(bytes(data[: -int(rng.integers(1, 20))] if cut else data))
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
-        patch.setattr("metricbus.journal.scan._CHUNK", 1 << 10)
+        patch.setattr("metricbus.journal.frames.CHUNK", 1 << 10)
         warnings.simplefilter("ignore", JournalWarning)
         one = rows_read(directory)
         items = list(stream_journal(directory).runs())

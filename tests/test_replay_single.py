@@ -59,7 +59,7 @@ def timeline(directory: Path) -> list[tuple[int, bool, bytes]]:
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Files read 16 KiB at a time: runs end at chunk ends and frames straddle them."""
-    monkeypatch.setattr("metricbus.journal.scan._CHUNK", 1 << 14)
+    monkeypatch.setattr("metricbus.journal.frames.CHUNK", 1 << 14)
 
 
 def test_runs_hold_the_commits_one_at_a_time_hold(tmp_path: Path) -> None:

@@ -306,7 +306,7 @@ def test_replay_holds_a_bounded_part_of_the_journal(tmp_path: Path, monkeypatch:
     fraction of the longer file."""
     from metricbus.replay import replay
 
-    monkeypatch.setattr("metricbus.journal.scan._CHUNK", 1 << 16)
+    monkeypatch.setattr("metricbus.journal.frames.CHUNK", 1 << 16)
     s = Summary.of_batch([1.0, 2.0, 3.0], None)
     rows = b"".join(ROW.pack(r, i, *s.as_tuple()) for r in range(4) for i in range(60))
     peaks, sizes = [], []

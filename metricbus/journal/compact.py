@@ -204,8 +204,8 @@ def compact_rows(body: bytes | memoryview) -> tuple[int, Any]:
 
 def compact_run(span: bytes | memoryview, k: int) -> Any:
     """``k`` "P" frames one after the other, all of one length (``span``: from the first payload to the end of the
-    last, as :meth:`metricbus.journal.scan._Source.frames` yields a run), as one array of what
-    :func:`~metricbus.journal.scan.run_of` gives for "S" frames (per commit its ``step``, ``n`` and ``rows``), when
+    last, as :meth:`metricbus.journal.frames.FrameSource.frames` yields a run), as one array of what
+    :func:`~metricbus.journal.frames.run_of` gives for "S" frames (per commit its ``step``, ``n`` and ``rows``), when
     they share their head (entries, rank, codes and name ids); else None (read them one at a time)."""
     length = (len(span) + FRAME.size) // k - FRAME.size
     _, n, rank = HEAD.unpack_from(span, 1)

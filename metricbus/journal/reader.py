@@ -39,8 +39,8 @@ from typing import Any, NamedTuple
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError, JournalWarning
 from metricbus.journal.format import SUFFIX, run_from_json, spec_from_json
+from metricbus.journal.frames import ENTRY_DTYPE
 from metricbus.journal.scan import (
-    ENTRY_DTYPE,
     Entry,
     FileCommit,
     FileIndex,
