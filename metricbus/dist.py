@@ -288,12 +288,8 @@ class TorchRanks:
     def _one_pass_sums(self, prep: rank_level.Prepared, maxima: Any, guess: Any, length: int) -> tuple[bool, int, Any]:
         """One all_reduce(SUM) of this rank's sums laid out by ``guess`` and the checks of it
         (:mod:`metricbus.one_pass`): ``(hit, a bound on the longest claims payload, the reduced sums)``."""
-        present, unit = prep.present[0], prep.unit[0]
-        weighted = present & ~unit
-        fits = one_pass.own_fit(maxima=maxima, present=present, weighted=weighted, rank=self.rank, guess=guess)
-        sums = rank_level.sums(prep, guess) if fits else speculate.blank(guess)
-        checks = one_pass.flags(fits=fits, length=length, weighted=weighted, guess=guess)
-        return one_pass.read(self._all_reduce(np.concatenate((checks, sums)), "sum"), guess)
+        sent = one_pass.vector(prep, maxima=maxima, rank=self.rank, guess=guess, length=length)
+        return one_pass.read(self._all_reduce(sent, "sum"), guess)
 
     def _all_reduce_pair(self, maxima: Any, sums: Any) -> tuple[Any, Any]:
         """An all_reduce(MAX) of float64 ``maxima`` and an all_reduce(SUM) of int64 ``sums``, issued together; both

@@ -27,9 +27,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from metricbus.fixed import Array
-from metricbus.rank_level import SLOTS
+from metricbus.rank_level import SLOTS, Prepared, sums
 from metricbus.spec import Spec
-from metricbus.speculate import holds
+from metricbus.speculate import blank, holds
 
 REFRESH = 16  # one-pass commits between two commits that agree the maxima (and narrow the guess)
 LENGTH_BITS = 48  # a claims payload's length is below 2**48 bytes
@@ -55,6 +55,17 @@ def own_fit(*, maxima: Array, present: Array, weighted: Array, rank: int, guess:
     if (present & (rank < lowest)).any() or (~present & (rank == lowest)).any():
         return False
     return not (weighted & (guess[:, _WEIGHTED] == 0)).any()
+
+
+def vector(prep: Prepared, *, maxima: Array, rank: int, guess: Array, length: int) -> Array:
+    """What this rank all-reduces (SUM) in a one-pass commit: its checks (:func:`flags`), then its sums laid out by
+    ``guess`` (zeros of their length where its row does not fit it). ``prep``: this rank's one-row block, ``maxima``
+    its maxima, ``length`` the byte length of its claims payload (0: none)."""
+    present = prep.present[0]
+    weighted = present & ~prep.unit[0]
+    fits = own_fit(maxima=maxima, present=present, weighted=weighted, rank=rank, guess=guess)
+    checks = flags(fits=fits, length=length, weighted=weighted, guess=guess)
+    return np.concatenate((checks, sums(prep, guess) if fits else blank(guess)))
 
 
 def flags(*, fits: bool, length: int, weighted: Array, guess: Array) -> Array:

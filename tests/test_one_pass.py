@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metricbus import Agg, one_pass, speculate
-from metricbus.rank_level import block_of, finish, maxima, merge, prepare, sums
+from metricbus.rank_level import block_of, finish, maxima, merge, prepare
 from metricbus.spec import parse_spec
 from tests.test_rank_level import bits, cell, summary
 
@@ -22,12 +22,7 @@ def _one_pass(rows: list[list[object]], moments: list[bool], guess: np.ndarray, 
     total = None
     for rank, row in enumerate(rows):
         prep = prepare(block_of([row], [rank], moments))  # type: ignore[list-item]
-        own = maxima(prep)
-        present, weighted = prep.present[0], prep.present[0] & ~prep.unit[0]
-        fits = one_pass.own_fit(maxima=own, present=present, weighted=weighted, rank=rank, guess=guess)
-        sent = sums(prep, guess) if fits else speculate.blank(guess)
-        checks = one_pass.flags(fits=fits, length=lengths[rank], weighted=weighted, guess=guess)
-        vector = np.concatenate((checks, sent))
+        vector = one_pass.vector(prep, maxima=maxima(prep), rank=rank, guess=guess, length=lengths[rank])
         total = vector if total is None else total + vector
     assert total is not None
     return one_pass.read(total, guess)
