@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from metricbus.partial import Packed, layout_of, pack
+from metricbus.partial import Packed, layout_of, pack, with_fields
 from metricbus.sketch import Sketch
 from metricbus.spec import Spec
 from metricbus.summary import N_FIELDS, Rest, Summary
@@ -97,7 +97,7 @@ def packed_update(
     names = update.names
     fields = update.fields
     if not update.others and last is not None and same and last.names == names:  # the usual commit
-        return Packed(names, last.specs, fields, (), last.layout, True, ())
+        return with_fields(last, fields)
     rests: tuple[tuple[int, Rest], ...] = ()
     sketches: tuple[tuple[int, Sketch], ...] = ()
     if update.others:
