@@ -28,6 +28,13 @@ def _one_pass(rows: list[list[object]], moments: list[bool], guess: np.ndarray, 
     return one_pass.read(total, guess)
 
 
+def _agreed(rows: list[list[object]], moments: list[bool]) -> np.ndarray:
+    """The maxima the ranks agree: the all_reduce(MAX) of each rank's own (not the maxima of all rows as one block,
+    which can be wider: a unit row in one rank and another rank's Σx bound Σw·x together)."""
+    own = [maxima(prepare(block_of([row], [rank], moments))) for rank, row in enumerate(rows)]  # type: ignore[list-item]
+    return np.max(own, axis=0)
+
+
 def _without_extrema(state: object) -> object:
     held = bits(state)  # type: ignore[arg-type]
     if held is None:
@@ -46,17 +53,33 @@ def test_a_hit_is_a_fit_and_finishes_to_the_merge(
     # the same ranks (the guessed lowest rank of a column is one of them, and says so when it lacks the column)
     now = data.draw(st.lists(st.lists(cell, min_size=3, max_size=3), min_size=len(before), max_size=len(before)))
     rows = earlier if same else [[summary(c) for c in row] for row in now]  # type: ignore[arg-type]
-    guess = speculate.guess_of(maxima(prepare(block_of(earlier, list(range(len(earlier))), moments))), None)
     lengths = data.draw(st.lists(st.integers(0, 2**20), min_size=len(rows), max_size=len(rows)))
-    hit, longest, summed = _one_pass(rows, moments, guess, lengths)
-    block = block_of(rows, list(range(len(rows))), moments)
-    assert hit == speculate.fits(maxima(prepare(block)), guess)
+    hit = _check(earlier, rows, moments, lengths)
     assert hit or not same
+
+
+def test_a_hit_where_one_block_of_every_row_would_agree_wider_maxima() -> None:
+    """Found by hypothesis: a column guessed weighted from rank 0; then a unit row on rank 0 and a weight-0 row on
+    rank 1. The maxima of both rows as one block bound Σw·x by rank 1's Σx (rank 0's row is unit); the ranks' own
+    maxima, MAX-reduced, do not (neither has a Σw·x term): the guess holds, and the sums are exact."""
+    earlier = [[summary(([5e-324], 0.5)), None, None], [None, None, None]]
+    rows = [[summary(([0.0], None)), None, None], [summary(([5e-324], 0.0)), None, None]]
+    assert _check(earlier, rows, [False, False, False], [0, 0])
+
+
+def _check(earlier: list[list[object]], rows: list[list[object]], moments: list[bool], lengths: list[int]) -> bool:
+    """A one-pass commit of ``rows`` under the guess made from ``earlier``: it hits exactly when the agreed maxima
+    fit the guess, bounds the longest payload, and a hit finishes to the one-process merge; returns the hit."""
+    guess = speculate.guess_of(_agreed(earlier, moments), None)
+    hit, longest, summed = _one_pass(rows, moments, guess, lengths)
+    block = block_of(rows, list(range(len(rows))), moments)  # type: ignore[arg-type]
+    assert hit == speculate.fits(_agreed(rows, moments), guess)
     assert max(lengths) <= longest < 2 * max(lengths) or longest == max(lengths) == 0
     if hit:
         got = finish(guess, summed, block.moments)
         assert [_without_extrema(s) for s in got] == [_without_extrema(s) for s in merge(block)]
         assert all(s is None or (np.isnan(s.min) and np.isnan(s.max)) for s in got)
+    return hit
 
 
 def test_each_way_a_rank_misses_the_guess() -> None:
