@@ -49,12 +49,14 @@ def _batch(value: Any, weight: Any, *, ignore: bool) -> Any:
         w = torch.where(keep, w, torch.zeros_like(w))
         count = keep.sum().to(torch.float64)
         lo, hi = torch.where(keep, x, torch.inf).min(), torch.where(keep, x, -torch.inf).max()
-        first = x[torch.argmax(keep.to(torch.int8))]
-        last = x.flip(0)[torch.argmax(keep.flip(0).to(torch.int8))]
+        # index_select with an index tensor: indexing with a 0-d tensor may read the index on the host
+        first = x.index_select(0, torch.argmax(keep.to(torch.int8)).reshape(1)).reshape(())
+        last = x.flip(0).index_select(0, torch.argmax(keep.flip(0).to(torch.int8)).reshape(1)).reshape(())
         nonfinite = torch.zeros_like(nonfinite)
     else:
-        count = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
-        lo, hi = torch.minimum(x.min(), x.min().new_tensor(torch.inf)), x.max()
+        # torch.full fills on the device; torch.tensor(..., device=) would copy from the host and wait for it
+        count = torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)
+        lo, hi = x.min(), x.max()
         first, last = x[0], x[-1]
     weight_sum = w.sum()
     wsum = (w * x).sum()
