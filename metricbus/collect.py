@@ -346,16 +346,12 @@ class Collector:
             self._end_update()
             updates, self._done = self._done, []
             errors, self._failed = self._failed, {}
-            if self._device is not None and self._device.names():
-                nan_of = {name: acc.nan for name, acc in self.accs.items()}
-                device, bad = self._device.take_all(nan_of=nan_of)
+            if self._device is not None and self._device.pending():
+                accs = self.accs
+                device, bad = self._device.take_all(nan_of=lambda name: accs[name].nan)
                 errors.update(bad)
-                for index, summaries in device.items():
-                    merged = dict(updates[index])
-                    for name, held in summaries.items():  # host records first, then device records
-                        host = merged.get(name)
-                        merged[name] = held if host is None else host.merge(held)
-                    updates[index] = merged
+                for index, (names, fields) in device.items():
+                    updates[index] = _with_device(updates[index], names, fields)
                 for index, update in enumerate(updates):
                     if any(name in update for name in errors):
                         updates[index] = {n: s for n, s in update.items() if n not in errors}
@@ -412,3 +408,17 @@ class Collector:
         """Drop the fast path (the bus is closed)."""
         self.fast = {}
 
+
+def _with_device(host: Mapping[str, Summary], names: tuple[str, ...], fields: Any) -> Mapping[str, Summary]:
+    """One update's host summaries and its device summaries (``names``, ``fields`` in columns): in columns when
+    the host update is in columns (or empty) and shares no name; else merged per name, host records first."""
+    columns = MicroUpdate(names=names, fields=fields, others={})
+    if not host:
+        return columns
+    if type(host) is MicroUpdate and not host.others and not any(map(host.__contains__, names)):
+        return MicroUpdate(names=host.names + names, fields=np.concatenate((host.fields, fields), axis=1), others={})
+    merged = dict(host)
+    for name, held in columns.items():
+        mine = merged.get(name)
+        merged[name] = held if mine is None else mine.merge(held)
+    return merged

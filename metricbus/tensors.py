@@ -13,14 +13,18 @@ and tensors merges its host state first, then its device state: first/last follo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from itertools import compress
 from typing import Any
 
 from metricbus.errors import MetricValueError
-from metricbus.summary import Summary
+from metricbus.summary import N_FIELDS
 
 FIELDS = ("count", "weight", "wsum", "total", "m2", "min", "max", "first", "last", "bad_weight", "nonfinite")
 _BAD_WEIGHT = FIELDS.index("bad_weight")
 _NONFINITE = FIELDS.index("nonfinite")
+# where each of FIELDS up to "last" goes in Summary.as_tuple() (count, weight, wsum, total, m2, min, max, first, last)
+_TO_FIELDS = [0, 1, 3, 5, 7, 8, 9, 10, 11]
 
 
 def check_device(metric: str, value: Any, what: str = "value") -> None:
@@ -111,30 +115,52 @@ class DeviceStates:
         """The metrics that hold device state."""
         return sorted({n for states in (self._states, *self._done.values()) for n in states})
 
-    def take_all(self, *, nan_of: dict[str, str]) -> tuple[dict[int, dict[str, Summary]], dict[str, MetricValueError]]:
-        """Every finished update's Summaries with ONE device-to-host copy, and per metric the error that rejects
-        it; reset. The caller ends the current update first."""
+    def take_all(
+        self, *, nan_of: Callable[[str], str]
+    ) -> tuple[dict[int, tuple[tuple[str, ...], Any]], dict[str, MetricValueError]]:
+        """Every finished update's micro summaries in columns, with ONE device-to-host copy: per update index,
+        ``(names, fields)`` where ``fields[:, i]`` is the ``Summary.as_tuple()`` of name ``i`` (float64, shape
+        ``(N_FIELDS, len(names))``); and per metric (``nan_of``: its nan policy) the error that rejects it (left
+        out of every update); reset. The caller ends the current update first."""
+        import numpy as np
         import torch
 
         done, self._done = self._done, {}
-        keys = [(u, name) for u in sorted(done) for name in done[u]]
-        if not keys:
+        order = sorted(done)
+        names_of = [tuple(done[u]) for u in order]
+        states = [state for u in order for state in done[u].values()]
+        if not states:
             return {}, {}
-        device = done[keys[0][0]][keys[0][1]].device
-        rows = torch.stack([done[u][name].to(device) for u, name in keys]).cpu().tolist()
-        out: dict[int, dict[str, Summary]] = {}
+        device = states[0].device
+        rows = torch.stack([state.to(device) for state in states]).cpu().numpy()
+        keep = rows[:, 0] > 0
         errors: dict[str, MetricValueError] = {}
-        for (u, name), row in zip(keys, rows, strict=True):
-            if row[_BAD_WEIGHT]:
-                errors[name] = MetricValueError(
-                    f"a tensor weight for {name!r} was negative or non-finite; weights must be finite and >= 0"
-                )
-            elif row[_NONFINITE] and nan_of.get(name) == "error":
-                errors[name] = MetricValueError(f"non-finite tensor value logged for {name!r} under nan='error'")
-            elif row[0] > 0:
-                c, w, ws, t, m2, lo, hi, first, last = row[:_BAD_WEIGHT]
-                out.setdefault(u, {})[name] = Summary(int(c), w, 0.0, ws, 0.0, t, 0.0, m2, lo, hi, first, last)
-        for per_update in out.values():
-            for name in errors:
-                per_update.pop(name, None)
+        flagged = np.flatnonzero((rows[:, _BAD_WEIGHT] != 0) | (rows[:, _NONFINITE] != 0)).tolist()
+        if flagged:
+            every = [name for names in names_of for name in names]
+            for i in flagged:
+                name = every[i]
+                if rows[i, _BAD_WEIGHT]:
+                    errors[name] = MetricValueError(
+                        f"a tensor weight for {name!r} was negative or non-finite; weights must be finite and >= 0"
+                    )
+                elif nan_of(name) == "error" and name not in errors:
+                    errors[name] = MetricValueError(f"non-finite tensor value logged for {name!r} under nan='error'")
+            keep &= np.array([name not in errors for name in every])
+        fields = np.zeros((N_FIELDS, len(states)))  # the *_lo remainders stay 0.0: device sums are plain float64
+        fields[_TO_FIELDS] = rows[:, : len(_TO_FIELDS)].T
+        out: dict[int, tuple[tuple[str, ...], Any]] = {}
+        start = 0
+        for u, names in zip(order, names_of, strict=True):
+            stop = start + len(names)
+            part = keep[start:stop]
+            if part.all():
+                out[u] = (names, fields[:, start:stop])
+            elif part.any():
+                out[u] = (tuple(compress(names, part.tolist())), fields[:, start:stop][:, part])
+            start = stop
         return out, errors
+
+    def pending(self) -> bool:
+        """True if any tensor was logged since the last :meth:`take_all`."""
+        return bool(self._states or self._done)

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from metricbus import MetricBus  # noqa: E402
 from metricbus.errors import MetricValueError  # noqa: E402
+from metricbus.testing import MemoryAdapter  # noqa: E402
 
 SYNCS = ("item", "cpu", "tolist", "__float__", "__bool__", "__int__", "numpy")
 
@@ -70,3 +71,58 @@ def test_bad_tensor_weight_raises_at_commit() -> None:
     bus.log("w", torch.tensor([1.0]), weight=torch.tensor([-1.0]))
     with pytest.raises(MetricValueError, match="'w'"):
         bus.commit()
+
+
+def _both(bus: MetricBus) -> None:
+    """Floats, numpy and tensors in one update: some names only on the host, some only on the device, one on both."""
+    import numpy as np
+
+    bus.log("host", [1.0, 2.0])
+    bus.log("arr", np.array([4.0, 8.0]))
+    bus.log("dev", torch.tensor([3.0, 5.0]))
+    bus.log("dev_w", torch.tensor([1.0, 4.0]), weight=torch.tensor([3.0, 1.0]))
+    bus.log("mixed", 2.0)
+    bus.log("mixed", torch.tensor([6.0, 10.0]), agg="mean")
+
+
+def test_host_and_device_metrics_of_one_update_commit_together() -> None:
+    """Names logged only on the device join the host's columns; a name on both merges host first; the values (exact
+    small integers, so both paths are exact) equal the same records logged as floats."""
+    dev, host = MetricBus(dist=None), MetricBus(dist=None)
+    _both(dev)
+    host.log("host", [1.0, 2.0])
+    host.log("arr", [4.0, 8.0])
+    host.log("dev", [3.0, 5.0])
+    host.log("dev_w", [1.0, 4.0], weight=[3.0, 1.0])
+    host.log("mixed", [2.0, 6.0, 10.0])
+    want = host.commit()
+    assert dev.commit() == want == {"arr": 6.0, "dev": 4.0, "dev_w": 1.75, "host": 1.5, "mixed": 6.0}
+    _both(dev)  # the same shape again: the columns' cached layouts are reused
+    assert dev.commit() == want
+
+
+def test_an_exported_partial_with_device_metrics_ingests_to_the_same_values() -> None:
+    """export() of a worker that logged floats and tensors; ingest() on a driver gives what the worker commits."""
+    worker, alone, driver = MetricBus(dist=None), MetricBus(dist=None), MetricBus(dist=None)
+    _both(worker)
+    _both(alone)
+    driver.ingest([worker.export()])
+    assert driver.commit() == alone.commit()
+
+
+def test_a_bad_tensor_weight_in_a_later_update_drops_that_metric_only() -> None:
+    """Two updates; a negative tensor weight in the second: the error names the metric, its host records of the
+    first update go with it, and every other metric (host and device) commits."""
+    mem = MemoryAdapter()
+    bus = MetricBus(dist=None, adapters=[mem])
+    with bus.update():
+        bus.log("w", 1.0)
+        bus.log("d", torch.tensor([2.0]))
+        bus.log("h", 3.0)
+    with bus.update():
+        bus.log("w", torch.tensor([1.0]), weight=torch.tensor([-1.0]))
+        bus.log("d", torch.tensor([4.0]))
+    with pytest.raises(MetricValueError, match=r"'w'.*negative"):
+        bus.commit(step=0)
+    bus.close()
+    assert mem.rows == [(0, {"d": 3.0, "h": 3.0})]
