@@ -18,8 +18,10 @@ kernel and its CRC covers half as many. Layout, after the type byte::
       3 + j  a copy of column j (j before it; no bytes)
 
 Every column is bit for bit what the writer had (NaN payloads and -0.0 included): a code other than "stored" is
-written only where the bytes say it holds. :class:`CompactFrame` writes the one scheme above (a commit it does not
-fit, e.g. a weighted metric's, is an "S" frame); :func:`compact_rows` reads any valid codes.
+written only where the bytes say it holds. :class:`CompactFrame` writes the scheme above (a commit it does not fit,
+e.g. a weighted metric's, is an "S" frame) and, where every count is 1 (each metric logged once: its value is
+``wsum``, ``min``, ``max``, ``first`` and ``last``, and ``m2`` is +0.0), codes that store ``wsum`` alone (8 bytes an
+entry); :func:`compact_rows` reads any valid codes, so both are format 5.
 """
 
 from __future__ import annotations
@@ -43,11 +45,17 @@ _KIND_STEP = struct.Struct("<cq")
 _PAIR = struct.Struct("<II")
 _NATIVE = sys.byteorder == "little"  # the frame's doubles are the fields' own bytes
 _ZERO8 = bytes(8)
+_ONE = struct.pack("<d", 1.0)
+# what a count column decides: a steady commit's first three columns, the column, the heads (per wsum_lo nonzero
+# or zero, what follows the step up to wsum), the one-record scheme's heads where every count is 1 (else None)
+_Count = tuple[bytes, bytes, tuple[bytes, bytes], tuple[bytes, bytes] | None]
 _crc32 = zlib.crc32
 
 
-def _codes(*, same_count: bool, zero_lo: bool) -> bytes:
-    """The writer's codes: count (column 0) stored or the same for all, wsum_lo (4) stored or zero."""
+def _codes(*, same_count: bool, zero_lo: bool, single: bool) -> bytes:
+    """The writer's codes: count (column 0) stored or the same for all, wsum_lo (4) stored or zero; ``single``
+    (every count 1): m2 zero and min, max, first, last copies of wsum."""
+    tail = (ZERO, *(COPY + 3,) * 4) if single else (STORED,) * 5
     return bytes((
         SAME if same_count else STORED,  # count
         COPY + 0,  # weight = count
@@ -56,15 +64,18 @@ def _codes(*, same_count: bool, zero_lo: bool) -> bytes:
         ZERO if zero_lo else STORED,  # wsum_lo
         COPY + 3,  # total = wsum
         COPY + 4,  # total_lo = wsum_lo
-        *(STORED,) * (N_FIELDS - 7),  # m2, min, max, first, last
+        *tail,  # m2, min, max, first, last
     ))
 
 
 class CompactFrame:
     """Writes the "P" frames of one layout (its ``layout`` digest, from worker ``rank``, with name ``ids``).
 
-    :meth:`frame` checks on the fields' bytes that the scheme holds (three comparisons of whole columns) and joins
-    the frame: the head kept for the last count column, the columns stored, the CRC."""
+    :meth:`frame` checks on the fields' bytes that the scheme holds and joins the frame: the head kept for the last
+    count column, the columns stored, the CRC. A steady commit (the count column of the one before) needs two
+    comparisons: its first three columns against the last count, count again and zeros (count unchanged, ``weight``
+    is ``count``, ``weight_lo`` is +0.0), and ``(total, total_lo)`` against ``(wsum, wsum_lo)``; one more where
+    every count is 1 (m2 zero, min .. last equal to wsum: then only wsum is stored)."""
 
     __slots__ = ("_count", "_head", "_n", "_size", "_width", "_zero", "layout", "rank")
 
@@ -82,39 +93,48 @@ class CompactFrame:
         else:
             ids_piece = bytes((LISTED,)) + listed.tobytes()
         self._head = _PAIR.pack(n, rank), ids_piece
-        # the last count column and, per wsum_lo zero or not, what follows the step up to wsum (at first longer than
-        # any fields' bytes: no commit starts with it)
-        self._count = (bytes(self._size + 2), b"", b"")
+        # what the last count column decides (:meth:`_recount`); at first no commit starts with it
+        never = bytes(self._size + 2)
+        self._count: _Count = (never, never, (b"", b""), None)
 
-    def _recount(self, column: bytes) -> tuple[bytes, bytes, bytes]:
-        """The count column changed (the first commit; rarely later): the heads that go with it."""
+    def _recount(self, column: bytes) -> _Count:
+        """The count column changed (the first commit; rarely later): what it decides (see ``_Count``)."""
         same = column == column[:8] * self._n
         head, ids = self._head
         piece = column[:8] if same else column
-        nonzero, zero = (head + _codes(same_count=same, zero_lo=z) + ids + piece for z in (False, True))
-        self._count = (column, nonzero, zero)
+        nonzero, zero, one_nonzero, one_zero = (
+            head + _codes(same_count=same, zero_lo=z, single=single) + ids + piece
+            for single in (False, True)
+            for z in (False, True)
+        )
+        single = (one_nonzero, one_zero) if same and piece == _ONE else None
+        self._count = (column + column + self._zero, column, (nonzero, zero), single)
         return self._count
 
     def frame(self, step: int, fields: Any) -> bytes | None:
         """The frame of ``step`` of ``fields`` (a (N_FIELDS, n) float64 array), or None where the scheme fails."""
         raw = fields.tobytes()
-        w = self._width
-        count = self._count
         if len(raw) != self._size:
             return None
-        if not raw.startswith(count[0]):
-            count = self._recount(raw[:w])
+        count = self._count
+        if not raw.startswith(count[0]):  # count, weight = count, weight_lo = +0.0, as in the last commit
+            if not raw.startswith(count[1]):
+                count = self._recount(raw[: self._width])
+            if not raw.startswith(count[0]):  # weight is not count, or weight_lo not +0.0
+                return None
+        w = self._width
         sums = raw[3 * w : 5 * w]  # wsum, wsum_lo
-        if not (
-            raw.startswith(count[0], w)  # weight == count
-            and raw.startswith(self._zero, 2 * w)  # weight_lo == +0.0
-            and raw.startswith(sums, 5 * w)  # (total, total_lo) == (wsum, wsum_lo)
-        ):
+        if not raw.startswith(sums, 5 * w):  # (total, total_lo) == (wsum, wsum_lo)
             return None
-        if raw.startswith(self._zero, 4 * w):
-            payload = b"".join((_step(b"P", step), count[2], sums[:w], raw[7 * w :]))
+        single = count[3]
+        if single is not None and raw.startswith(self._zero, 7 * w) and raw.endswith(sums[:w] * 4):
+            heads, stored = single, b""  # one record each: m2 +0.0, min = max = first = last = wsum
         else:
-            payload = b"".join((_step(b"P", step), count[1], sums, raw[7 * w :]))
+            heads, stored = count[2], raw[7 * w :]  # m2, min, max, first, last
+        if raw.startswith(self._zero, 4 * w):
+            payload = b"".join((_step(b"P", step), heads[1], sums[:w], stored))
+        else:
+            payload = b"".join((_step(b"P", step), heads[0], sums, stored))
         return _frame(len(payload), _crc32(payload)) + payload
 
 
