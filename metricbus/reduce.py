@@ -27,6 +27,7 @@ from metricbus.micro_columns import MicroUpdate
 from metricbus.sketch import Sketch
 from metricbus.spec import Spec
 from metricbus.summary import Summary, with_sketch
+from metricbus.update_columns import merge_columns
 
 WorkerStates = Mapping[str, tuple[Summary, ...]]  # metric -> its update-level states, in state_keys(spec) order
 Ranked = dict[str, tuple[Summary | None, ...]]  # metric -> each column's rank-level result, in columns_of order
@@ -40,6 +41,7 @@ def lift(value: float, *, sketched: bool) -> Summary:
     reads that level)."""
     state = _of_value(value)
     return with_sketch(state, Sketch.of_value(value)) if sketched else state
+_SHAPES_KEPT = 64  # name sets whose specs _merged_columns keeps
 _MERGED = ("",)  # the state keys of a spec whose chains all keep the micro kind at the update level
 # a name's decisions: its spec, plans, state keys, columns and whether each state key carries a sketch
 _Held = tuple[Spec, tuple["Plan", ...], tuple[str, ...], tuple[Column, ...], tuple[bool, ...]]
@@ -150,7 +152,7 @@ def worker_state(keys: Iterable[str], updates: Sequence[Summary], sketches: Sequ
 class StepReducer:
     """The rank and step levels of one run: ``commit()`` per commit, ``finish()`` for the last partial window."""
 
-    __slots__ = ("_commits", "_layouts", "_log_every", "_plans", "_window")
+    __slots__ = ("_commits", "_layouts", "_log_every", "_merged_specs", "_plans", "_window")
 
     def __init__(self, *, log_every: int) -> None:
         self._log_every = log_every
@@ -158,6 +160,7 @@ class StepReducer:
         self._window: dict[str, tuple[Plan, Summary]] = {}
         self._plans: dict[str, _Held] = {}
         self._layouts = Layouts(self._keys_and_plans)
+        self._merged_specs: dict[tuple[str, ...], tuple[Spec, ...]] = {}  # names -> specs whose update level merges
 
     def _keys_and_plans(self, name: str, spec: Spec) -> tuple[tuple[str, ...], tuple[Plan, ...]]:
         held = self._plan(name, spec)
@@ -196,6 +199,10 @@ class StepReducer:
         plans = self._plans
         if len(updates) == 1 and type(updates[0]) is MicroUpdate:  # held in columns: states built when read
             return ColumnStates(update=updates[0], states_of=lambda summaries: self.worker([dict(summaries)], specs))
+        if len(updates) > 1 and type(updates[0]) is MicroUpdate:  # several updates in columns: merged at once
+            merged = self._merged_columns(updates, specs)
+            if merged is not None:
+                return ColumnStates(update=merged, states_of=lambda summaries: self.worker([dict(summaries)], specs))
         if len(updates) == 1:  # the common case: one update, so no merge; a lift only where a chain asks
             for name, summary in updates[0].items():
                 if summary.count:
@@ -214,6 +221,31 @@ class StepReducer:
             held = self._plan(name, specs[name])
             out[name] = worker_state(held[2], parts, held[4])
         return out
+
+    def _merged_columns(
+        self, updates: Sequence[Mapping[str, Summary]], specs: Mapping[str, Spec]
+    ) -> MicroUpdate | None:
+        """The updates merged in columns (:mod:`metricbus.update_columns`) when every one is held in columns with
+        the same names and every name's update level is its merged micro summary (the state key ``""``); else
+        None."""
+        first = updates[0]
+        assert type(first) is MicroUpdate
+        names = first.names
+        if first.others or any(type(u) is not MicroUpdate or u.others or u.names != names for u in updates[1:]):
+            return None
+        now = tuple(map(specs.get, names))
+        if self._merged_specs.get(names) != now:  # a tuple compares its items by identity first
+            if any(self._plan(name, specs[name])[2] != _MERGED for name in names):
+                return None
+            if len(self._merged_specs) >= _SHAPES_KEPT:
+                self._merged_specs.clear()
+            self._merged_specs[names] = now  # type: ignore[assignment]
+        fields = first.fields
+        for update in updates[1:]:
+            fields = merge_columns(fields, update.fields)  # type: ignore[attr-defined]
+            if fields is None:
+                return None
+        return MicroUpdate(names=names, fields=fields, others={})
 
     def rank_level(self, workers: Sequence[WorkerStates], specs: Mapping[str, Spec]) -> Ranked:
         """Each metric's columns merged across ``workers`` (in rank order) exactly: :mod:`metricbus.rank_level`, with
