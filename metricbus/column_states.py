@@ -102,14 +102,21 @@ def _values(kind: str, columns: Any) -> tuple[Any, Any]:
     micro = _MICRO_KINDS.get(kind)
     if micro is not None:
         return micro(f)
+    return _merged_values(kind, f)
+
+
+def _merged_values(kind: str, f: Any) -> tuple[Any, Any]:
     merged = Merged(f[0], f[1], f[2], f[3], f[4], f[5], f[7], f[8], f[9], f[10], f[11])
     values, done = COLUMN_KINDS[kind](merged)
     return values, None if done.all() else done
 
 
 def _micro_mean(f: Any) -> tuple[Any, Any]:
-    """:func:`metricbus.column_kinds.mean` of micro columns, whose weight is their count (>= 1, no ``weight_lo``):
-    one division where ``wsum_lo`` is 0, else ``divide_by_count``."""
+    """:func:`metricbus.column_kinds.mean` of unit-weight columns, whose weight is their count (>= 1, no
+    ``weight_lo``): one division where ``wsum_lo`` is 0, else ``divide_by_count``. Columns of another kind
+    (tensor weights, held on the device; several updates of them merged) take ``column_kinds.mean``."""
+    if not ((f[2] == 0.0).all() and (f[1] == f[0]).all()):
+        return _merged_values("mean", f)
     values = f[3] / f[1]  # wsum / weight: finite over at least 1, so no overflow
     rest = f[4] != 0.0
     if not rest.any():

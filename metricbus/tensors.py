@@ -60,7 +60,7 @@ def _batch(value: Any, weight: Any, *, ignore: bool) -> Any:
     else:
         # torch.full fills on the device; torch.tensor(..., device=) would copy from the host and wait for it
         count = torch.full((), float(x.numel()), dtype=torch.float64, device=x.device)
-        lo, hi = x.min(), x.max()
+        lo, hi = torch.minimum(x.min(), torch.full((), torch.inf, dtype=torch.float64, device=x.device)), x.max()
         first, last = x[0], x[-1]
     weight_sum = w.sum()
     wsum = (w * x).sum()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,3 +128,68 @@ def test_a_bad_tensor_weight_in_a_later_update_drops_that_metric_only() -> None:
         bus.commit(step=0)
     bus.close()
     assert mem.rows == [(0, {"d": 3.0, "h": 3.0})]
+
+
+def test_weighted_tensors_over_updates_replay_bit_for_bit(tmp_path: Path) -> None:
+    """Tensor weights in two updates a commit (their merged weight has a remainder) and a batch of zero weights:
+    every committed value, NaN included, is bit for bit what replay of the journal gives, and nothing warns."""
+    import struct
+    import warnings
+
+    from metricbus.journal import read_journal
+    from metricbus.replay import emitted
+
+    gen = torch.Generator().manual_seed(0)
+    bus = MetricBus(dist=None, journal=str(tmp_path / "j"))
+    live = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(20):
+            for _ in range(2):
+                with bus.update():
+                    for i in range(10):
+                        x = torch.randn(64, generator=gen, dtype=torch.float64) + 3
+                        bus.log(f"loss{i}", x, weight=torch.rand(64, generator=gen, dtype=torch.float64))
+            live.append(bus.commit(step=step))
+        bus.log("masked", torch.tensor([2.5, 3.0]), weight=torch.zeros(2))  # alone in its commit: in columns
+        live.append(bus.commit(step=20))
+        bus.close()
+    replayed = [metrics for _, metrics in emitted(read_journal(tmp_path / "j"))]
+
+    def bits(rows: list[dict[str, float]]) -> list[dict[str, bytes]]:
+        return [{k: struct.pack("<d", v) for k, v in row.items()} for row in rows]
+
+    assert bits(live) == bits(replayed)
+    assert math.isnan(live[20]["masked"])
+    assert live[0]["loss0"] != round(live[0]["loss0"], 12)  # not a small-integer case
+
+
+def test_device_metrics_join_the_host_columns_of_an_update() -> None:
+    """Ten host metrics held in columns and three tensor-logged ones in one update (the columns joined), over two
+    commits; the values equal the same records logged as floats (exact small integers)."""
+    from metricbus.collect import Collector
+    from metricbus.micro_columns import MicroUpdate
+
+    joined = []
+    real = Collector.take
+
+    def spy(self: Collector) -> Any:
+        updates, errors = real(self)
+        joined.extend(type(u) is MicroUpdate and len(u.names) == 13 for u in updates)
+        return updates, errors
+
+    dev, host = MetricBus(dist=None), MetricBus(dist=None)
+    Collector.take = spy  # type: ignore[method-assign]
+    try:
+        for step in range(2):
+            for i in range(10):
+                for v in (1.0, 2.0, float(i)):
+                    dev.log(f"h{i}", v)
+                    host.log(f"h{i}", v)
+            for j in range(3):
+                dev.log(f"d{j}", torch.tensor([float(j), 4.0, 8.0]))
+                host.log(f"d{j}", [float(j), 4.0, 8.0])
+            assert dev.commit(step=step) == host.commit(step=step)
+    finally:
+        Collector.take = real  # type: ignore[method-assign]
+    assert joined[-1]
