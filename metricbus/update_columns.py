@@ -14,7 +14,8 @@ is the one ``Summary.merge`` gives, bit for bit:
 - ``min``/``max`` with NaN propagated, ``first`` of the first, ``last`` of the last, counts added.
 
 A metric where a branch of ``Summary.merge`` has no column form (a sum that overflows or needs a third component, a
-zero from ``fsum``, a mean beyond the double range, Chan's term overflowing) is merged by ``Summary.merge`` itself;
+zero from ``fsum``, a mean beyond the double range, Chan's term overflowing, a NaN among the sums or m2, whose
+payload an addition keeps as the compiler chose) is merged by ``Summary.merge`` itself;
 if that merge gives a Summary with components beyond the columns, :func:`merge_columns` returns None and the caller
 takes the per-metric path.
 """
@@ -35,6 +36,7 @@ _NAN = float("nan")
 _FSUM_ZERO = math.fsum([1.0, -1.0])  # what fsum gives for a sum that cancels to 0 (+0.0)
 COUNT, WEIGHT, WEIGHT_LO, WSUM, WSUM_LO, TOTAL, TOTAL_LO, M2, MIN, MAX, FIRST, LAST = range(N_FIELDS)
 _HI, _LO = [WEIGHT, WSUM, TOTAL], [WEIGHT_LO, WSUM_LO, TOTAL_LO]
+_NAN_CHECKED = [WEIGHT, WEIGHT_LO, WSUM, WSUM_LO, TOTAL, TOTAL_LO, M2]
 
 
 def merge_columns(a: Any, b: Any) -> Any:
@@ -54,6 +56,9 @@ def merge_columns(a: Any, b: Any) -> Any:
         out[MAX] = np.where(nan, _NAN, np.where(a[MAX] >= b[MAX], a[MAX], b[MAX]))
         out[FIRST] = a[FIRST]
         out[LAST] = b[LAST]
+        # a NaN among the sums or m2: which operand's NaN an addition keeps is the compiler's choice, and numpy's
+        # loops may choose otherwise than Python's float addition, so Summary.merge adds them
+        slow |= np.isnan(a[_NAN_CHECKED]).any(axis=0) | np.isnan(b[_NAN_CHECKED]).any(axis=0)
     empty_a, empty_b = a[COUNT] == 0, b[COUNT] == 0  # merge returns the other summary itself
     if empty_a.any() or empty_b.any():
         out[:, empty_a] = b[:, empty_a]

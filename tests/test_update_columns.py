@@ -14,7 +14,8 @@ from metricbus.summary import EMPTY, N_FIELDS, Summary
 from metricbus.update_columns import merge_columns
 
 EDGES = [0.0, -0.0, 5e-324, 2.2250738585072014e-308, 1e-300, 1e-20, 0.1, 1.0, 1e16, 2.0**900, 1e308, 1.7e308]
-ODD = [math.nan, math.inf, -math.inf]
+# NaNs of both signs and with a payload: an addition keeps one operand's, so the columns must keep the same one
+ODD = [math.nan, -math.nan, struct.unpack("<d", bytes.fromhex("0100000000f8ff7f"))[0], math.inf, -math.inf]
 
 
 def bits(summary_fields: Any) -> list[bytes]:
