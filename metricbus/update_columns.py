@@ -10,7 +10,7 @@ is the one ``Summary.merge`` gives, bit for bit:
 - each exact sum (``weight``, ``wsum``, ``total`` with their ``*_lo``): TwoSum where both remainders are zero; else
   the sum of the two double-doubles by error-free transformations, kept where it is exactly a double-double whose
   head is the correctly rounded sum (what ``math.fsum`` gives);
-- ``m2`` by Chan's formula with the means as double-doubles (Dekker's product, as ``exact.two_product``);
+- ``m2`` by Chan's formula with the means as double-doubles (Dekker's product: ``exact.two_product`` on arrays);
 - ``min``/``max`` with NaN propagated, ``first`` of the first, ``last`` of the last, counts added.
 
 A metric where a branch of ``Summary.merge`` has no column form (a sum that overflows or needs a third component, a
@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from metricbus.exact import two_product
 from metricbus.summary import N_FIELDS, Summary
 
 _MAX = 1.7976931348623157e308
 _SAFE = 2.0**1000  # below this no error-free transformation of two sums overflows
-_SPLIT = 134217729.0  # 2**27 + 1, as exact.two_product
 _NAN = float("nan")
 _FSUM_ZERO = math.fsum([1.0, -1.0])  # what fsum gives for a sum that cancels to 0 (+0.0)
 COUNT, WEIGHT, WEIGHT_LO, WSUM, WSUM_LO, TOTAL, TOTAL_LO, M2, MIN, MAX, FIRST, LAST = range(N_FIELDS)
@@ -126,13 +126,6 @@ def _mean_dd(num: Any, num_lo: Any, den: Any, den_lo: Any) -> tuple[Any, Any, An
     slow = ~((num > -_MAX) & (num < _MAX) & (den < _MAX))
     q = num / den
     plain = (q - q != 0.0) | (np.abs(q) > 1e290) | (den > 1e290) | (den < 1e-290)
-    p = q * den  # exact.two_product(q, den), Dekker
-    c = _SPLIT * q
-    q_hi = c - (c - q)
-    q_lo = q - q_hi
-    c = _SPLIT * den
-    d_hi = c - (c - den)
-    d_lo = den - d_hi
-    e = ((q_hi * d_hi - p) + q_hi * d_lo + q_lo * d_hi) + q_lo * d_lo
+    p, e = two_product(q, den)  # its arithmetic alone: elementwise on arrays
     low = (((num - p) - e) + num_lo - q * den_lo) / den
     return q, np.where(plain, 0.0, low), slow

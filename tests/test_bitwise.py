@@ -8,6 +8,7 @@ the data and the split.
 
 from __future__ import annotations
 
+import functools
 import random
 import struct
 from collections.abc import Callable
@@ -63,14 +64,19 @@ def make_plan(seed: int, *, ranks: int, steps: int = 3) -> dict[str, Any]:
     return {"steps": plan, "rules": RULES}
 
 
-def log_share(bus: MetricBus, plan: dict[str, Any], *, step: int, rank: int) -> None:
-    """Log rank ``rank``'s records of ``step``, with an update boundary between its updates."""
+def log_share(bus: MetricBus, plan: dict[str, Any], *, step: int, rank: int, floats: bool = False) -> None:
+    """Log rank ``rank``'s records of ``step``, with an update boundary between its updates (``floats``: each
+    unweighted value logged as a float, so each update is held in columns)."""
     update = 0
     for k, name, values, weights in plan["steps"][step][rank]:
         if k != update:
             bus.end_update()
             update = k
-        bus.log(name, values, weight=weights)
+        if floats and weights is None:
+            for value in values:
+                bus.log(name, value)
+        else:
+            bus.log(name, values, weight=weights)
 
 
 def ingested(plan: dict[str, Any], *, ranks: int, journal: str | None = None) -> list[dict[str, float]]:
@@ -128,15 +134,7 @@ MERGED_RULES = {
 }
 
 
-def log_floats(bus: MetricBus, plan: dict[str, Any], *, step: int, rank: int) -> None:
-    """:func:`log_share`, each value logged as a float (so each update is held in columns)."""
-    update = 0
-    for k, name, values, _ in plan["steps"][step][rank]:
-        if k != update:
-            bus.end_update()
-            update = k
-        for value in values:
-            bus.log(name, value)
+log_floats = functools.partial(log_share, floats=True)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
