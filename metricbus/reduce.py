@@ -41,10 +41,10 @@ def lift(value: float, *, sketched: bool) -> Summary:
     reads that level)."""
     state = _of_value(value)
     return with_sketch(state, Sketch.of_value(value)) if sketched else state
-_SHAPES_KEPT = 64  # name sets whose specs _merged_columns keeps
 _MERGED = ("",)  # the state keys of a spec whose chains all keep the micro kind at the update level
 # a name's decisions: its spec, plans, state keys, columns and whether each state key carries a sketch
 _Held = tuple[Spec, tuple["Plan", ...], tuple[str, ...], tuple[Column, ...], tuple[bool, ...]]
+_SHAPES_KEPT = 64  # name sets whose specs _merged_columns keeps
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +160,8 @@ class StepReducer:
         self._window: dict[str, tuple[Plan, Summary]] = {}
         self._plans: dict[str, _Held] = {}
         self._layouts = Layouts(self._keys_and_plans)
-        self._merged_specs: dict[tuple[str, ...], tuple[Spec, ...]] = {}  # names -> specs whose update level merges
+        # names -> (their specs, whether every one's update level merges its micro summaries)
+        self._merged_specs: dict[tuple[str, ...], tuple[tuple[Spec | None, ...], bool]] = {}
 
     def _keys_and_plans(self, name: str, spec: Spec) -> tuple[tuple[str, ...], tuple[Plan, ...]]:
         held = self._plan(name, spec)
@@ -234,12 +235,13 @@ class StepReducer:
         if first.others or any(type(u) is not MicroUpdate or u.others or u.names != names for u in updates[1:]):
             return None
         now = tuple(map(specs.get, names))
-        if self._merged_specs.get(names) != now:  # a tuple compares its items by identity first
-            if any(self._plan(name, specs[name])[2] != _MERGED for name in names):
-                return None
+        held = self._merged_specs.get(names)
+        if held is None or held[0] != now:  # a tuple compares its items by identity first
             if len(self._merged_specs) >= _SHAPES_KEPT:
                 self._merged_specs.clear()
-            self._merged_specs[names] = now  # type: ignore[assignment]
+            held = self._merged_specs[names] = (now, all(self._plan(n, specs[n])[2] == _MERGED for n in names))
+        if not held[1]:
+            return None
         fields = first.fields
         for update in updates[1:]:
             fields = merge_columns(fields, update.fields)  # type: ignore[attr-defined]
