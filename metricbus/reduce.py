@@ -198,10 +198,9 @@ class StepReducer:
         metric -> micro-level Summary; see :func:`worker_state`)."""
         out: dict[str, tuple[Summary, ...]] = {}
         plans = self._plans
-        if len(updates) == 1 and type(updates[0]) is MicroUpdate:  # held in columns: states built when read
-            return ColumnStates(update=updates[0], states_of=lambda summaries: self.worker([dict(summaries)], specs))
-        if len(updates) > 1 and type(updates[0]) is MicroUpdate:  # several updates in columns: merged at once
-            merged = self._merged_columns(updates, specs)
+        if updates and type(updates[0]) is MicroUpdate:  # held in columns: states built when read
+            # several updates in columns are merged at once where their metrics allow it
+            merged = updates[0] if len(updates) == 1 else self._merged_columns(updates, specs)
             if merged is not None:
                 return ColumnStates(update=merged, states_of=lambda summaries: self.worker([dict(summaries)], specs))
         if len(updates) == 1:  # the common case: one update, so no merge; a lift only where a chain asks
