@@ -1,7 +1,7 @@
 """The rank level at scale: real gloo ranks, synthetic ranks, a driver's ingest, and replay of an R-rank journal.
 
-Run: ``python benchmarks/bench_scale.py [--parts a,b,c,d] [--quick]``. Every figure is measured in this run; each
-ratio compares two things measured here, one after the other.
+Run: ``python benchmarks/bench_scale.py [--parts a,b,c,d] [--quick] [--ranks 2,4,8]``. Every figure is measured in
+this run; each ratio compares two things measured here, one after the other.
 
 (a) real gloo ranks R in {2, 4, 8}, K in {10, 100, 1000}: median time of a steady ``commit()`` next to a bare
     ``all_reduce`` of an int64 vector as long as that commit's collectives together, the collectives and the bytes
@@ -97,7 +97,7 @@ def _gloo_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
     tdist.destroy_process_group()
 
 
-def part_a(quick: bool) -> None:
+def part_a(quick: bool, sizes: tuple[int, ...] = (2, 4, 8)) -> None:
     import torch.multiprocessing as mp
 
     ks = [10, 100] if quick else [10, 100, 1000]
@@ -106,7 +106,7 @@ def part_a(quick: bool) -> None:
     print(f"    {reps} steady commits; the mean includes the commits that agree the maxima again, every")
     print(f"    {one_pass.REFRESH + 1}th); collectives: how many commits made how many all_reduces of how many bytes")
     print(f"{'R':>3} {'K':>5} {'commit ms':>10} {'bare ms':>9} {'ratio':>6} {'mean ms':>8}  collectives per commit")
-    for size in (2, 4, 8):
+    for size in sizes:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         port = _port()
@@ -249,9 +249,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="a,b,c,d")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--ranks", default="2,4,8", help="(a): the numbers of gloo ranks")
     args = parser.parse_args()
     for part in args.parts.split(","):
-        {"a": part_a, "b": part_b, "c": part_c, "d": part_d}[part.strip()](args.quick)
+        if part.strip() == "a":
+            part_a(args.quick, tuple(int(r) for r in args.ranks.split(",")))
+        else:
+            {"b": part_b, "c": part_c, "d": part_d}[part.strip()](args.quick)
         print()
 
 

@@ -50,6 +50,7 @@ import pickle
 import struct
 import time
 import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,8 +59,10 @@ from metricbus import one_pass, rank_level, sketch_level, speculate
 from metricbus.column_states import ColumnStates
 from metricbus.errors import DistributedError, MetricBusWarning, SpecError
 from metricbus.partial import Partial
+from metricbus.rank_finish import Merged
+from metricbus.ranked_columns import RankedColumns
 from metricbus.ranks import Commit, Exchange, with_specs
-from metricbus.reduce import Column, Ranked, StepReducer, WorkerStates, lift_columns
+from metricbus.reduce import Column, Ranked, RankedStates, StepReducer, WorkerStates, lift_columns
 from metricbus.spec import Spec
 from metricbus.spec_table import Claim, SpecTable, decide, output_keys
 from metricbus.summary import EMPTY, N_FIELDS, Summary
@@ -109,6 +112,8 @@ class TorchRanks:
         self._agreed: dict[str, Claim] = {}  # the agreed table, identical on every rank
         self._specs: dict[str, Spec] = {}
         self._names: list[str] = []  # sorted
+        self._names_tuple: tuple[str, ...] = ()  # the same
+        self._version = 0  # counts the layouts (each _layout() call)
         self._lifts: dict[str, tuple[Column, ...]] = {}  # each name's columns (rank-level inputs)
         self._columns: list[tuple[int, int]] = []  # each name's (first column, number of columns)
         self._width = 0  # the number of columns
@@ -190,20 +195,23 @@ class TorchRanks:
             if not longest:  # (an agreement changed the columns and dropped the guess)
                 self._guess = speculate.guess_of(agreed, guess, commits=self._hits + 1)
                 self._hits = 0
-        ranked: Ranked = {}
-        for name, (base, width) in zip(names, columns, strict=True):
-            if width == 1:
-                held = merged[base]
-                if held is not None:
-                    ranked[name] = (held,)
-            elif any(m is not None for m in merged[base : base + width]):
-                ranked[name] = tuple(merged[base : base + width])
-        ranked.update(fresh)
-        for name in dropped:  # a metric one rank had to drop is dropped on every rank, never half-reduced
-            ranked.pop(name, None)
+        ranked: RankedStates | None = None if longest or sketched else self._ranked_columns(merged)
+        if ranked is None:
+            ranked = _ranked(merged, names, columns, fresh, dropped)
         journal = [(self.rank, with_specs(own, self._specs, dropped))] if commit.journaled else []
         others = {name: where for name, where in dropped.items() if name not in rejected}
         return Exchange([], self._specs, journal, others, ranked)
+
+    def _ranked_columns(self, merged: Merged) -> RankedColumns | None:
+        """``merged`` kept in columns (see :mod:`metricbus.ranked_columns`) where every metric has one column and
+        every column a worker has took the fast path; else None."""
+        fields = merged.fields
+        if fields is None or self._width != len(self._names):  # (every name has at least one column)
+            return None
+        names = self._names_tuple
+        if merged.picks is not None:  # a metric no rank logged this commit is left out
+            names = tuple(map(names.__getitem__, merged.picks.tolist()))
+        return RankedColumns(names=names, fields=fields, version=self._version)
 
     def share(self, text: str) -> str:
         """The writer rank's ``text`` on every rank (two collectives; used once, when a bus is built)."""
@@ -415,6 +423,8 @@ class TorchRanks:
         """The columns of the agreed table, in name order (identical on every rank)."""
         self._specs = {name: claim.spec for name, claim in self._agreed.items()}
         self._names = sorted(self._agreed)
+        self._names_tuple = tuple(self._names)
+        self._version += 1
         self._lifts = {name: reducer.columns(name, self._specs[name]) for name in self._names}
         self._columns = []
         self._moments = []
@@ -431,6 +441,29 @@ class TorchRanks:
         self._hits = 0
         self._one_pass = not one_pass.reads_extrema(self._specs)
         self._settled_names = ()
+
+
+def _ranked(
+    merged: Sequence[Summary | None],
+    names: list[str],
+    columns: list[tuple[int, int]],
+    fresh: Ranked,
+    dropped: Mapping[str, str],
+) -> Ranked:
+    """Each metric's merged columns (``merged``, laid out by ``names`` and their ``columns``), then the metrics an
+    agreement brought (``fresh``), less those a rank dropped."""
+    ranked: Ranked = {}
+    for name, (base, width) in zip(names, columns, strict=True):
+        if width == 1:
+            held = merged[base]
+            if held is not None:
+                ranked[name] = (held,)
+        elif any(m is not None for m in merged[base : base + width]):
+            ranked[name] = tuple(merged[base : base + width])
+    ranked.update(fresh)
+    for name in dropped:  # a metric one rank had to drop is dropped on every rank, never half-reduced
+        ranked.pop(name, None)
+    return ranked
 
 
 def _host(tensor: Any) -> Any:

@@ -16,8 +16,9 @@ the limbs are regrouped into 48-bit pieces (exact doubles) and added by TwoSum
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
+from typing import Any
 
 import numpy as np
 
@@ -86,9 +87,25 @@ def limb_sums(summed: Array, nq_max: Array, offsets: Array, sizes: Array) -> tup
     return hi, lo, ok
 
 
-def assemble(
-    head: Array, extrema: Array, moments: Array, quick: Sequence[Quick], exact_sum: ExactSum
-) -> list[Summary | None]:
+class Merged(list[Summary | None]):
+    """Each column's merged Summary (None: no worker has it), as a list; where every column that a worker has took
+    the fast path, also those columns' fields as one array: ``fields`` (N_FIELDS, m), the ``as_tuple()`` of
+    ``self[c]`` in column ``j`` for ``c = picks[j]`` (``picks`` None: every column, in order). ``fields`` is None
+    otherwise, and once an item is replaced."""
+
+    __slots__ = ("fields", "picks")
+
+    def __init__(self, items: Iterable[Summary | None], *, fields: Array | None = None, picks: Array | None = None):
+        super().__init__(items)
+        self.fields = fields
+        self.picks = picks
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self.fields = None
+        super().__setitem__(index, value)
+
+
+def assemble(head: Array, extrema: Array, moments: Array, quick: Sequence[Quick], exact_sum: ExactSum) -> Merged:
     """Each column's Summary (None: no worker has it) from its fixed slots ``head`` (C, NS), ``extrema`` (C, 4: max,
     -min, -lowest rank, weighted), the ``quick`` sums of each slot and ``exact_sum`` where those are not ``ok``."""
     n_cols = head.shape[0]
@@ -126,12 +143,14 @@ def assemble(
     )
     rows = zip(*(f.tolist() for f in fields), repeat(()), repeat(None))
     built: list[Summary | None] = list(map(_new, repeat(Summary), rows))
+    others = np.flatnonzero((workers > 0) & slow)
+    columns = None if others.size else np.stack(fields)  # float64: the count's int64 converts exactly
     if every:
-        return built
-    out: list[Summary | None] = [None] * n_cols
+        return Merged(built, fields=columns)
+    out = Merged([None] * n_cols)
     for c, state in zip(np.flatnonzero(fast).tolist(), built, strict=True):
         out[c] = state
-    others = np.flatnonzero((workers > 0) & slow)
+    out.fields, out.picks = columns, picks
     if others.size:
         found = _quick_or_exact(quick, exact_sum)
         for c in others.tolist():

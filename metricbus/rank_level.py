@@ -261,7 +261,7 @@ def _head(prep: Prepared, lowest_rank: Array) -> Array:
     return head
 
 
-def finish(agreed: Array, summed: Array, moments: Array) -> list[Summary | None]:
+def finish(agreed: Array, summed: Array, moments: Array) -> rank_finish.Merged:
     """Each column's merged Summary (None: no worker has it) from the reduced maxima and sums."""
     n_cols = agreed.shape[0]
     nq_max, offsets, sizes, _ = _layout(agreed)

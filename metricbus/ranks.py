@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from metricbus.packed_ranks import rank_level_of
 from metricbus.partial import Partial, Updates
-from metricbus.reduce import Ranked, StepReducer, WorkerStates
+from metricbus.reduce import RankedStates, StepReducer, WorkerStates
 from metricbus.spec import Spec
 from metricbus.spec_table import SpecTable
 
@@ -44,7 +44,7 @@ class Exchange:
     specs: dict[str, Spec]  # read only
     journal: list[tuple[int, Partial]]  # (worker rank, its partial with the agreed specs); [] if not journaled
     rejected: dict[str, str] = field(default_factory=dict)  # metric -> which other rank dropped its records
-    ranked: Ranked | None = None  # the rank level already merged (torch.distributed)
+    ranked: RankedStates | None = None  # the rank level already merged (torch.distributed)
     version: int | None = None  # the spec table's version, where ``specs`` is its mapping (see StepReducer.commit)
 
     def names(self) -> set[str]:

@@ -24,6 +24,7 @@ from typing import Any
 from metricbus.column_states import ColumnStates, Layouts
 from metricbus.kinds import Kind, is_sketch, kind_of
 from metricbus.micro_columns import MicroUpdate
+from metricbus.ranked_columns import RankedColumns
 from metricbus.sketch import Sketch
 from metricbus.spec import Spec
 from metricbus.summary import Summary, with_sketch
@@ -31,6 +32,7 @@ from metricbus.update_columns import merge_columns
 
 WorkerStates = Mapping[str, tuple[Summary, ...]]  # metric -> its update-level states, in state_keys(spec) order
 Ranked = dict[str, tuple[Summary | None, ...]]  # metric -> each column's rank-level result, in columns_of order
+RankedStates = Mapping[str, tuple[Summary | None, ...]]  # a Ranked, or the same held in columns (RankedColumns)
 Column = tuple[int, str | None, bool, bool]  # (the worker-level state it reads, the update kind it is lifted by or
 # None, whether the rank level must merge its second moment, whether its states carry a sketch: see columns_of)
 _of_value = Summary.of_value
@@ -41,6 +43,8 @@ def lift(value: float, *, sketched: bool) -> Summary:
     reads that level)."""
     state = _of_value(value)
     return with_sketch(state, Sketch.of_value(value)) if sketched else state
+
+
 _MERGED = ("",)  # the state keys of a spec whose chains all keep the micro kind at the update level
 # a name's decisions: its spec, plans, state keys, columns and whether each state key carries a sketch
 _Held = tuple[Spec, tuple["Plan", ...], tuple[str, ...], tuple[Column, ...], tuple[bool, ...]]
@@ -266,10 +270,17 @@ class StepReducer:
             return self._single(workers[0], specs, version)
         return self.commit_ranked(self.rank_level(workers, specs), specs)
 
-    def commit_ranked(self, ranked: Ranked, specs: Mapping[str, Spec]) -> dict[str, float] | None:
+    def commit_ranked(self, ranked: RankedStates, specs: Mapping[str, Spec]) -> dict[str, float] | None:
         """Add one commit's rank-level results (see :meth:`rank_level`); the emitted values when the window
         completes."""
         window = self._window
+        if type(ranked) is RankedColumns and self._log_every == 1 and not window:  # emitted from the columns
+            return ColumnStates(update=ranked.update, states_of=_one_column).emit(
+                specs=specs,
+                layouts=self._layouts,
+                scalar=lambda name, merged: self._emit_ranked(name, merged, specs),
+                version=ranked.version,
+            )
         for name, merged in ranked.items():
             for plan in self._plan(name, specs[name])[1]:
                 result = merged[plan.column]
@@ -282,6 +293,19 @@ class StepReducer:
         if self._commits < self._log_every:
             return None
         return self.finish()
+
+    def _emit_ranked(
+        self, name: str, merged: tuple[Summary | None, ...], specs: Mapping[str, Spec]
+    ) -> dict[str, float]:
+        """``name``'s emitted values from its rank-level results ``merged`` alone (``log_every=1``)."""
+        out: dict[str, float] = {}
+        for plan in self._plan(name, specs[name])[1]:
+            result = merged[plan.column]
+            if result is not None:
+                out[plan.key] = plan.emit(
+                    result if plan.step_lift is None else lift(plan.step_lift(result), sketched=plan.step_sketch)
+                )
+        return out
 
     def _single(self, states: WorkerStates, specs: Mapping[str, Spec], version: int | None) -> dict[str, float]:
         """``commit()`` for one worker and ``log_every=1``, the common case: no merge at the rank or step level."""
@@ -319,3 +343,8 @@ class StepReducer:
         self._window = {}
         self._commits = 0
         return out
+
+
+def _one_column(summaries: Mapping[str, Summary]) -> dict[str, tuple[Summary, ...]]:
+    """Rank-level results of metrics that have one column each: their merged Summaries."""
+    return {name: (summary,) for name, summary in summaries.items()}
