@@ -155,7 +155,7 @@ class TorchRanks:
         prep = rank_level.prepare(block)
         sketched = self._sketched  # the layout of this commit (the agreement may extend it)
         # this rank's sketches of the agreed sketched columns (one of a column its own rule alone sketches is not sent)
-        mine = rank_level.sketch_rows(block, sketched).get(0, [None] * len(sketched))
+        mine = rank_level.sketch_rows(block, sketched).get(0, [None] * len(sketched)) if sketched else []
         maxima = rank_level.maxima(prep)
         head = np.concatenate(([float(len(payload))], maxima.ravel(), sketch_level.bounds(mine).ravel()))
         guess = None if sketched else self._guess
