@@ -51,24 +51,25 @@ def double_double(parts: list[Array], width: int) -> tuple[Array, Array, Array]:
     0, are its greedy components). TwoSum folds the parts into ``s`` and error terms; when those errors add up to one
     double ``r`` exactly (no TwoSum of theirs leaves an error), the sum is exactly ``s + r``, whose rounding is
     ``hi`` and whose TwoSum error is ``lo``. Elsewhere (``ok`` False) the caller sums the column another way."""
-    s = parts[0].copy() if parts else np.zeros(width)
-    r = np.zeros(width)
-    ok = np.ones(width, dtype=bool)
+    s = parts[0] if parts else np.zeros(width)
+    r: Array = np.zeros(width) if len(parts) < 2 else None  # else the first error term
+    ok: Array = None  # where every error term's TwoSum was exact (None: all so far)
     with np.errstate(all="ignore"):
-        for i, p in enumerate(parts[1:]):
+        for p in parts[1:]:
             t = s + p
             bb = t - s
             e = (s - (t - bb)) + (p - bb)
             s = t
-            if not i:  # 0 + e is exact (+ 0.0: the same bits as 0.0 + e); a non-finite e leaves hi non-finite
+            if r is None:  # 0 + e is exact (+ 0.0: the same bits as 0.0 + e); a non-finite e leaves hi non-finite
                 r = e + 0.0
                 continue
             t = r + e
             bb = t - r
-            ok &= (r - (t - bb)) + (e - bb) == 0.0
+            exact = (r - (t - bb)) + (e - bb) == 0.0
+            ok = exact if ok is None else ok & exact
             r = t
         hi = s + r
         bb = hi - s
         lo = (s - (hi - bb)) + (r - bb)
-    ok &= np.isfinite(hi) & np.isfinite(lo)
-    return hi, lo, ok
+    finite = np.isfinite(hi) & np.isfinite(lo)
+    return hi, lo, finite if ok is None else ok & finite

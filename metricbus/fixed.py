@@ -37,39 +37,33 @@ class Terms:
 
     slot: Array  # int64
     m: Array  # int64
-    q: Array  # int64
-    top: Array  # int64
+    q: Array  # int
+    top: Array  # float64 (the type of the maxima pass)
 
     def where(self, keep: Array) -> Terms:
         """The terms where ``keep`` (a bool per term) is True."""
         return Terms(self.slot[keep], self.m[keep], self.q[keep], self.top[keep])
 
 
-NO_TERMS = Terms(*(np.zeros(0, dtype=np.int64) for _ in range(4)))
+NO_TERMS = Terms(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0))
 
 
 def concat(*terms: Terms) -> Terms:
     """All of ``terms`` in one."""
-    if len(terms) == 1:
-        return terms[0]
-    return Terms(*(np.concatenate([getattr(t, f) for t in terms]) for f in ("slot", "m", "q", "top")))
-
-
-def _split(v: Array) -> tuple[Array, Array, Array]:
-    """``(m, q, top)`` of finite nonzero float64 ``v`` (any shape)."""
-    frac, top = np.frexp(v)
-    m53 = (frac * 9007199254740992.0).astype(np.int64)  # frac · 2**53: exact
-    magnitude = np.abs(m53)
-    ctz = np.frexp((magnitude & -magnitude).astype(np.float64))[1] - 1  # the lowest set bit's position
-    top = top.astype(np.int64)
-    return m53 >> ctz, top - 53 + ctz, top
+    held = [t for t in terms if len(t.m)]
+    if len(held) <= 1:
+        return held[0] if held else terms[0]
+    return Terms(*(np.concatenate([getattr(t, f) for t in held]) for f in ("slot", "m", "q", "top")))
 
 
 def decompose(values: Array, slots: Array) -> Terms:
     """The :class:`Terms` of float64 ``values`` (``slots``: each value's slot index)."""
-    keep = np.flatnonzero(np.isfinite(values) & (values != 0.0))
-    m, q, top = _split(values[keep])
-    return Terms(slots[keep], m, q, top)
+    keep = (np.isfinite(values) & (values != 0.0)).nonzero()[0]  # (indices: a bool mask indexes slowly when large)
+    frac, top = np.frexp(values[keep])
+    m53 = (frac * 9007199254740992.0).astype(np.int64)  # frac · 2**53: exact
+    magnitude = np.abs(m53)
+    ctz = np.frexp((magnitude & -magnitude).astype(np.float64))[1] - 1  # the lowest set bit's position
+    return Terms(slots[keep], m53 >> ctz, top + (ctz - 53), top.astype(np.float64))
 
 
 def scan(terms: Terms, n_slots: int) -> tuple[Array, Array]:
@@ -77,7 +71,7 @@ def scan(terms: Terms, n_slots: int) -> tuple[Array, Array]:
     e_max = np.full(n_slots, float(NONE))
     nq_max = np.full(n_slots, float(NONE))
     if len(terms.m):
-        np.maximum.at(e_max, terms.slot, terms.top.astype(np.float64))
+        np.maximum.at(e_max, terms.slot, terms.top)
         np.maximum.at(nq_max, terms.slot, (-terms.q).astype(np.float64))
     return e_max, nq_max
 
@@ -89,21 +83,32 @@ def widths(e_max: Array, nq_max: Array) -> Array:
     return np.where(e == NONE, 0, (e - q) // LIMB_BITS + 3)
 
 
-def add_limbs(out: Array, terms: Terms, nq_max: Array, offsets: Array) -> None:
+def bit_starts(nq_max: Array, offsets: Array) -> Array:
+    """Where each slot's ``2**Q`` sits in a limb vector, in bits: ``32 · offsets[s] - Q`` (``Q = -nq_max[s]``)."""
+    return offsets * LIMB_BITS + nq_max.astype(np.int64)
+
+
+def add_limbs(out: Array, terms: Terms, starts: Array) -> None:
     """Add ``terms`` to the int64 limb vector ``out``: slot ``s``'s limbs start at ``offsets[s]``, aligned to the
-    agreed ``Q = -nq_max[s]``."""
+    agreed ``Q = -nq_max[s]``, as :func:`bit_starts` gives them."""
     if not len(terms.m):
         return
-    m, idx = terms.m, terms.slot
-    shift = terms.q + nq_max.astype(np.int64)[idx]  # q - Q >= 0
+    m = terms.m
+    at = terms.q + starts[terms.slot]  # each term's lowest bit in ``out``: 32 · offset + (q - Q), q - Q >= 0
     am = np.abs(m)
-    k0 = offsets[idx] + (shift >> 5)
-    r = shift & 31
+    r = at & 31
     low = (am & _MASK) << r  # < 2**63
     high = (am >> LIMB_BITS) << r  # < 2**52
-    negative = m < 0
-    for i, part in enumerate((low & _MASK, (low >> LIMB_BITS) + (high & _MASK), high >> LIMB_BITS)):
-        np.add.at(out, k0 + i, np.where(negative, -part, part))  # int64 sums: exact
+    parts = np.empty((3, m.size), dtype=np.int64)  # the three limbs each term adds to, from its lowest
+    np.bitwise_and(low, _MASK, out=parts[0])
+    np.right_shift(low, LIMB_BITS, out=parts[1])
+    parts[1] += high & _MASK
+    np.right_shift(high, LIMB_BITS, out=parts[2])
+    parts *= np.sign(m)
+    np.add.at(out, ((at >> 5) + _THREE).ravel(), parts.ravel())  # int64 sums: exact
+
+
+_THREE = np.arange(3, dtype=np.int64)[:, None]
 
 
 def integer(limb_values: list[int]) -> int:

@@ -27,14 +27,14 @@ from collections.abc import Mapping
 import numpy as np
 
 from metricbus.fixed import Array
-from metricbus.rank_level import SLOTS, Prepared, sums
+from metricbus.rank_finish import plan
+from metricbus.rank_level import Prepared, sums
 from metricbus.spec import Spec
 from metricbus.speculate import blank, holds
 
 REFRESH = 16  # one-pass commits between two commits that agree the maxima (and narrow the guess)
 LENGTH_BITS = 48  # a claims payload's length is below 2**48 bytes
 EXTREMA_KINDS = frozenset({"min", "max"})
-_NEG_RANK, _WEIGHTED = 2 * SLOTS + 2, 2 * SLOTS + 3  # in a column's maxima (see metricbus.rank_level)
 _BITS = np.arange(LENGTH_BITS, dtype=np.int64)
 _HEAD = 1 + LENGTH_BITS  # the miss count, then the length bits, then the weighted counts
 
@@ -51,18 +51,18 @@ def own_fit(*, maxima: Array, present: Array, weighted: Array, rank: int, guess:
     as that rank, no weights in a column guessed unweighted."""
     if not holds(maxima, guess):
         return False
-    lowest = -guess[:, _NEG_RANK]
-    if (present & (rank < lowest)).any() or (~present & (rank == lowest)).any():
+    held = plan(guess)
+    lowest = held.lowest
+    if not np.where(present, lowest <= rank, lowest != rank).all():
         return False
-    return not (weighted & (guess[:, _WEIGHTED] == 0)).any()
+    return not (weighted.any() and (weighted & held.unweighted).any())
 
 
 def vector(prep: Prepared, *, maxima: Array, rank: int, guess: Array, length: int) -> Array:
     """What this rank all-reduces (SUM) in a one-pass commit: its checks (:func:`flags`), then its sums laid out by
     ``guess`` (zeros of their length where its row does not fit it). ``prep``: this rank's one-row block, ``maxima``
     its maxima, ``length`` the byte length of its claims payload (0: none)."""
-    present = prep.present[0]
-    weighted = present & ~prep.unit[0]
+    present, weighted = prep.present[0], prep.weighted[0]
     fits = own_fit(maxima=maxima, present=present, weighted=weighted, rank=rank, guess=guess)
     checks = flags(fits=fits, length=length, weighted=weighted, guess=guess)
     return np.concatenate((checks, sums(prep, guess) if fits else blank(guess)))
@@ -72,17 +72,19 @@ def flags(*, fits: bool, length: int, weighted: Array, guess: Array) -> Array:
     """The int64 checks this rank sends ahead of its sums (see the module docstring)."""
     if not 0 <= length < 1 << LENGTH_BITS:
         raise ValueError(f"a claims payload of {length} bytes: at most 2**{LENGTH_BITS} - 1 are sent")
-    out = np.empty(_HEAD + int((guess[:, _WEIGHTED] > 0).sum()), dtype=np.int64)
+    held = plan(guess)
+    out = np.empty(_HEAD + held.n_weighted, dtype=np.int64)
     out[0] = 0 if fits else 1
-    out[1:_HEAD] = (length >> _BITS) & 1
-    out[_HEAD:] = weighted[guess[:, _WEIGHTED] > 0]
+    out[1:_HEAD] = (length >> _BITS) & 1 if length else 0
+    out[_HEAD:] = weighted[held.weighted]
     return out
 
 
 def read(summed: Array, guess: Array) -> tuple[bool, int, Array]:
     """``(hit, longest, sums)`` of the reduced flags and sums: whether the guess held on every rank, a bound on the
     longest claims payload (0: none), and the reduced sums laid out by the guess."""
-    end = _HEAD + int((guess[:, _WEIGHTED] > 0).sum())
+    end = _HEAD + plan(guess).n_weighted
     hit = summed[0] == 0 and bool((summed[_HEAD:end] > 0).all())
-    longest = int(((summed[1:_HEAD] > 0).astype(np.int64) << _BITS).sum())
+    lengths = summed[1:_HEAD]
+    longest = int(((lengths > 0).astype(np.int64) << _BITS).sum()) if lengths.any() else 0
     return hit, longest, summed[end:]

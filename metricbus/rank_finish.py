@@ -10,13 +10,15 @@ per-column path would compute from the same ``(hi, lo)``.
 
 :func:`limb_sums` finds ``(hi, lo, ok)`` of fixed-point limbs (:mod:`metricbus.fixed`) without Python integers:
 the limbs are regrouped into 48-bit pieces (exact doubles) and added by TwoSum
-(:func:`metricbus.extract.double_double`, which says where that sum is exact).
+(:func:`metricbus.extract.double_double`, which says where that sum is exact). Where each slot's limbs lie in the
+sums, and what else the sums pass and this step read of the agreed maxima, is found once per maxima (:func:`plan`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
@@ -24,7 +26,7 @@ import numpy as np
 
 from metricbus import extract, fixed, second_moment
 from metricbus.fixed import Array
-from metricbus.summary import Rest, Summary
+from metricbus.summary import N_FIELDS, Rest, Summary
 
 SLOTS = 4  # the exact sums of a column: weight, wsum, total, t
 # the fixed slots, per column: count, workers, first/last/m2 bits, then per slot NaN, +inf, -inf, -0.0 counts, then
@@ -34,57 +36,140 @@ NONFINITE = 5  # + 4 * slot + (0 NaN, 1 +inf, 2 -inf, 3 -0.0)
 NAN_MINMAX = NONFINITE + 4 * SLOTS
 NS = NAN_MINMAX + 1
 EXACT_COUNT = 2**53  # a count below this is its own float
+# the maxima, per column: E of each slot, -Q of each slot, max, -min, -rank, whether any worker has weights
+NM = 2 * SLOTS + 4
+MAXIMUM, NEG_MINIMUM, NEG_RANK, WEIGHTED = range(2 * SLOTS, NM)
 
 Quick = tuple[Array, Array, Array] | None  # one slot's (hi, lo, ok) per column; None: ask exact_sum everywhere
 ExactSum = Callable[[int, int], tuple[float, ...] | None]  # (column, slot) -> components, None for a zero sum
 
 _WIDEST = 9  # limbs: a wider slot (a span beyond ~200 bits, which a double-double rarely holds) takes Python ints
 _LIMB_LIMIT = 1 << 36
+# the two 48-bit pieces of limbs a, b, c (planned_limb_sums): (a >> 0) + ((b & 0xFFFF) << 32), (b >> 16) + (c << 16)
+_SHIFT_DOWN = np.array([0, 16], dtype=np.int64)[:, None, None]
+_KEPT_BITS = np.array([0xFFFF, -1], dtype=np.int64)[:, None, None]
+_SHIFT_UP = np.array([32, 16], dtype=np.int64)[:, None, None]
 _new = tuple.__new__
+_FROM_BITS = [10, 11, 7]  # the Summary fields of the fixed slots FIRST, LAST, M2
+
+
+@dataclass(frozen=True, slots=True)
+class LimbPlan:
+    """Where :func:`limb_sums` reads each slot's limbs and at what exponents, found once per layout."""
+
+    empty: Array  # (n,) bool: the slots with no limbs (a zero sum)
+    live: Array  # the slots read: every other one's window is wider than _WIDEST limbs
+    inside: Array  # (3, G, m) bool: limb 3·g + k of live slot j at [k, g, j] lies in its window
+    at: Array  # (3, G, m) int64: that limb's position in the sums (0 outside the window)
+    exponents: Array  # (2·G, m) int64: the exponent of each 48-bit piece of three limbs
+
+
+def limb_plan(nq_max: Array, offsets: Array, sizes: Array) -> LimbPlan:
+    """The :class:`LimbPlan` of slots whose limbs start at ``offsets``, ``sizes`` of them, at ``Q = -nq_max``."""
+    live = np.flatnonzero((sizes > 0) & (sizes <= _WIDEST))
+    widths = sizes[live]
+    groups = -(-int(widths.max(initial=0)) // 3)
+    limb = np.arange(3 * groups).reshape(groups, 3).T[:, :, None]
+    inside = limb < widths
+    at = np.where(inside, offsets[live] + limb, 0)
+    exponents = 48 * np.arange(2 * groups)[:, None] - nq_max[live].astype(np.int64)
+    return LimbPlan(sizes == 0, live, inside, at, exponents)
 
 
 def limb_sums(summed: Array, nq_max: Array, offsets: Array, sizes: Array) -> tuple[Array, Array, Array]:
     """Per slot ``(hi, lo, ok)`` of the exact sum ``Σ_i c_i · 2**(32·i + Q)`` of its int64 limbs ``c_i`` (at
     ``summed[offsets[s]:offsets[s] + sizes[s]]``, ``Q = -nq_max[s]``); an empty slot is a zero sum."""
-    n = sizes.shape[0]
-    hi, lo, ok = np.zeros(n), np.zeros(n), sizes == 0
-    live = np.flatnonzero(sizes)
+    return planned_limb_sums(summed, limb_plan(nq_max, offsets, sizes))
+
+
+def planned_limb_sums(summed: Array, where: LimbPlan) -> tuple[Array, Array, Array]:
+    """:func:`limb_sums` with the slots' :class:`LimbPlan`."""
+    n = where.empty.shape[0]
+    hi, lo, ok, live = np.zeros(n), np.zeros(n), where.empty.copy(), where.live
     if not live.size:
         return hi, lo, ok
-    widths = sizes[live]
-    width = int(widths.max())
-    if width > _WIDEST:
-        live = live[widths <= _WIDEST]
-        if not live.size:
-            return hi, lo, ok
-        widths = sizes[live]
-        width = int(widths.max())
-    start = int(offsets[live[0]])
-    if int(widths.min()) == width and start + width * live.size == int(offsets[live[-1]]) + width:
-        limbs = summed[start : start + width * live.size].reshape(live.size, width).T  # (width, m): no gaps
-    else:
-        at = offsets[live] + np.arange(width)[:, None]
-        inside = np.arange(width)[:, None] < widths
-        limbs = np.where(inside, summed[np.where(inside, at, 0)], 0)
-    if width % 3:
-        limbs = np.concatenate((limbs, np.zeros((3 - width % 3, live.size), dtype=np.int64)))
+    limbs = np.where(where.inside, summed[where.at], 0)
     # Three limbs a, b, c are a + b·2**32 + c·2**64 = (a + (b mod 2**16)·2**32) + (b // 2**16 + c·2**16)·2**48:
-    # below 2**53 each (exact doubles) where every |limb| < 2**36 (a few thousand terms of the slot).
-    a, b, c = limbs[0::3], limbs[1::3], limbs[2::3]
-    pieces = np.empty((2 * a.shape[0], live.size), dtype=np.int64)
-    pieces[0::2] = a + ((b & 0xFFFF) << 32)
-    pieces[1::2] = (b >> 16) + (c << 16)
-    used = np.flatnonzero(pieces.any(axis=1))
+    # below 2**53 each (exact doubles) where every |limb| < 2**36 (a few thousand terms of the slot). Piece 2·g + k
+    # of a slot is the k-th of these of its limbs 3·g, 3·g + 1, 3·g + 2.
+    pieces = (limbs[0:2] >> _SHIFT_DOWN) + ((limbs[1:3] & _KEPT_BITS) << _SHIFT_UP)
+    pieces = pieces.transpose(1, 0, 2).reshape(-1, live.size)
+    used = np.nonzero(pieces.any(axis=1))[0]
     if not used.size:
         ok[live] = True
         return hi, lo, ok
     first, last = int(used[0]), int(used[-1]) + 1
-    exponents = 48 * np.arange(first, last)[:, None] - nq_max[live].astype(np.int64)
     with np.errstate(over="ignore"):
-        parts = np.ldexp(pieces[first:last].astype(np.float64), exponents)
+        parts = np.ldexp(pieces[first:last].astype(np.float64), where.exponents[first:last])
     hi[live], lo[live], found = extract.double_double(list(parts), live.size)
-    ok[live] = found & (np.abs(limbs).max(axis=0) < _LIMB_LIMIT)
+    ok[live] = found & (np.abs(limbs).max(axis=(0, 1)) < _LIMB_LIMIT)
     return hi, lo, ok
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What the sums pass and the finish read of one agreed (or guessed) maxima, found once per maxima."""
+
+    nq_max: Array  # (C * SLOTS,) float64: each slot's agreed -Q
+    offsets: Array  # (C * SLOTS,) int64: where each slot's limbs start after the fixed slots
+    sizes: Array  # (C * SLOTS,) int64: each slot's number of limbs
+    total: int  # the length of the sums
+    starts: Array  # each slot's 2**Q as a bit position in the sums (fixed.bit_starts)
+    weighted: Array  # (C,) bool: the columns some worker weights (their weight and wsum have limbs)
+    unweighted: Array  # (C,) bool: those no worker weights
+    n_weighted: int
+    lowest: Array  # (C,) int64: the lowest rank that has each column (2**53 where none has it)
+    limbs: LimbPlan
+    caps: Array  # (C, 2 * SLOTS): each slot's E where it holds terms (else -inf), then its -Q (speculate.holds)
+
+
+def plan(agreed: Array) -> Layout:
+    """The :class:`Layout` of ``agreed`` maxima, found once per maxima (a steady commit's sums and finish read the
+    same guess's, commit after commit; the few latest are kept)."""
+    global _plans
+    key = agreed.tobytes()
+    held = _plans  # one tuple: a reader on another thread sees keys and their own layouts
+    for held_key, found in held:
+        if held_key == key:
+            return found
+    found = _plan_of(agreed)
+    limbs = found.limbs
+    for value in (*map(found.__getattribute__, found.__slots__), *map(limbs.__getattribute__, limbs.__slots__)):
+        if isinstance(value, np.ndarray):  # kept and shared: read-only
+            value.flags.writeable = False
+    _plans = ((key, found), *held[: _KEPT_PLANS - 1])
+    return found
+
+
+_KEPT_PLANS = 4
+_plans: tuple[tuple[bytes, Layout], ...] = ()
+
+
+def _plan_of(agreed: Array) -> Layout:
+    """:func:`plan`, found (an unweighted column has no weight and wsum limbs: its count and Σx say them)."""
+    n_cols = agreed.shape[0]
+    weighted, unweighted = agreed[:, WEIGHTED] > 0, agreed[:, WEIGHTED] == 0
+    e_max = agreed[:, :SLOTS].copy()
+    e_max[unweighted, :2] = fixed.NONE
+    nq_max = agreed[:, SLOTS : 2 * SLOTS].flatten()  # a copy: the layout outlives the caller's array
+    sizes = fixed.widths(e_max.ravel(), nq_max)
+    ends = np.cumsum(sizes) + n_cols * NS
+    offsets = ends - sizes
+    caps = agreed[:, : 2 * SLOTS].copy()
+    caps[:, :SLOTS][caps[:, :SLOTS] == fixed.NONE] = -np.inf  # no term fits a slot the guess holds empty
+    return Layout(
+        nq_max=nq_max,
+        offsets=offsets,
+        sizes=sizes,
+        total=int(ends[-1]) if n_cols else 0,
+        starts=fixed.bit_starts(nq_max, offsets),
+        weighted=weighted,
+        unweighted=unweighted,
+        n_weighted=int(weighted.sum()),
+        lowest=-agreed[:, NEG_RANK].astype(np.int64),
+        limbs=limb_plan(nq_max, offsets, sizes),
+        caps=caps,
+    )
 
 
 class Merged(list[Summary | None]):
@@ -111,56 +196,65 @@ def assemble(head: Array, extrema: Array, moments: Array, quick: Sequence[Quick]
     n_cols = head.shape[0]
     workers, count = head[:, WORKERS], head[:, COUNT]
     weighted = extrema[:, 3] > 0
+    rare = bool(head[:, NONFINITE:].any())  # a non-finite or -0.0 sum, or a NaN min/max, in some column
     # a merged m2 (exact integer arithmetic) or a count beyond 2**53 takes the per-column path
-    slow = (moments & (workers > 1)) | (count >= EXACT_COUNT)
-    total_hi, total_lo, bad = _slot(head, workers, 2, quick[2])
+    slow = count >= EXACT_COUNT
+    if moments.any():
+        slow |= moments & (workers > 1)
+    total_hi, total_lo, bad = _slot(head, workers, 2, quick[2], rare=rare)
     slow |= bad
-    if weighted.any():
-        weight_hi, weight_lo, bad_weight = _slot(head, workers, 0, quick[0])
-        wsum_hi, wsum_lo, bad_wsum = _slot(head, workers, 1, quick[1])
+    any_weighted = bool(weighted.any())
+    if any_weighted:
+        weight_hi, weight_lo, bad_weight = _slot(head, workers, 0, quick[0], rare=rare)
+        wsum_hi, wsum_lo, bad_wsum = _slot(head, workers, 1, quick[1], rare=rare)
         slow |= weighted & (bad_weight | bad_wsum)
-        weight_hi = np.where(weighted, weight_hi, count.astype(np.float64))
-        weight_lo = np.where(weighted, weight_lo, 0.0)
-        wsum_hi = np.where(weighted, wsum_hi, total_hi)
-        wsum_lo = np.where(weighted, wsum_lo, total_lo)
+    every = not slow.any() and bool(workers.all())
+    picks: Any = slice(None) if every else np.flatnonzero((workers > 0) & ~slow)
+    columns = np.empty((N_FIELDS, n_cols if every else picks.size))  # float64: the count's int64 converts exactly
+    columns[0] = count[picks]
+    columns[5], columns[6] = total_hi[picks], total_lo[picks]
+    if any_weighted:
+        chosen = weighted[picks]
+        columns[1] = np.where(chosen, weight_hi[picks], columns[0])
+        columns[2] = np.where(chosen, weight_lo[picks], 0.0)
+        columns[3] = np.where(chosen, wsum_hi[picks], columns[5])
+        columns[4] = np.where(chosen, wsum_lo[picks], columns[6])
     else:  # unit weights: Σw is the count, Σw·x is Σx
-        weight_hi, weight_lo, wsum_hi, wsum_lo = count.astype(np.float64), np.zeros(n_cols), total_hi, total_lo
-    fast = (workers > 0) & ~slow
-    every = bool(fast.all())
-    picks = slice(None) if every else np.flatnonzero(fast)
-    bits = head[picks, FIRST : M2 + 1].view(np.float64)  # first, last, m2
-    m2 = bits[:, 2]
+        columns[1], columns[2], columns[3:5] = columns[0], 0.0, columns[5:7]
+    columns[_FROM_BITS] = head[picks, FIRST : M2 + 1].view(np.float64).T  # first, last, m2
     single = workers[picks] == 1
     if not single.all():  # several workers, no chain reads the merged m2: not computed
-        m2 = np.where(single, m2, math.nan)
-    lowest, highest = -extrema[picks, 1], extrema[picks, 0]
-    no_order = head[picks, NAN_MINMAX] != 0
-    if no_order.any():
-        lowest, highest = np.where(no_order, math.nan, lowest), np.where(no_order, math.nan, highest)
-    fields = (
-        count[picks], weight_hi[picks], weight_lo[picks], wsum_hi[picks], wsum_lo[picks], total_hi[picks],
-        total_lo[picks], m2, lowest, highest, bits[:, 0], bits[:, 1],
-    )
-    rows = zip(*(f.tolist() for f in fields), repeat(()), repeat(None))
+        columns[7, ~single] = math.nan
+    columns[8:10] = extrema[picks, 1::-1].T  # -min, max
+    np.negative(columns[8], out=columns[8])
+    if rare:
+        no_order = head[picks, NAN_MINMAX] != 0
+        columns[8:10, no_order] = math.nan
+    if any_weighted:
+        rows = zip(count[picks].tolist(), *columns[1:].tolist(), repeat(()), repeat(None))
+    else:  # (the lists of Σx serve Σw·x too)
+        weight, (total, total_lo, *others) = columns[1].tolist(), columns[5:].tolist()
+        rows = zip(count[picks].tolist(), weight, repeat(0.0), total, total_lo, total, total_lo, *others, repeat(()),
+                   repeat(None))
     built: list[Summary | None] = list(map(_new, repeat(Summary), rows))
-    others = np.flatnonzero((workers > 0) & slow)
-    columns = None if others.size else np.stack(fields)  # float64: the count's int64 converts exactly
     if every:
         return Merged(built, fields=columns)
+    slow_ones = np.flatnonzero((workers > 0) & slow)
     out = Merged([None] * n_cols)
-    for c, state in zip(np.flatnonzero(fast).tolist(), built, strict=True):
+    for c, state in zip(picks.tolist(), built, strict=True):
         out[c] = state
-    out.fields, out.picks = columns, picks
-    if others.size:
+    out.fields, out.picks = None if slow_ones.size else columns, picks
+    if slow_ones.size:
         found = _quick_or_exact(quick, exact_sum)
-        for c in others.tolist():
+        for c in slow_ones.tolist():
             out[c] = column(head[c].tolist(), extrema[c].tolist(), bool(moments[c]), c, found)
     return out
 
 
-def _slot(head: Array, workers: Array, slot: int, quick: Quick) -> tuple[Array, Array, Array]:
+def _slot(head: Array, workers: Array, slot: int, quick: Quick, *, rare: bool) -> tuple[Array, Array, Array]:
     """One slot's ``(hi, lo, bad)`` per column: IEEE's sum of the non-finite terms where there are any, a signed
-    zero for a zero sum, else the quick sum; ``bad`` where that is not known exact (then ask ``exact_sum``)."""
+    zero for a zero sum, else the quick sum; ``bad`` where that is not known exact (then ask ``exact_sum``).
+    ``rare``: whether any column counts non-finite terms (else none is looked for)."""
     base = NONFINITE + 4 * slot
     n_cols = head.shape[0]
     hi, lo, ok = (np.zeros(n_cols), np.zeros(n_cols), np.zeros(n_cols, dtype=bool)) if quick is None else quick
@@ -169,11 +263,12 @@ def _slot(head: Array, workers: Array, slot: int, quick: Quick) -> tuple[Array, 
         hi = np.where(zero, np.where(head[:, base + 3] == workers, -0.0, 0.0), hi)
         lo = np.where(zero, 0.0, lo)
     lo = lo + 0.0  # a zero remainder is +0.0, as the components' absent lo
-    special = head[:, base : base + 3].any(axis=1)  # NaN, +inf, -inf terms
-    if special.any():
-        nan, pos, neg = head[:, base] != 0, head[:, base + 1] != 0, head[:, base + 2] != 0
-        value = np.where(nan | (pos & neg), math.nan, np.where(pos, math.inf, -math.inf))
-        hi, lo = np.where(special, value, hi), np.where(special, 0.0, lo)
+    special = head[:, base : base + 3].any(axis=1) if rare else None  # NaN, +inf, -inf terms
+    if special is None or not special.any():
+        return hi, lo, ~ok
+    nan, pos, neg = head[:, base] != 0, head[:, base + 1] != 0, head[:, base + 2] != 0
+    value = np.where(nan | (pos & neg), math.nan, np.where(pos, math.inf, -math.inf))
+    hi, lo = np.where(special, value, hi), np.where(special, 0.0, lo)
     return hi, lo, ~(special | ok)
 
 

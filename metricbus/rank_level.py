@@ -34,6 +34,7 @@ Summaries are assembled column-wise, vectorized, by :mod:`metricbus.rank_finish`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -41,14 +42,14 @@ import numpy as np
 
 from metricbus import exact, extract, fixed, rank_finish, second_moment, sketch_level
 from metricbus.fixed import Array
-from metricbus.rank_finish import COUNT, FIRST, LAST, M2, NAN_MINMAX, NONFINITE, WORKERS
+from metricbus.rank_finish import COUNT, FIRST, M2, NAN_MINMAX, NONFINITE, WORKERS
 from metricbus.sketch import Sketch, unknown
 from metricbus.summary import N_FIELDS, Summary, with_sketch
 
 SLOTS = rank_finish.SLOTS  # the exact sums of a column: weight, wsum, total, t
 # maxima, per column: E of each slot, -Q of each slot, max, -min, -rank, whether any worker has weights
-NM = 2 * SLOTS + 4
-_MAX, _NEG_MIN, _NEG_RANK, _WEIGHTED = 2 * SLOTS, 2 * SLOTS + 1, 2 * SLOTS + 2, 2 * SLOTS + 3
+NM = rank_finish.NM
+_MAX, _NEG_MIN, _NEG_RANK, _WEIGHTED = range(2 * SLOTS, NM)
 NS = rank_finish.NS  # sums, per column: fixed slots (count, workers, first/last/m2 bits, non-finite and -0.0 counts)
 ABSENT_RANK = -float(2**53)  # -rank of a column no worker has
 _EMPTY_FIELDS = Summary().as_tuple()
@@ -94,9 +95,10 @@ class Prepared:
     block: Block
     present: Array  # (R, C) bool
     unit: Array  # (R, C) bool: present, unit weights (weight = count, Σw·x = Σx), no further weight components
+    weighted: Array  # (R, C) bool: present, not unit
     sources: tuple[tuple[int, Array], ...]  # (slot, (n, C) values): the dense terms of each sum slot
     extra: fixed.Terms  # the rests' further components
-    t_hi: Array  # (R, C): t where the column's m2 is merged (moments), else 0
+    t_hi: Array | None  # (R, C): t where the column's m2 is merged (moments), else 0; None: no such column
     dense: fixed.Terms  # the sources' terms, decomposed once for both passes
 
 
@@ -114,16 +116,17 @@ def _prepared(block: Block, *, decompose: bool) -> Prepared:
         if which < 2:
             unit[r, c] = False
     sources: list[tuple[int, Array]] = [(2, fields[5]), (2, fields[6])]
-    t_hi = np.zeros(present.shape)
-    chosen = present & block.moments[None, :]
-    if chosen.any():
+    t_hi = None
+    chosen = present & block.moments if block.moments.any() else None
+    if chosen is not None and chosen.any():
         where = np.nonzero(chosen)
         hi, lo = second_moment.t_parts(fields[:, where[0], where[1]])
+        t_hi = np.zeros(present.shape)
         t_hi[where] = hi
         t_lo = np.zeros(present.shape)
         t_lo[where] = lo
         sources.extend(((3, t_hi), (3, t_lo)))
-    weighted = present & ~unit
+    weighted = present ^ unit  # (unit rows are present)
     if weighted.any():
         sources.extend((slot, np.where(weighted, fields[f], 0.0)) for slot, f in ((0, 1), (0, 2), (1, 3), (1, 4)))
     extra = fixed.NO_TERMS
@@ -131,16 +134,29 @@ def _prepared(block: Block, *, decompose: bool) -> Prepared:
         values = [x for _, _, _, parts in block.rests for x in parts]
         slots = [c * SLOTS + w for _, c, w, parts in block.rests for _ in parts]
         extra = fixed.decompose(np.array(values, dtype=np.float64), np.array(slots, dtype=np.int64))
-    dense = _terms(sources, fields.shape[2]) if decompose else fixed.NO_TERMS
-    return Prepared(block, present, unit, tuple(sources), extra, t_hi, dense)
+    dense = _terms(sources) if decompose else fixed.NO_TERMS
+    return Prepared(block, present, unit, weighted, tuple(sources), extra, t_hi, dense)
 
 
-def _terms(sources: Sequence[tuple[int, Array]], n_cols: int) -> fixed.Terms:
-    """The terms of dense sources, each (n, C) matrix's column ``c`` in slot ``c * SLOTS + slot``."""
-    columns = np.arange(n_cols, dtype=np.int64) * SLOTS
+def _terms(sources: Sequence[tuple[int, Array]]) -> fixed.Terms:
+    """The terms of dense sources (each an (R, C) matrix), each matrix's column ``c`` in slot ``c * SLOTS + slot``."""
+    rows, n_cols = sources[0][1].shape
     values = np.concatenate([v.ravel() for _, v in sources])
-    slots = np.concatenate([np.broadcast_to(columns + slot, v.shape).ravel() for slot, v in sources])
-    return fixed.decompose(values, slots)
+    slots = tuple(slot for slot, _ in sources)
+    index = _slot_index if len(values) <= _CACHED_TERMS else _slot_index.__wrapped__
+    return fixed.decompose(values, index(slots, rows, n_cols))
+
+
+_CACHED_TERMS = 1 << 13  # the slot index of blocks up to this many dense terms is kept (64 KiB each, 64 shapes)
+
+
+@functools.lru_cache(maxsize=64)
+def _slot_index(slots: tuple[int, ...], rows: int, n_cols: int) -> Array:
+    """The slot of each of :func:`_terms`' values (read-only: it is shared)."""
+    at = np.arange(n_cols, dtype=np.int64) * SLOTS + np.array(slots, dtype=np.int64)[:, None, None]
+    out = np.broadcast_to(at, (len(slots), rows, n_cols)).ravel()
+    out.flags.writeable = False
+    return out
 
 
 # -- the two passes ---------------------------------------------------------------------------------------------------
@@ -148,69 +164,60 @@ def _terms(sources: Sequence[tuple[int, Array]], n_cols: int) -> fixed.Terms:
 
 def maxima(prep: Prepared) -> Array:
     """Pass 1: the (C, NM) float64 maxima of this block's rows (all_reduce MAX them across participants)."""
-    block, unit = prep.block, prep.unit
-    fields = block.fields
+    unit, fields = prep.unit, prep.block.fields
     n_cols = fields.shape[2]
     e_max, nq_max = fixed.scan(fixed.concat(prep.dense, prep.extra), n_cols * SLOTS)
-    e_max, nq_max = e_max.reshape(n_cols, SLOTS), nq_max.reshape(n_cols, SLOTS)
+    out = np.empty((n_cols, NM))
+    out[:, :SLOTS] = e_max.reshape(n_cols, SLOTS)
+    out[:, SLOTS : 2 * SLOTS] = nq_max.reshape(n_cols, SLOTS)
     # Unit rows' weight is their count (an integer: Q = 0 is low enough), their Σw·x their Σx: their exponents
     # bound those slots too, in case another worker's weights make the column weighted.
-    has_unit = unit.any(axis=0)
-    counts = np.frexp(np.where(unit, fields[0], 0.0).max(axis=0, initial=0.0))[1].astype(np.float64)
-    e_max[:, 0] = np.where(has_unit, np.maximum(e_max[:, 0], counts), e_max[:, 0])
-    nq_max[:, 0] = np.where(has_unit, np.maximum(nq_max[:, 0], 0.0), nq_max[:, 0])
-    e_max[:, 1] = np.where(has_unit, np.maximum(e_max[:, 1], e_max[:, 2]), e_max[:, 1])
-    nq_max[:, 1] = np.where(has_unit, np.maximum(nq_max[:, 1], nq_max[:, 2]), nq_max[:, 1])
-    out = np.empty((n_cols, NM))
-    out[:, :SLOTS] = e_max
-    out[:, SLOTS : 2 * SLOTS] = nq_max
+    floor = out[:, _FLOOR_OF]  # per column: E of the count (below), E of Σx, -Q of the count (0), -Q of Σx
+    floor[:, 0] = np.frexp(_row_max(np.where(unit, fields[0], 0.0), 0.0))[1]
+    floor[:, 2] = 0.0
+    out[:, _FLOORED] = np.maximum(out[:, _FLOORED], np.where(_row_max(unit, False)[:, None], floor, fixed.NONE))
     out[:, _MAX:] = _extrema(prep)
     return out
 
 
+_FLOORED = [0, 1, SLOTS, SLOTS + 1]  # E and -Q of Σw and Σw·x, in a column's maxima
+_FLOOR_OF = [2, 2, SLOTS + 2, SLOTS + 2]  # those of Σx
+
+
 def _extrema(prep: Prepared) -> Array:
     """Per column: max, -min, -(the lowest rank that has it), and whether any worker has weights."""
-    block, present, unit = prep.block, prep.present, prep.unit
-    fields = block.fields
-    out = np.empty((fields.shape[2], 4))
-    with np.errstate(invalid="ignore"):
-        highest = np.where(present & ~np.isnan(fields[9]), fields[9], -np.inf)
-        lowest = np.where(present & ~np.isnan(fields[8]), -fields[8], -np.inf)
-    out[:, 0] = highest.max(axis=0, initial=-np.inf)
-    out[:, 1] = lowest.max(axis=0, initial=-np.inf)
-    neg_rank = np.where(present, -block.ranks.astype(np.float64)[:, None], ABSENT_RANK)
-    out[:, 2] = neg_rank.max(axis=0, initial=ABSENT_RANK)
-    out[:, 3] = (present & ~unit).any(axis=0)
+    block, present = prep.block, prep.present
+    out = np.empty((block.fields.shape[2], 4))
+    ends = block.fields[[9, 8]]  # max, then min (negated below)
+    np.negative(ends[1], out=ends[1])
+    out[:, :2] = _row_max(np.where(present & ~np.isnan(ends), ends, -np.inf), -np.inf).T  # NaN left out
+    out[:, 2] = _row_max(np.where(present, -block.ranks.astype(np.float64)[:, None], ABSENT_RANK), ABSENT_RANK)
+    out[:, 3] = _row_max(prep.weighted, False)
     return out
+
+
+def _row_max(values: Array, initial: float) -> Array:
+    """Per column, the largest of (..., R, C) ``values`` and ``initial`` (one row: its own; no value below
+    ``initial``, none NaN)."""
+    return values[..., 0, :] if values.shape[-2] == 1 else values.max(axis=-2, initial=initial)
+
+
+def _row_count(mask: Array) -> Array:
+    """Per column, how many rows of the (..., R, C) bool ``mask`` are set."""
+    return mask[..., 0, :] if mask.shape[-2] == 1 else mask.sum(axis=-2)
 
 
 def layout(agreed: Array) -> tuple[Array, Array, int]:
     """``(nq_max, offsets, total)``: each slot's agreed -Q and where its limbs start after the fixed slots (an
     unweighted column has no weight and wsum limbs: its count and Σx say them)."""
-    nq_max, offsets, _, total = _layout(agreed)
-    return nq_max, offsets, total
+    found = rank_finish.plan(agreed)
+    return found.nq_max, found.offsets, found.total
 
 
 def _layout(agreed: Array) -> tuple[Array, Array, Array, int]:
-    """:func:`layout` and each slot's number of limbs, found once per agreed maxima (:func:`sums` and
-    :func:`finish` of one commit read the same)."""
-    global _last_layout
-    key = agreed.tobytes()
-    held = _last_layout
-    if held is not None and held[0] == key:
-        return held[1]
-    n_cols = agreed.shape[0]
-    e_max = agreed[:, :SLOTS].copy()
-    e_max[agreed[:, _WEIGHTED] == 0, :2] = fixed.NONE
-    nq_max = agreed[:, SLOTS : 2 * SLOTS].flatten()  # a copy: the layout outlives the caller's array
-    sizes = fixed.widths(e_max.ravel(), nq_max)
-    ends = np.cumsum(sizes) + n_cols * NS
-    found = (nq_max, ends - sizes, sizes, int(ends[-1]) if n_cols else 0)
-    _last_layout = (key, found)  # one tuple: a reader on another thread sees a key and its own layout
-    return found
-
-
-_last_layout: tuple[bytes, tuple[Array, Array, Array, int]] | None = None
+    """:func:`layout` and each slot's number of limbs."""
+    found = rank_finish.plan(agreed)
+    return found.nq_max, found.offsets, found.sizes, found.total
 
 
 def sums(prep: Prepared, agreed: Array) -> Array:
@@ -218,54 +225,63 @@ def sums(prep: Prepared, agreed: Array) -> Array:
     block, unit = prep.block, prep.unit
     fields = block.fields
     n_cols = fields.shape[2]
-    nq_max, offsets, _, total = _layout(agreed)
-    weighted = agreed[:, _WEIGHTED] > 0
-    out = np.zeros(total, dtype=np.int64)
+    held = rank_finish.plan(agreed)
+    out = np.zeros(held.total, dtype=np.int64)
     terms = [prep.dense]  # a worker's weight and wsum terms make its column weighted everywhere: all kept
-    also = unit & weighted[None, :]  # unit rows of a column another worker weights: their weight and wsum
-    if also.any():
-        terms.append(_terms([(slot, np.where(also, fields[f], 0.0)) for slot, f in ((0, 0), (1, 5), (1, 6))], n_cols))
+    also = unit & held.weighted if held.n_weighted else None  # unit rows of a column another worker weights
+    if also is not None and also.any():  # their weight and wsum
+        terms.append(_terms([(slot, np.where(also, fields[f], 0.0)) for slot, f in ((0, 0), (1, 5), (1, 6))]))
     extra = prep.extra
     if len(extra.m):
-        also_rest = [c * SLOTS + 1 for r, c, which, parts in block.rests if which == 2 and also[r, c] for _ in parts]
-        terms.append(extra.where((extra.slot % SLOTS >= 2) | weighted[extra.slot // SLOTS]))
-        if also_rest:
-            values = [x for r, c, which, parts in block.rests if which == 2 and also[r, c] for x in parts]
-            terms.append(fixed.decompose(np.array(values), np.array(also_rest)))
-    fixed.add_limbs(out, fixed.concat(*terms), nq_max, offsets)
-    out[: n_cols * NS] = _head(prep, -agreed[:, _NEG_RANK].astype(np.int64)).ravel()
+        terms.append(extra.where((extra.slot % SLOTS >= 2) | held.weighted[extra.slot // SLOTS]))
+        also_rests = [(c, p) for r, c, which, p in block.rests if which == 2 and also is not None and also[r, c]]
+        if also_rests:  # Σx rests of those rows: their Σw·x
+            values = [x for _, parts in also_rests for x in parts]
+            terms.append(fixed.decompose(np.array(values), np.array([c * SLOTS + 1 for c, p in also_rests for _ in p])))
+    fixed.add_limbs(out, fixed.concat(*terms), held.starts)
+    _head(prep, held.lowest, out[: n_cols * NS].reshape(n_cols, NS))
     return out
 
 
-def _head(prep: Prepared, lowest_rank: Array) -> Array:
-    """The (C, NS) int64 fixed slots of this block's rows (``lowest_rank``: per column, the lowest rank having it)."""
+def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
+    """Fill the (C, NS) int64 fixed slots ``head`` (zeros) of this block's rows (``lowest_rank``: per column, the
+    lowest rank having it)."""
     block, present = prep.block, prep.present
     fields = block.fields
-    n_cols = fields.shape[2]
-    head = np.zeros((n_cols, NS), dtype=np.int64)
-    head[:, COUNT] = fields[0].sum(axis=0).astype(np.int64)
-    head[:, WORKERS] = present.sum(axis=0)
-    mine = present & (block.ranks[:, None] == lowest_rank[None, :])  # at most one row per column
-    row = mine.argmax(axis=0)
-    has = mine.any(axis=0)
-    picked = fields[:, row, np.arange(n_cols)].view(np.int64)
-    for slot, field in ((FIRST, 10), (LAST, 11), (M2, 7)):
-        head[:, slot] = np.where(has, picked[field], 0)
-    his = np.stack((fields[1], fields[3], fields[5], prep.t_hi))  # (slot, R, C): each sum's leading component
-    special = present & ~np.isfinite(his)
-    if special.any():
+    mine = present & (block.ranks[:, None] == lowest_rank)  # at most one row per column
+    if fields.shape[1] == 1:  # one row: its own count and fields
+        head[:, COUNT] = fields[0, 0]
+        head[:, WORKERS] = present[0]
+        head[:, FIRST : M2 + 1] = np.where(mine[0], fields[_PICKED, 0].view(np.int64), 0).T
+    else:
+        n_cols = fields.shape[2]
+        head[:, COUNT] = fields[0].sum(axis=0).astype(np.int64)
+        head[:, WORKERS] = present.sum(axis=0)
+        picked = fields[_PICKED][:, mine.argmax(axis=0), np.arange(n_cols)].view(np.int64)
+        head[:, FIRST : M2 + 1] = np.where(mine.any(axis=0), picked, 0).T
+    his = fields[_LEADING]  # (slot, R, C): each sum's leading component
+    if prep.t_hi is not None:
+        his = np.concatenate((his, prep.t_hi[None]))
+    stop = NONFINITE + 4 * len(his)
+    if not np.isfinite(his).all():
+        special = present & ~np.isfinite(his)
         for k, hit in enumerate((np.isnan(his), his == np.inf, his == -np.inf)):
-            head[:, NONFINITE + k : NAN_MINMAX : 4] = (special & hit).sum(axis=1).T
-    head[:, NONFINITE + 3 : NAN_MINMAX : 4] = (present & (his == 0.0) & np.signbit(his)).sum(axis=1).T
-    head[:, NAN_MINMAX] = (present & (np.isnan(fields[8]) | np.isnan(fields[9]))).sum(axis=0)
-    return head
+            head[:, NONFINITE + k : stop : 4] = _row_count(special & hit).T
+    head[:, NONFINITE + 3 : stop : 4] = _row_count(present & (his.view(np.int64) == _NEGATIVE_ZERO)).T
+    head[:, NAN_MINMAX] = _row_count(present & np.isnan(fields[8:10]).any(axis=0))
+
+
+_PICKED = [10, 11, 7]  # the fields in FIRST, LAST, M2: first, last, m2
+_LEADING = [1, 3, 5]  # the leading components of weight, wsum, total (t's is Prepared.t_hi)
+_NEGATIVE_ZERO = np.int64(-(2**63))  # the bits of -0.0
 
 
 def finish(agreed: Array, summed: Array, moments: Array) -> rank_finish.Merged:
     """Each column's merged Summary (None: no worker has it) from the reduced maxima and sums."""
     n_cols = agreed.shape[0]
-    nq_max, offsets, sizes, _ = _layout(agreed)
-    hi, lo, ok = (a.reshape(n_cols, SLOTS) for a in rank_finish.limb_sums(summed, nq_max, offsets, sizes))
+    held = rank_finish.plan(agreed)
+    nq_max, offsets, sizes = held.nq_max, held.offsets, held.sizes
+    hi, lo, ok = (a.reshape(n_cols, SLOTS) for a in rank_finish.planned_limb_sums(summed, held.limbs))
     quick = [(hi[:, slot], lo[:, slot], ok[:, slot]) for slot in range(SLOTS)]
 
     def limbs_of(c: int, slot: int) -> tuple[float, ...] | None:
@@ -334,8 +350,9 @@ def merge(block: Block) -> list[Summary | None]:
     error-free extraction instead of fixed-point limbs (no exponent pass needed)."""
     prep = _prepared(block, decompose=False)
     extrema = _extrema(prep)
-    head = _head(prep, -extrema[:, 2].astype(np.int64))
     fields = block.fields
+    head = np.zeros((fields.shape[2], NS), dtype=np.int64)
+    _head(prep, -extrema[:, 2].astype(np.int64), head)
     weighted = extrema[:, 3] > 0
     by_slot: dict[int, list[Array]] = {}
     for slot, values in prep.sources:

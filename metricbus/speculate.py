@@ -26,6 +26,7 @@ import numpy as np
 
 from metricbus import fixed
 from metricbus.fixed import Array
+from metricbus.rank_finish import plan
 from metricbus.rank_level import NM, SLOTS, layout
 
 E_MARGIN = 8.0  # values may grow 256-fold before the guess misses
@@ -61,8 +62,8 @@ def holds(maxima: Array, guess: Array) -> bool:
     A rank whose own terms do not sends no sums laid out by the guess (its limbs would fall outside their slots)."""
     if maxima.shape != guess.shape:
         return False
-    e_held, e_guess = maxima[:, _E], guess[:, _E]
-    inside = (e_held == _NONE) | ((e_guess != _NONE) & (e_held <= e_guess) & (maxima[:, _NQ] <= guess[:, _NQ]))
+    below = maxima[:, : 2 * SLOTS] <= plan(guess).caps  # E, then -Q, at most the guess's (E: in a non-empty slot)
+    inside = (below[:, _E] & below[:, _NQ]) | (maxima[:, _E] == _NONE)
     return bool(inside.all())
 
 
