@@ -17,10 +17,10 @@ sums, and what else the sums pass and this step read of the agreed maxima, is fo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -172,22 +172,66 @@ def _plan_of(agreed: Array) -> Layout:
     )
 
 
-class Merged(list[Summary | None]):
-    """Each column's merged Summary (None: no worker has it), as a list; where every column that a worker has took
-    the fast path, also those columns' fields as one array: ``fields`` (N_FIELDS, m), the ``as_tuple()`` of
-    ``self[c]`` in column ``j`` for ``c = picks[j]`` (``picks`` None: every column, in order). ``fields`` is None
-    otherwise, and once an item is replaced."""
+class Merged(MutableSequence[Summary | None]):
+    """Each column's merged Summary (None: no worker has it), built on first use: the columns that took the fast
+    path are held as one array until then (a steady torch.distributed commit reads only the array). ``fields``
+    (N_FIELDS, m) is that array where every column a worker has took the fast path (else None, and None once an
+    item is replaced): the ``as_tuple()`` of ``self[c]`` in column ``j`` for ``c = picks[j]`` (``picks`` None: every
+    column, in order)."""
 
-    __slots__ = ("fields", "picks")
+    __slots__ = ("_built", "_columns", "_counts", "_n", "_others", "fields", "picks")
 
-    def __init__(self, items: Iterable[Summary | None], *, fields: Array | None = None, picks: Array | None = None):
-        super().__init__(items)
-        self.fields = fields
+    def __init__(self, *, n: int, columns: Array, counts: Array, picks: Array | None, others: dict[int, Summary]):
+        self._n = n
+        self._columns = columns  # the fast columns' fields (counts as float64)
+        self._counts = counts  # their counts (int64)
+        self._others = others  # the other columns a worker has: their Summaries
+        self._built: list[Summary | None] | None = None
+        self.fields = None if others else columns
         self.picks = picks
 
+    def _items(self) -> list[Summary | None]:
+        built = self._built
+        if built is None:
+            rows = zip(self._counts.tolist(), *self._columns[1:].tolist(), repeat(()), repeat(None))
+            fast: list[Summary | None] = list(map(_new, repeat(Summary), rows))
+            if self.picks is None:
+                built = fast
+            else:
+                built = [None] * self._n
+                for c, state in zip(self.picks.tolist(), fast, strict=True):
+                    built[c] = state
+            for c, state in self._others.items():
+                built[c] = state
+            self._built = built
+        return built
+
+    @overload
+    def __getitem__(self, index: int) -> Summary | None: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Summary | None]: ...
+    def __getitem__(self, index: int | slice) -> Summary | list[Summary | None] | None:
+        return self._items()[index]
+
+    @overload
+    def __setitem__(self, index: int, value: Summary | None) -> None: ...
+    @overload
+    def __setitem__(self, index: slice, value: Iterable[Summary | None]) -> None: ...
     def __setitem__(self, index: Any, value: Any) -> None:
+        self._items()[index] = value
         self.fields = None
-        super().__setitem__(index, value)
+
+    def __delitem__(self, index: int | slice) -> None:
+        raise TypeError("a Merged holds one item per column: replace an item instead")
+
+    def insert(self, index: int, value: Summary | None) -> None:
+        raise TypeError("a Merged holds one item per column: replace an item instead")
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[Summary | None]:
+        return iter(self._items())
 
 
 def assemble(head: Array, extrema: Array, moments: Array, quick: Sequence[Quick], exact_sum: ExactSum) -> Merged:
@@ -230,25 +274,13 @@ def assemble(head: Array, extrema: Array, moments: Array, quick: Sequence[Quick]
     if rare:
         no_order = head[picks, NAN_MINMAX] != 0
         columns[8:10, no_order] = math.nan
-    if any_weighted:
-        rows = zip(count[picks].tolist(), *columns[1:].tolist(), repeat(()), repeat(None))
-    else:  # (the lists of Σx serve Σw·x too)
-        weight, (total, total_lo, *others) = columns[1].tolist(), columns[5:].tolist()
-        rows = zip(count[picks].tolist(), weight, repeat(0.0), total, total_lo, total, total_lo, *others, repeat(()),
-                   repeat(None))
-    built: list[Summary | None] = list(map(_new, repeat(Summary), rows))
-    if every:
-        return Merged(built, fields=columns)
-    slow_ones = np.flatnonzero((workers > 0) & slow)
-    out = Merged([None] * n_cols)
-    for c, state in zip(picks.tolist(), built, strict=True):
-        out[c] = state
-    out.fields, out.picks = None if slow_ones.size else columns, picks
-    if slow_ones.size:
+    others: dict[int, Summary] = {}
+    slow_ones = () if every else np.flatnonzero((workers > 0) & slow).tolist()
+    if slow_ones:
         found = _quick_or_exact(quick, exact_sum)
-        for c in slow_ones.tolist():
-            out[c] = column(head[c].tolist(), extrema[c].tolist(), bool(moments[c]), c, found)
-    return out
+        for c in slow_ones:
+            others[c] = column(head[c].tolist(), extrema[c].tolist(), bool(moments[c]), c, found)
+    return Merged(n=n_cols, columns=columns, counts=count[picks], picks=None if every else picks, others=others)
 
 
 def _slot(head: Array, workers: Array, slot: int, quick: Quick, *, rare: bool) -> tuple[Array, Array, Array]:

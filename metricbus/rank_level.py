@@ -35,7 +35,7 @@ Summaries are assembled column-wise, vectorized, by :mod:`metricbus.rank_finish`
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -293,7 +293,7 @@ def finish(agreed: Array, summed: Array, moments: Array) -> rank_finish.Merged:
     return rank_finish.assemble(summed[: n_cols * NS].reshape(n_cols, NS), agreed[:, _MAX:], moments, quick, limbs_of)
 
 
-def merge_collective(block: Block) -> list[Summary | None]:
+def merge_collective(block: Block) -> rank_finish.Merged:
     """Both passes of the collective merge run on one process (what torch.distributed computes, for checks): each
     row stands for one participant, so the sketches' passes run per row and are reduced here."""
     prep = prepare(block)
@@ -308,7 +308,7 @@ def merge_collective(block: Block) -> list[Summary | None]:
     return out
 
 
-def attach(out: list[Summary | None], columns: Sequence[int], sketches: Sequence[Sketch]) -> None:
+def attach(out: MutableSequence[Summary | None], columns: Sequence[int], sketches: Sequence[Sketch]) -> None:
     """Put each merged sketch on its column's merged Summary (in place)."""
     for c, sketch in zip(columns, sketches, strict=True):
         held = out[c]
@@ -316,7 +316,7 @@ def attach(out: list[Summary | None], columns: Sequence[int], sketches: Sequence
             out[c] = with_sketch(held, sketch)
 
 
-def _merge_sketches(out: list[Summary | None], block: Block) -> list[Summary | None]:
+def _merge_sketches(out: rank_finish.Merged, block: Block) -> rank_finish.Merged:
     if block.sketches:
         columns = sorted({c for _, c, _ in block.sketches})
         rows = list(sketch_rows(block, columns).values())
@@ -344,7 +344,7 @@ def sketch_rows(block: Block, columns: Sequence[int]) -> dict[int, list[Sketch |
     return rows
 
 
-def merge(block: Block) -> list[Summary | None]:
+def merge(block: Block) -> rank_finish.Merged:
     """The rank level on one process (the driver's ingest, journal replay, a single process's workers): the same
     result as the collective merge, bit for bit (both are exact), with the exact sums found column-wise by
     error-free extraction instead of fixed-point limbs (no exponent pass needed)."""

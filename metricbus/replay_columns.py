@@ -142,7 +142,7 @@ class ColumnLayout:
                 state = lift(plan.step_lift(state), sketched=plan.step_sketch)
             out[t][key] = plan.emit(state)
 
-    def _states(self, table: Array, needed: list[tuple[int, int]]) -> list[Summary | None]:
+    def _states(self, table: Array, needed: list[tuple[int, int]]) -> Sequence[Summary | None]:
         """The rank-level Summary of each (commit, metric) in ``needed`` (None: no worker has records)."""
         if self.single:  # one worker: its state, as the live single path reads it (a count of 0 is no state)
             rows = table[[t for t, _ in needed], [m for _, m in needed]].tolist()
