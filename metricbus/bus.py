@@ -34,7 +34,7 @@ from metricbus.errors import (
 )
 from metricbus.options import BusOptions
 from metricbus.partial import Partial, Updates
-from metricbus.ranks import Commit, RankTransport, make_transport
+from metricbus.ranks import Commit, LocalRanks, RankTransport, make_transport
 from metricbus.reduce import StepReducer
 from metricbus.registry import resolve_adapter
 from metricbus.rules import Rules
@@ -254,13 +254,22 @@ class MetricBus:
     def _commit(
         self, step: int, updates: Updates, errors: dict[str, MetricValueError]
     ) -> tuple[dict[str, float], dict[str, MetricValueError]]:
-        needed = self._sink.journaled or self._ranks.collective  # else the reducer reads ``updates`` alone
+        # One worker's usual commit (LocalRanks, nothing ingested: this process is worker 0) is journaled from its
+        # update's columns as they are, without a Partial; any other from the partials the transport hands back
+        journaled = self._sink.journaled
+        steady = (
+            self._collector.steady(updates)
+            if journaled and not self._ingested and type(self._ranks) is LocalRanks
+            else None
+        )
+        journaled = journaled and steady is None
+        needed = journaled or self._ranks.collective  # else the reducer reads ``updates`` alone
         own = self._collector.partial(updates, undeclared=False) if needed else _NOTHING
         ingested, self._ingested = self._ingested, []
         try:
             commit = Commit(
                 own=own, own_updates=updates, ingested=ingested, table=self._table, reducer=self._reducer,
-                journaled=self._sink.journaled, rejected=sorted(errors),
+                journaled=journaled, rejected=sorted(errors),
             )
             exchange = self._ranks.exchange(commit)
         except BaseException:
@@ -284,7 +293,11 @@ class MetricBus:
             self._step_names = names
         journal_error = None
         try:
-            self._sink.record(step=step, entries=exchange.journal)
+            if steady is None:
+                self._sink.record(step=step, entries=exchange.journal)
+            elif not self._sink.columns(step=step, rank=0, layout=steady[0].layout, fields=steady[1]):
+                # not written from the columns (see Sink.columns): through the commit's own partial
+                self._sink.record(step=step, entries=[(0, self._collector.partial(updates, undeclared=False))])
         except JournalError as exc:  # the step is still reduced and delivered; the journal has a gap
             journal_error = exc
         self._table.seal()

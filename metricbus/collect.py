@@ -365,6 +365,27 @@ class Collector:
                 self._device.shift(len(kept))
             self._done = kept + self._done
 
+    def steady(self, updates: Updates) -> tuple[Packed, Any] | None:
+        """``(the last commit's own packed partial, the update's fields)`` when ``updates`` are one update in columns
+        of its metrics under the same spec table (a commit's usual case): this commit's own partial is then that
+        partial with these fields. Else None."""
+        if len(updates) == 1:
+            update = updates[0]
+            if type(update) is MicroUpdate and not update.others:
+                last, version = self._packed.get(_NONE, (None, -1))
+                if last is not None and version == self.table.version:
+                    names = update.names
+                    if last.names is names:
+                        return last, update.fields
+                    if last.names == names:
+                        if self._plain is not None and names is self._plain.names:  # the next commits' names too:
+                            last = Packed(  # kept with them, they compare by identity
+                                names, last.specs, last.fields, last.rests, last.layout, last.single, last.sketches
+                            )
+                            self._packed[_NONE] = (last, version)
+                        return last, update.fields
+        return None
+
     def partial(self, updates: Updates, *, undeclared: bool = True) -> Partial:
         """``updates`` as a Partial, each entry with the table's spec of its name (``undeclared``: also say which
         names have only the default spec, for a receiving bus; a commit here does not need it). One update held in
@@ -374,9 +395,9 @@ class Collector:
         if len(updates) == 1 and type(updates[0]) is MicroUpdate:
             update = updates[0]
             if not undeclared:  # a commit's own partial: usually the metrics and specs of the last one
-                last, version = self._packed.get(_NONE, (None, -1))
-                if last is not None and version == table.version and not update.others and last.names == update.names:
-                    return from_packed(with_fields(last, update.fields), _NONE)  # packed_update's usual case
+                steady = self.steady(updates)
+                if steady is not None:
+                    return from_packed(with_fields(*steady), _NONE)  # packed_update's usual case
             claims = table.claim
             unclaimed = (
                 frozenset(n for n in update if (c := claims(n)) is None or c.origin == DEFAULT)

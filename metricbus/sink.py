@@ -10,7 +10,7 @@ what is left of ``exit_timeout_s`` (counted from when the exit began, shared by 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from metricbus import shutdown
@@ -48,12 +48,17 @@ class Sink:
         self._exit_timeout_s = exit_timeout_s
         self._previous = previous  # the journal this run resumes, until its first commit
         self._journal: Any = None
+        # Journals one worker's commit held in columns, without a Partial (JournalWriter.append_columns); False
+        # where it wrote nothing: then record() journals it. Writes nothing until a resumed run's first record().
+        self.columns: Callable[..., bool] = _nothing_written
         if journal is not None:
             from metricbus.journal import open_journal
 
             self._journal = open_journal(
                 path=journal, fsync=fsync, rank=rank, run=run, rules=rules, log_every=log_every
             )
+            if previous is None:
+                self.columns = self._journal.append_columns
         self.delivery = Delivery(
             list(adapters),
             strict=strict,
@@ -101,6 +106,7 @@ class Sink:
         """
         if self._previous is not None:
             previous, self._previous = self._previous, None
+            self.columns = self._journal.append_columns
             self._catch_up(previous, step)
         if self._journal is not None:
             self._journal.append(step=step, entries=entries)
@@ -137,3 +143,8 @@ class Sink:
                 self._journal.close()
         finally:
             self.delivery.close(status=status, timeout_s=timeout_s)
+
+
+def _nothing_written(*, step: int, rank: int, layout: bytes, fields: Any) -> bool:
+    """:attr:`Sink.columns` where it writes nothing."""
+    return False

@@ -111,6 +111,7 @@ class JournalWriter:
         self._compact: CompactFrame | None = None  # the last one used
         self._next_id = 0
         self._unchecked = 0  # bytes written since the whole name table was
+        self._table: tuple[Names, bytes] | None = None  # a whole name table and its "N" frame, for the checkpoints
         self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
         self._locked = False
         self._last_sync = time.monotonic()
@@ -195,6 +196,20 @@ class JournalWriter:
             self._append_entries(step, entries)
         else:
             self._send(step, steady.fill(step, entries), self._ids)
+
+    def append_columns(self, *, step: int, rank: int, layout: bytes, fields: Any) -> bool:
+        """:meth:`append` of one worker's commit held in columns, without a Partial: ``fields`` (a (N_FIELDS, n)
+        array, no rests or sketches) of the packed partial whose layout is ``layout``. Written, the same bytes, where
+        the last "P" frame was of that layout and rank and its scheme holds (a steady commit); else nothing is
+        written and this returns False (then :meth:`append` writes it)."""
+        compact = self._compact
+        if compact is None or compact.layout != layout or compact.rank != rank or self._fd is None:
+            return False
+        data = compact.frame(step, fields)
+        if data is None:
+            return False
+        self._send(step, data, self._ids)
+        return True
 
     def _compact_of(self, layout: bytes, rank: int) -> CompactFrame | None:
         """The "P" frame writer of ``layout`` from ``rank`` when its names are registered (else None), kept as the
@@ -309,30 +324,40 @@ class JournalWriter:
         (``ids``: the table once this commit is written); then fsync as the policy says."""
         checkpoint = self._unchecked >= CHECKPOINT_BYTES
         if checkpoint:
-            data = names_frame([[i, name, spec_to_json(s)] for name, (i, s) in ids.items()]) + data
+            data = self._table_frame(ids) + data
         if self._gap is not None:
             data = gap_frame(*self._gap) + data
+        fd = self._fd
+        assert fd is not None
+        size = len(data)
         try:
-            assert self._fd is not None
-            written = os.write(self._fd, data)
-            if written < len(data):
+            written = os.write(fd, data)
+            if written < size:
                 self._write(data, written)
         except OSError as exc:
             self._gap = (step, step) if self._gap is None else (self._gap[0], step)
             raise self._error("write", exc, step) from exc
         self._gap = None
-        self._unchecked = 0 if checkpoint else self._unchecked + len(data)
+        self._unchecked = 0 if checkpoint else self._unchecked + size
         try:  # fsync as the policy says (inline: this runs at every commit)
             if self._fsync == "interval":
                 now = time.monotonic()
                 if now - self._last_sync >= FSYNC_INTERVAL_S:
-                    os.fsync(self._fd)
+                    os.fsync(fd)
                     self._last_sync = now
             elif self._fsync == "commit":
-                os.fsync(self._fd)
+                os.fsync(fd)
         except OSError as exc:  # the bytes may never reach the disk: say so, and send the names again
             self._gap = (step, step)
             raise self._error("fsync", exc, step) from exc
+
+    def _table_frame(self, ids: Names) -> bytes:
+        """The "N" frame of the whole name table ``ids``, kept while it is the table (a table is never changed: a
+        name registered makes a new one)."""
+        held = self._table
+        if held is None or held[0] is not ids:
+            held = self._table = (ids, names_frame([[i, name, spec_to_json(s)] for name, (i, s) in ids.items()]))
+        return held[1]
 
     def _error(self, what: str, exc: OSError, step: int) -> JournalError:
         return JournalError(
