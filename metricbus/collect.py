@@ -368,7 +368,8 @@ class Collector:
     def steady(self, updates: Updates) -> tuple[Packed, Any] | None:
         """``(the last commit's own packed partial, the update's fields)`` when ``updates`` are one update in columns
         of its metrics under the same spec table (a commit's usual case): this commit's own partial is then that
-        partial with these fields. Else None."""
+        partial with these fields. Else None. Where the names are equal but not the same object, the kept partial is
+        rekeyed to the update's names (so the next commits compare them by identity)."""
         if len(updates) == 1:
             update = updates[0]
             if type(update) is MicroUpdate and not update.others:
@@ -378,7 +379,8 @@ class Collector:
                     if last.names is names:
                         return last, update.fields
                     if last.names == names:
-                        if self._plain is not None and names is self._plain.names:  # the next commits' names too:
+                        plain = self._plain  # read once: a log() of a new name on another thread may drop it
+                        if plain is not None and names is plain.names:  # the next commits' names too:
                             last = Packed(  # kept with them, they compare by identity
                                 names, last.specs, last.fields, last.rests, last.layout, last.single, last.sketches
                             )

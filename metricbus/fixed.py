@@ -37,7 +37,7 @@ class Terms:
 
     slot: Array  # int64
     m: Array  # int64
-    q: Array  # int
+    q: Array  # an integer dtype (int32 from decompose): exponents within ±1,100
     top: Array  # float64 (the type of the maxima pass)
 
     def where(self, keep: Array) -> Terms:

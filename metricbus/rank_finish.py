@@ -50,7 +50,7 @@ _SHIFT_DOWN = np.array([0, 16], dtype=np.int64)[:, None, None]
 _KEPT_BITS = np.array([0xFFFF, -1], dtype=np.int64)[:, None, None]
 _SHIFT_UP = np.array([32, 16], dtype=np.int64)[:, None, None]
 _new = tuple.__new__
-_FROM_BITS = [10, 11, 7]  # the Summary fields of the fixed slots FIRST, LAST, M2
+BITS_FIELDS = [10, 11, 7]  # the Summary fields whose bits the fixed slots FIRST, LAST, M2 carry: first, last, m2
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +265,7 @@ def assemble(head: Array, extrema: Array, moments: Array, quick: Sequence[Quick]
         columns[4] = np.where(chosen, wsum_lo[picks], columns[6])
     else:  # unit weights: Σw is the count, Σw·x is Σx
         columns[1], columns[2], columns[3:5] = columns[0], 0.0, columns[5:7]
-    columns[_FROM_BITS] = head[picks, FIRST : M2 + 1].view(np.float64).T  # first, last, m2
+    columns[BITS_FIELDS] = head[picks, FIRST : M2 + 1].view(np.float64).T  # first, last, m2
     single = workers[picks] == 1
     if not single.all():  # several workers, no chain reads the merged m2: not computed
         columns[7, ~single] = math.nan

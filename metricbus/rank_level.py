@@ -42,7 +42,7 @@ import numpy as np
 
 from metricbus import exact, extract, fixed, rank_finish, second_moment, sketch_level
 from metricbus.fixed import Array
-from metricbus.rank_finish import COUNT, FIRST, M2, NAN_MINMAX, NONFINITE, WORKERS
+from metricbus.rank_finish import BITS_FIELDS, COUNT, FIRST, M2, NAN_MINMAX, NONFINITE, WORKERS
 from metricbus.sketch import Sketch, unknown
 from metricbus.summary import N_FIELDS, Summary, with_sketch
 
@@ -252,12 +252,12 @@ def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
     if fields.shape[1] == 1:  # one row: its own count and fields
         head[:, COUNT] = fields[0, 0]
         head[:, WORKERS] = present[0]
-        head[:, FIRST : M2 + 1] = np.where(mine[0], fields[_PICKED, 0].view(np.int64), 0).T
+        head[:, FIRST : M2 + 1] = np.where(mine[0], fields[BITS_FIELDS, 0].view(np.int64), 0).T
     else:
         n_cols = fields.shape[2]
         head[:, COUNT] = fields[0].sum(axis=0).astype(np.int64)
         head[:, WORKERS] = present.sum(axis=0)
-        picked = fields[_PICKED][:, mine.argmax(axis=0), np.arange(n_cols)].view(np.int64)
+        picked = fields[BITS_FIELDS][:, mine.argmax(axis=0), np.arange(n_cols)].view(np.int64)
         head[:, FIRST : M2 + 1] = np.where(mine.any(axis=0), picked, 0).T
     his = fields[_LEADING]  # (slot, R, C): each sum's leading component
     if prep.t_hi is not None:
@@ -271,7 +271,6 @@ def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
     head[:, NAN_MINMAX] = _row_count(present & np.isnan(fields[8:10]).any(axis=0))
 
 
-_PICKED = [10, 11, 7]  # the fields in FIRST, LAST, M2: first, last, m2
 _LEADING = [1, 3, 5]  # the leading components of weight, wsum, total (t's is Prepared.t_hi)
 _NEGATIVE_ZERO = np.int64(-(2**63))  # the bits of -0.0
 
