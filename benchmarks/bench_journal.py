@@ -7,19 +7,27 @@
    microseconds it adds per commit.
 2. Replay of that journal into a MemoryAdapter: micro-level summaries per second, and the records they summarise
    per second (each summary's ``count``; target >= 500,000 records/s). Reading the files is included.
+
+``--split`` instead says where the journal's cost goes, each part switched off inside the same loop (interleaved):
+the journal as it is; its ``os.write`` a no-op (what is left: building the frames and the bookkeeping); a steady
+commit's frame not built or written at all (``JournalWriter.append_columns`` accepting it at once: what is left is
+the bus's own journaling glue). Only for measuring: the journal files these write are not valid.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from metricbus import MetricBus
-from metricbus.journal import read_journal
+from metricbus.journal import JournalWriter, read_journal, writer
 from metricbus.replay import record_counts, replay
 from metricbus.testing import MemoryAdapter
 
@@ -42,6 +50,57 @@ def loop(*, metrics: int, records: int, commits: int, journal: str | None) -> fl
     return elapsed
 
 
+class _NoWrite:
+    """The ``os`` module as :mod:`metricbus.journal.writer` sees it, with ``write`` a no-op."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    @staticmethod
+    def write(fd: int, data: bytes) -> int:
+        return len(data)
+
+
+@contextlib.contextmanager
+def _switched_off(part: str) -> Iterator[None]:
+    """Inside: the journal's ``part`` ("write" or "frame"; "": none) switched off (see the module docstring)."""
+    saved_os, saved_append = vars(writer)["os"], JournalWriter.append_columns
+    if part == "write":
+        setattr(writer, "os", _NoWrite())  # noqa: B010 (the module's own name for os)
+    elif part == "frame":
+        def accepted(self: JournalWriter, *, step: int, rank: int, layout: bytes, fields: object) -> bool:
+            compact = self._compact
+            return compact is not None and compact.layout == layout and compact.rank == rank
+
+        setattr(JournalWriter, "append_columns", accepted)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(writer, "os", saved_os)  # noqa: B010
+        setattr(JournalWriter, "append_columns", saved_append)  # noqa: B010
+
+
+def split(*, shape: dict[str, int], repeats: int) -> None:
+    """Print ``--split``'s table: what the journal adds per commit with each part switched off."""
+    parts = {"as it is": "", "os.write a no-op": "write", "no frame built": "frame"}
+    times: dict[str, list[float]] = {label: [] for label in ("without journal", *parts)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(repeats):  # interleaved, best of
+            times["without journal"].append(loop(**shape, journal=None))
+            for label, part in parts.items():
+                with _switched_off(part):
+                    times[label].append(loop(**shape, journal=str(Path(tmp) / f"{part or 'all'}{i}")))
+    base = min(times["without journal"])
+    commits = shape["commits"]
+    print(f"where the journal's cost goes: {shape['metrics']} metrics x {shape['records']} records per commit, "
+          f"{commits} commits, best of {repeats} interleaved")
+    print(f"  without journal   {base * 1e6 / commits:9.1f} us/commit")
+    for label in parts:
+        best = min(times[label])
+        print(f"  {label:17s} {best * 1e6 / commits:9.1f} us/commit  adds {(best - base) * 1e6 / commits:5.1f} us  "
+              f"({best / base:.3f}x)")
+
+
 def main() -> None:
     """Run both measurements and print them."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -49,8 +108,12 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=8)
     parser.add_argument("--commits", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--split", action="store_true", help="where the journal's cost goes (see above)")
     args = parser.parse_args()
     shape = {"metrics": args.metrics, "records": args.records, "commits": args.commits}
+    if args.split:
+        split(shape=shape, repeats=args.repeats)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         plain, journaled = [], []
         for i in range(args.repeats):  # interleaved, best of: the least disturbed run of each
