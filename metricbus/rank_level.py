@@ -214,12 +214,6 @@ def layout(agreed: Array) -> tuple[Array, Array, int]:
     return found.nq_max, found.offsets, found.total
 
 
-def _layout(agreed: Array) -> tuple[Array, Array, Array, int]:
-    """:func:`layout` and each slot's number of limbs."""
-    found = rank_finish.plan(agreed)
-    return found.nq_max, found.offsets, found.sizes, found.total
-
-
 def sums(prep: Prepared, agreed: Array) -> Array:
     """Pass 2: this block's int64 sum vector under the ``agreed`` maxima (all_reduce SUM it across participants)."""
     block, unit = prep.block, prep.unit

@@ -64,6 +64,10 @@ class Plan:
     step_sketch: bool  # whether the step kind reads a sketch
     emit: Kind  # the step kind
 
+    def at_step(self, result: Summary) -> Summary:
+        """Its rank-level ``result`` as the step level reads it (lifted where the step kind differs)."""
+        return result if self.step_lift is None else lift(self.step_lift(result), sketched=self.step_sketch)
+
 
 def plans_of(name: str, spec: Spec) -> tuple[Plan, ...]:
     """The plans of ``name``'s chains."""
@@ -286,7 +290,7 @@ class StepReducer:
                 result = merged[plan.column]
                 if result is None:
                     continue
-                state = result if plan.step_lift is None else lift(plan.step_lift(result), sketched=plan.step_sketch)
+                state = plan.at_step(result)
                 seen = window.get(plan.key)
                 window[plan.key] = (plan, state if seen is None else seen[1].merge(state))
         self._commits += 1
@@ -302,9 +306,7 @@ class StepReducer:
         for plan in self._plan(name, specs[name])[1]:
             result = merged[plan.column]
             if result is not None:
-                out[plan.key] = plan.emit(
-                    result if plan.step_lift is None else lift(plan.step_lift(result), sketched=plan.step_sketch)
-                )
+                out[plan.key] = plan.emit(plan.at_step(result))
         return out
 
     def _single(self, states: WorkerStates, specs: Mapping[str, Spec], version: int | None) -> dict[str, float]:

@@ -188,7 +188,8 @@ def test_the_fast_path_takes_the_common_columns() -> None:
                  for e in (-5, 0, 7) for w in (None, rng.random(8).tolist())] for _ in range(n_rows)]
         block = block_of(rows, list(range(n_rows)), [False] * 6)
         agreed, summed = passes(block)
-        nq_max, offsets, sizes, _ = rank_level._layout(agreed)
+        held = rank_finish.plan(agreed)
+        nq_max, offsets, sizes = held.nq_max, held.offsets, held.sizes
         _, _, ok = rank_finish.limb_sums(summed, nq_max, offsets, sizes)
         for i in range(len(sizes)):  # ok wherever the exact sum is a double-double
             n = sum(v << (32 * j) for j, v in enumerate(summed[offsets[i] : offsets[i] + sizes[i]].tolist()))
