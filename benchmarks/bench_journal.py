@@ -11,7 +11,8 @@
 ``--split`` instead says where the journal's cost goes, each part switched off inside the same loop (interleaved):
 the journal as it is; its ``os.write`` a no-op (what is left: building the frames and the bookkeeping); a steady
 commit's frame not built or written at all (``JournalWriter.append_columns`` accepting it at once: what is left is
-the bus's own journaling glue). Only for measuring: the journal files these write are not valid.
+the bus's own journaling glue); and the journal with zlib's CRC-32 instead of ISA-L's (what a bus without the extra
+``metricbus[fast]`` pays). Only for measuring: the journal files the middle two write are not valid.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import random
 import statistics
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 from metricbus import MetricBus
-from metricbus.journal import JournalWriter, read_journal, writer
+from metricbus.journal import JournalWriter, checksum, compact, format, read_journal, writer
 from metricbus.replay import record_counts, replay
 from metricbus.testing import MemoryAdapter
 
@@ -63,9 +65,13 @@ class _NoWrite:
 
 @contextlib.contextmanager
 def _switched_off(part: str) -> Iterator[None]:
-    """Inside: the journal's ``part`` ("write" or "frame"; "": none) switched off (see the module docstring)."""
+    """Inside: the journal's ``part`` ("write", "frame" or "crc": ISA-L's CRC; "": none) switched off (see the module
+    docstring)."""
     saved_os, saved_append = vars(writer)["os"], JournalWriter.append_columns
-    if part == "write":
+    saved_crc = compact._crc32, format._crc32, format.crc32
+    if part == "crc":
+        compact._crc32 = format._crc32 = format.crc32 = zlib.crc32
+    elif part == "write":
         setattr(writer, "os", _NoWrite())  # noqa: B010 (the module's own name for os)
     elif part == "frame":
         def accepted(self: JournalWriter, *, step: int, rank: int, layout: bytes, fields: object) -> bool:
@@ -78,11 +84,12 @@ def _switched_off(part: str) -> Iterator[None]:
     finally:
         setattr(writer, "os", saved_os)  # noqa: B010
         setattr(JournalWriter, "append_columns", saved_append)  # noqa: B010
+        compact._crc32, format._crc32, format.crc32 = saved_crc
 
 
 def split(*, shape: dict[str, int], repeats: int) -> None:
     """Print ``--split``'s table: what the journal adds per commit with each part switched off."""
-    parts = {"as it is": "", "os.write a no-op": "write", "no frame built": "frame"}
+    parts = {"as it is": "", "os.write a no-op": "write", "no frame built": "frame", "zlib's crc32": "crc"}
     times: dict[str, list[float]] = {label: [] for label in ("without journal", *parts)}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(repeats):  # interleaved, best of
@@ -93,7 +100,7 @@ def split(*, shape: dict[str, int], repeats: int) -> None:
     base = min(times["without journal"])
     commits = shape["commits"]
     print(f"where the journal's cost goes: {shape['metrics']} metrics x {shape['records']} records per commit, "
-          f"{commits} commits, best of {repeats} interleaved")
+          f"{commits} commits, best of {repeats} interleaved; crc32: {checksum.IMPLEMENTATION}")
     print(f"  without journal   {base * 1e6 / commits:9.1f} us/commit")
     for label in parts:
         best = min(times[label])
@@ -121,7 +128,8 @@ def main() -> None:
             journaled.append(loop(**shape, journal=str(Path(tmp) / f"j{i}")))
         base, with_journal = min(plain), min(journaled)
         per_commit = args.metrics * args.records
-        print(f"log/commit loop: {args.metrics} metrics x {args.records} records per commit, {args.commits} commits")
+        print(f"log/commit loop: {args.metrics} metrics x {args.records} records per commit, {args.commits} commits; "
+              f"crc32: {checksum.IMPLEMENTATION}")
         print(f"  without journal  {base * 1e6 / args.commits:9.1f} us/commit  "
               f"(median {statistics.median(plain):.3f} s)")
         print(f"  with journal     {with_journal * 1e6 / args.commits:9.1f} us/commit  "

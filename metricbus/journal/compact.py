@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import struct
 import sys
-import zlib
 from typing import Any
 
 import numpy as np
 
+from metricbus.journal.checksum import crc32
 from metricbus.journal.format import ENTRIES, FRAME
 from metricbus.summary import N_FIELDS
 
@@ -49,7 +49,7 @@ _ONE = struct.pack("<d", 1.0)
 # what a count column decides: a steady commit's first three columns, the column, the heads (per wsum_lo nonzero
 # or zero, what follows the step up to wsum), the one-record scheme's heads where every count is 1 (else None)
 _Count = tuple[bytes, bytes, tuple[bytes, bytes], tuple[bytes, bytes] | None]
-_crc32 = zlib.crc32
+_crc32 = crc32
 
 
 def _codes(*, same_count: bool, zero_lo: bool, single: bool) -> bytes:

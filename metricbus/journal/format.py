@@ -49,7 +49,6 @@ import json
 import operator
 import os
 import struct
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +57,7 @@ import numpy as np
 
 from metricbus._version import __version__
 from metricbus.adapter import RunInfo
+from metricbus.journal.checksum import crc32
 from metricbus.spec import Chain, Spec, check_nan
 from metricbus.summary import N_FIELDS
 
@@ -105,7 +105,7 @@ def check_fsync(fsync: object) -> str:
 def frame(kind: bytes, body: bytes) -> bytes:
     """One frame: length, CRC32 and the payload ``kind + body``."""
     payload = kind + body
-    return FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+    return FRAME.pack(len(payload), crc32(payload)) + payload
 
 
 def names_frame(rows: Sequence[Sequence[Any]]) -> bytes:
@@ -121,7 +121,7 @@ def gap_frame(first: int, last: int) -> bytes:
 # -- a commit's entries ------------------------------------------------------------------------------------------
 
 
-_S_CRC = zlib.crc32(b"S")
+_S_CRC = crc32(b"S")
 
 
 def entries_layout(n: int) -> struct.Struct:
@@ -181,13 +181,13 @@ class SteadyFrame:
 _STEP_AT = FRAME.size + 1
 _pack_step = STEP.pack_into
 _pack_frame = FRAME.pack_into
-_crc32 = zlib.crc32
+_crc32 = crc32
 
 
 def body_frame(body: bytes, rests: Sequence[tuple[int, Sequence[float]]]) -> bytes:
     """A commit's frame of its packed "S" ``body`` (step, n, entries) and ``rests`` (index, floats)."""
     if not rests:  # frame(b"S", body), copying the body once: its CRC continues from b"S"'s
-        return b"".join((FRAME.pack(len(body) + 1, zlib.crc32(body, _S_CRC)), b"S", body))
+        return b"".join((FRAME.pack(len(body) + 1, crc32(body, _S_CRC)), b"S", body))
     lengths = [x for index, rest in rests for x in (index, len(rest))]
     floats = [x for _, rest in rests for x in rest]
     extra = struct.pack(f"<I{len(lengths)}I{len(floats)}d", len(rests), *lengths, *floats)

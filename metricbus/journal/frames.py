@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Container, Iterator, Sequence
 from io import FileIO
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from metricbus.errors import JournalError
+from metricbus.journal.checksum import crc32
 from metricbus.journal.compact import compact_run
 from metricbus.journal.format import ENTRY, FRAME, FRAME_TYPES, MAGIC, MAX_FRAME, STEP
 from metricbus.summary import N_FIELDS
@@ -72,7 +72,7 @@ class FrameSource:
         value = 0
         while n > 0:  # a long (or a bogus) length is checked a chunk at a time
             k = min(n, CHUNK)
-            value = zlib.crc32(self.view(pos, k), value)
+            value = crc32(self.view(pos, k), value)
             pos, n = pos + k, n - k
         return value
 
@@ -110,7 +110,7 @@ class FrameSource:
                     sure = trusted[0] <= pos and stop <= trusted[1]
                     if sure or length <= WHOLE or pos in whole or self._sized(pos, length):  # read once, then checked
                         payload = self.view(pos + FRAME.size, length)
-                        if sure or zlib.crc32(payload) == crc:
+                        if sure or crc32(payload) == crc:
                             k = 1
                             if runs and payload[0] in RUNS and length <= WHOLE:
                                 k = self._run(pos, length, trusted[1] if sure else 0)
@@ -147,7 +147,7 @@ class FrameSource:
         checked = max(1, min(k, (sound - pos) // stride))  # the first frames, inside what is sound
         at = off + checked * stride + FRAME.size
         for i, crc in enumerate(heads["crc"][checked:k].tolist(), checked):
-            if zlib.crc32(buf[at : at + length]) != crc:
+            if crc32(buf[at : at + length]) != crc:
                 return i
             at += stride
         return k
