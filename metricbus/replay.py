@@ -129,7 +129,10 @@ def emissions(
     commits = journal.runs() if isinstance(journal, JournalStream) else timeline(journal)
     if until is not None:
         commits = _before(commits, until)
-    for batch in reduced(commits, respec, reducer, log_every=journal.log_every):
+    def pending() -> int:  # the reducer this loop holds now (a segment's start replaces it): read late on purpose
+        return reducer.pending
+
+    for batch in reduced(commits, respec, reducer, log_every=journal.log_every, pending=pending):
         for commit, specs, ranked in batch:
             step = commit.step
             if commit.starts_segment:  # a resumed writer starts afresh: the open window ends with its segment
@@ -140,7 +143,7 @@ def emissions(
                 reducer = StepReducer(log_every=journal.log_every)
             last = step
             out: dict[str, float] | None
-            if isinstance(ranked, Emitted):  # the columnar path (log_every 1: nothing pending in the reducer)
+            if isinstance(ranked, Emitted):  # the columnar path: log_every 1, or a window it merged (none pending)
                 out = ranked.metrics
             elif isinstance(ranked, Partial):  # one worker: its states are the rank level (the live single path)
                 out = reducer.commit([reducer.worker(ranked.updates(), specs)], specs)

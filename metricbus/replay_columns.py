@@ -1,4 +1,5 @@
-"""Replay's columnar path: many commits of one shape reduced and emitted as arrays (``log_every`` 1).
+"""Replay's columnar path: many commits of one shape reduced and emitted as arrays (``log_every`` 1; larger, with
+:mod:`metricbus.replay_windows`).
 
 Most journals are commit after commit of the same shape: the same ranks logging the same names, one Summary each.
 For a run of such commits, :class:`ColumnLayout` decides once what each row is (which rank, which metric, which
@@ -68,6 +69,12 @@ class ColumnLayout:
                 by_kind.setdefault(kind, []).append(k)
         self.by_kind = {kind: np.array(ks, dtype=np.int64) for kind, ks in by_kind.items()}
         self.template = dict.fromkeys(self.keys, 0.0)  # a commit's emitted dict, copied: no dict grown key by key
+        self.specs = specs
+        # whether a window of commits (log_every > 1) can be merged in columns (metricbus.replay_windows): the step
+        # level reads the rank-level state as it is, and no kind reads a second moment the columns do not merge
+        self.windowable = all(plan.step_lift is None for plan in self.plans) and (
+            self.single or not bool(self.moments.any())
+        )
 
     @classmethod
     def of(cls, parts: Sequence[RawPart], respec: Respec, reducer: StepReducer) -> ColumnLayout | None:
@@ -104,7 +111,7 @@ class ColumnLayout:
         done = np.zeros(values.shape, dtype=bool)
         for kind, ks in self.by_kind.items():
             columns = self.metric_of[ks]
-            got, settled = COLUMN_KINDS[kind](_select(merged, columns, len(self.names)))
+            got, settled = COLUMN_KINDS[kind](select_metrics(merged, columns, len(self.names)))
             values[:, ks] = got
             done[:, ks] = settled & ok[:, columns]
         keys, template = self.keys, self.template
@@ -116,6 +123,44 @@ class ColumnLayout:
         if not done.all():
             self._settle(out, table, ~done)
         return out
+
+    def states(self, fields: Array) -> tuple[Array, Array]:
+        """``(states, held)``: each commit's rank-level state of each metric as its Summary's fields, (T, metrics,
+        N_FIELDS) (a metric no worker has: count 0), from its rows (as :meth:`emit` reads them), and (T,) whether
+        every state of the commit is those fields (False: one has a rest, which the columns do not hold). Of several
+        workers, ``m2`` is left 0.0 unless a scalar merge settled the element (a layout is windowable only where no
+        kind reads it)."""
+        table = self._grid(fields)
+        if self.single:  # one worker: its state as it is (the old path reads no count-0 row)
+            return np.array(table[:, 0]), np.ones(len(table), dtype=bool)
+        merged, ok = merge_columns(table, self.present, self.lowest)
+        count = merged.count
+        states = np.stack(
+            (count, count, np.zeros(count.shape), merged.wsum, merged.wsum_lo, merged.total, merged.wsum_lo,
+             np.zeros(count.shape), merged.min, merged.max, merged.first, merged.last),
+            axis=-1,
+        )
+        held = np.ones(len(table), dtype=bool)
+        if not ok.all():
+            needed = [(int(t), int(m)) for t, m in zip(*np.nonzero(~ok), strict=True)]
+            for (t, m), state in zip(needed, self._states(table, needed), strict=True):
+                if state is None:
+                    states[t, m] = _EMPTY
+                elif state.rest or state.sketch is not None:
+                    held[t] = False
+                else:
+                    states[t, m] = state.as_tuple()
+        return states, held
+
+    def ranked(self, fields: Array, commits: list[int]) -> list[dict[str, tuple[Summary | None, ...]]]:
+        """The rank-level results of some commits (indexes into ``fields``'s), per metric (one column each) as the
+        reducer reads them, computed as :meth:`_settle` computes an element (a metric no worker has: left out)."""
+        table = self._grid(fields)
+        if self.single:
+            table = table[:, 0]
+        needed = [(t, m) for t in commits for m in range(len(self.names))]
+        found = iter(self._states(table, needed))
+        return [{name: (state,) for name in self.names if (state := next(found)) is not None} for _ in commits]
 
     def _grid(self, fields: Array) -> Array:
         """The rows as (T, ranks, metrics, N_FIELDS), an absent worker holding the empty Summary."""
@@ -146,7 +191,7 @@ class ColumnLayout:
         """The rank-level Summary of each (commit, metric) in ``needed`` (None: no worker has records)."""
         if self.single:  # one worker: its state, as the live single path reads it (a count of 0 is no state)
             rows = table[[t for t, _ in needed], [m for _, m in needed]].tolist()
-            return [_summary(row) if row[0] else None for row in rows]
+            return [row_summary(row) if row[0] else None for row in rows]
         picked = table[[t for t, _ in needed], :, [m for _, m in needed]]  # (n, R, N_FIELDS)
         moments = self.moments[[m for _, m in needed]]
         block = rank_level.Block(np.ascontiguousarray(picked.transpose(2, 1, 0)), self.ranks, moments)
@@ -217,7 +262,7 @@ def _distinct(values: Array) -> tuple[Array, Array]:
     return uniq, index[values]
 
 
-def _select(merged: Merged, columns: Array, metrics: int) -> Merged:
+def select_metrics(merged: Merged, columns: Array, metrics: int) -> Merged:
     """The merged states of some metrics (columns) of ``metrics``: ``merged`` itself when they are all of them, in
     order (a journal whose metrics all have one kind)."""
     if len(columns) == metrics and bool((columns == np.arange(metrics)).all()):
@@ -226,7 +271,7 @@ def _select(merged: Merged, columns: Array, metrics: int) -> Merged:
     return Merged(**{name: None if a is None else a[:, columns] for name, a in held.items()})
 
 
-def _summary(row: list[float]) -> Summary:
+def row_summary(row: list[float]) -> Summary:
     """A journal row's Summary, as the reader builds it (the count back to an int)."""
     return _new(Summary, (int(row[0]), *row[1:], (), None))
 
@@ -234,8 +279,9 @@ def _summary(row: list[float]) -> Summary:
 class Layouts:
     """The layouts of the commit shapes met so far (a few: a writer's commits repeat one or two shapes)."""
 
-    def __init__(self, respec: Respec, reducer: StepReducer) -> None:
+    def __init__(self, respec: Respec, reducer: StepReducer, *, windows: bool = False) -> None:
         self._respec, self._reducer = respec, reducer
+        self._windows = windows  # log_every > 1: only layouts whose windows merge in columns
         self._held: dict[tuple[Any, ...], ColumnLayout | None] = {}
         self._last: tuple[tuple[Any, ...] | None, ColumnLayout | None] = (None, None)
 
@@ -249,7 +295,8 @@ class Layouts:
         if key not in self._held:
             if len(self._held) >= _LAYOUTS_KEPT:
                 self._held.clear()
-            self._held[key] = ColumnLayout.of(parts, self._respec, self._reducer)
+            layout = ColumnLayout.of(parts, self._respec, self._reducer)
+            self._held[key] = layout if layout is None or layout.windowable or not self._windows else None
         self._last = (key, self._held[key])
         return self._last[1]
 

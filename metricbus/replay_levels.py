@@ -26,6 +26,7 @@ from metricbus.partial import Partial
 from metricbus.ranks import with_specs
 from metricbus.reduce import Ranked, StepReducer
 from metricbus.replay_columns import ColumnLayout, Layouts, run_fields
+from metricbus.replay_windows import windows
 from metricbus.spec import Spec
 
 Respec = Callable[[str, Spec], Spec]
@@ -55,15 +56,23 @@ Pieces = list[tuple[list[Item], Array]]  # a columnar run: commits and their row
 
 
 def reduced(
-    commits: Iterable[Commit | CommitRun], respec: Respec, reducer: StepReducer, *, log_every: int = 0
+    commits: Iterable[Commit | CommitRun],
+    respec: Respec,
+    reducer: StepReducer,
+    *,
+    log_every: int = 0,
+    pending: Callable[[], int] = lambda: 0,
 ) -> Iterator[list[tuple[Item, dict[str, Spec], Level]]]:
     """The timeline's commits with their specs and rank-level results, a batch at a time: commits are read from
     their raw rows as packed partials and reduced side by side (:func:`metricbus.packed_ranks.rank_levels`); at
     most ``_BATCH_ENTRIES`` entries are held. With ``log_every`` 1, runs of commits of one shape that fit the
     columnar path (:mod:`metricbus.replay_columns`) come emitted already, at most ``_COLUMN_ENTRIES`` rows a run;
-    a :class:`CommitRun` that fits it goes there as one array (its commits come back as :class:`Stepped`)."""
+    a :class:`CommitRun` that fits it goes there as one array (its commits come back as :class:`Stepped`). With a
+    larger ``log_every`` so do the whole windows inside such a run (:mod:`metricbus.replay_windows`); ``pending``
+    says how many commits the consumer's reducer holds in its open window (read when a run is yielded: every batch
+    before it has been consumed)."""
     rows = PackedRows(respec)
-    layouts = Layouts(respec, reducer) if log_every == 1 else None
+    layouts = Layouts(respec, reducer, windows=log_every > 1) if log_every >= 1 else None
     seen: dict[Any, Any] = {}  # rank-level layouts of the row layouts met so far
     batch: list[tuple[Commit, Workers, dict[str, Spec]]] = []
     held = 0
@@ -87,7 +96,7 @@ def reduced(
                 for lo in range(0, len(stepped), per):
                     piece = stepped[lo : lo + per]
                     if run and (layout is not shape or (count + len(piece)) * layout.rows > _COLUMN_ENTRIES):
-                        yield _emitted(run, shape)
+                        yield _emitted(run, shape, pending(), log_every)
                         run, count = [], 0
                     run.append((piece, fields[lo : lo + per]))
                     count += len(piece)
@@ -102,14 +111,14 @@ def reduced(
                     yield _levels(batch, reducer, seen)
                     batch, held = [], 0
                 if run and (layout is not shape or (count + 1) * layout.rows > _COLUMN_ENTRIES):
-                    yield _emitted(run, shape)
+                    yield _emitted(run, shape, pending(), log_every)
                     run, count = [], 0
                 run.append(([commit], run_fields([commit.parts])))
                 count += 1
                 shape = layout
                 continue
             if run:
-                yield _emitted(run, shape)
+                yield _emitted(run, shape, pending(), log_every)
                 run, count = [], 0
             partials: Workers
             alike = rows.ranks(commit.parts) if commit.parts else None
@@ -132,18 +141,28 @@ def reduced(
                 yield _levels(batch, reducer, seen)
                 batch, held = [], 0
     if run:
-        yield _emitted(run, shape)
+        yield _emitted(run, shape, pending(), log_every)
     if batch:
         yield _levels(batch, reducer, seen)
 
 
-def _emitted(run: Pieces, layout: ColumnLayout | None) -> list[tuple[Item, dict[str, Spec], Level]]:
-    """A run of commits of one shape, emitted by the columnar path."""
+def _emitted(
+    run: Pieces, layout: ColumnLayout | None, pending: int, log_every: int
+) -> list[tuple[Item, dict[str, Spec], Level]]:
+    """A run of commits of one shape, emitted by the columnar path (``log_every`` > 1: its whole windows; its other
+    commits come as rank-level results, :mod:`metricbus.replay_windows`)."""
     assert layout is not None  # a run always has its layout
     fields = run[0][1] if len(run) == 1 else np.concatenate([piece for _, piece in run])
-    out = layout.emit(fields)
     commits = [commit for piece, _ in run for commit in piece]
+    if log_every > 1:  # ``pending``: the consumer's open window when this run starts
+        levels = windows(layout, fields, commits, pending=pending, log_every=log_every, emitted=_emitted_level)
+        return [(commit, layout.specs, level) for commit, level in zip(commits, levels, strict=True)]
+    out = layout.emit(fields)
     return [(commit, {}, _new(Emitted, (metrics,))) for commit, metrics in zip(commits, out, strict=True)]
+
+
+def _emitted_level(metrics: dict[str, float]) -> Emitted:
+    return _new(Emitted, (metrics,))
 
 
 def _one_rank(commit: Commit) -> bool:

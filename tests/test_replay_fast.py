@@ -62,12 +62,14 @@ def columnar(path: Path, **options: Any) -> Rows:
 
 
 def write(path: Path, steps: list[list[dict[str, list[tuple[float, float | None]]]]], rules: dict[str, str],
-          *, controller: bool = True) -> MemoryAdapter:
+          *, controller: bool = True, log_every: int = 1, resume: bool = False, first: int = 0) -> MemoryAdapter:
     """Journal ``steps`` (per step, per worker: name -> records (value, weight)) through a driver's ingest (or
-    one worker's own log when there is one worker and no controller); returns what the live bus emitted."""
+    one worker's own log when there is one worker and no controller), from step ``first`` (``resume``: a resumed
+    writer of ``path``'s journal); returns what the live bus emitted."""
     mem = MemoryAdapter()
     specs = {name: parse_spec_text(text, metric=name) for name, text in rules.items()}
-    with MetricBus(dist=None, rules=specs, adapters=[mem], journal=str(path), fsync="never") as bus:
+    with MetricBus(dist=None, rules=specs, adapters=[mem], journal=str(path), fsync="never", log_every=log_every,
+                   resume=resume) as bus:
         for step, workers in enumerate(steps):
             if controller:
                 partials = []
@@ -79,7 +81,7 @@ def write(path: Path, steps: list[list[dict[str, list[tuple[float, float | None]
                 bus.ingest(partials)
             else:
                 _log(bus, workers[0])
-            bus.commit(step)
+            bus.commit(first + step)
     return mem
 
 

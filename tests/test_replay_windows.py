@@ -1,0 +1,218 @@
+"""Replay's windows merged in columns (``log_every > 1``, :mod:`metricbus.replay_windows`) emit the bits of the
+scalar path and of the live bus, on hostile data, across shape changes mid-window and resumed segments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from metricbus import replay_windows
+from metricbus.errors import SpecError
+from metricbus.replay import parse_rule
+from tests.test_replay_fast import (
+    FEW,
+    FINITE,
+    HOSTILE,
+    bits,
+    columnar,
+    journals,
+    plain_nan,
+    records,
+    scalar,
+    write,
+)
+
+EVERY = st.sampled_from([2, 3, 4])
+MORE = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MODERATE = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, width=64)
+WINDOWABLE = ["mean", "sum", "min", "max", "first", "last", "count", "mean,max,min", "sum,count", "first,last"]
+Steps = list[list[dict[str, list[tuple[float, float | None]]]]]
+
+
+@st.composite
+def windowed(draw: st.DrawFn, values: st.SearchStrategy[float], *, workers: int, std: bool = False
+             ) -> tuple[Steps, dict[str, str]]:
+    """Longer runs of one shape (1-12 commits, so whole windows fit) of metrics whose windows merge in columns
+    (``std``: also std, which one worker's columns merge), a shape change between runs, weights now and then."""
+    names = [f"m{i}" for i in range(draw(st.integers(1, 4)))]
+    rules = {name: draw(st.sampled_from([*WINDOWABLE, *(["std", "mean,std"] if std else [])])) for name in names}
+    steps: Steps = []
+    for _ in range(draw(st.integers(1, 3))):
+        logged = [draw(st.lists(st.sampled_from(names), min_size=1, unique=True)) for _ in range(workers)]
+        for _ in range(draw(st.integers(1, 12))):
+            steps.append([{name: draw(records(values, weighted=True)) for name in mine} for mine in logged])
+    return steps, rules
+
+
+def merged_windows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the number of windows each run merged in columns (0: none, or the run fell back)."""
+    real = replay_windows._merge
+    counts: list[int] = []
+
+    def merge(states: Any, starts: Any, log_every: int) -> Any:
+        out = real(states, starts, log_every)
+        counts.append(0 if out is None else len(starts))
+        return out
+
+    monkeypatch.setattr(replay_windows, "_merge", merge)
+    return counts
+
+
+@FEW
+@given(journals(HOSTILE, weighted=True), EVERY)
+def test_hostile_values_bitwise(case: Any, log_every: int) -> None:
+    """NaN, inf, -0.0, huge and subnormal values, weights, names that come and go mid-window: columnar == scalar ==
+    live, bit for bit."""
+    steps, rules = case
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        live = write(path, steps, rules, log_every=log_every)
+        got = columnar(path)
+        assert got == scalar(path)
+        assert plain_nan(got) == plain_nan(bits(live.rows))
+
+
+@MORE
+@given(st.integers(1, 4).flatmap(lambda n: st.tuples(windowed(HOSTILE, workers=n, std=n == 1), st.just(n))), EVERY)
+def test_windows_merged_in_columns_bitwise(case: Any, log_every: int) -> None:
+    """Metrics whose windows merge in columns, hostile values and weights, one to four workers (one: its own log,
+    "P" frames): columnar == scalar == live."""
+    (steps, rules), workers = case
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        live = write(path, steps, rules, controller=workers > 1, log_every=log_every)
+        got = columnar(path)
+        assert got == scalar(path)
+        assert plain_nan(got) == plain_nan(bits(live.rows))
+
+
+@MORE
+@given(st.integers(1, 4).flatmap(lambda n: st.tuples(windowed(MODERATE, workers=n, std=n == 1), st.just(n))), EVERY)
+def test_windows_of_finite_sums_bitwise(case: Any, log_every: int) -> None:
+    """The same with values of moderate size (sums with a low part, seldom a third component: few windows fall
+    back): columnar == scalar == live."""
+    (steps, rules), workers = case
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        live = write(path, steps, rules, controller=workers > 1, log_every=log_every)
+        assert columnar(path) == scalar(path) == bits(live.rows)
+
+
+@FEW
+@given(journals(FINITE, max_workers=6), EVERY)
+def test_finite_sums_with_remainders_bitwise(case: Any, log_every: int) -> None:
+    """Finite values whose sums need a low part: columnar == scalar == live."""
+    steps, rules = case
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        live = write(path, steps, rules, log_every=log_every)
+        assert columnar(path) == scalar(path) == bits(live.rows)
+
+
+@FEW
+@given(journals(HOSTILE, weighted=True, max_workers=1), EVERY)
+def test_one_worker_bitwise(case: Any, log_every: int) -> None:
+    """A one-rank journal ("P" frames, the live single-worker path; std merges its second moment in columns)."""
+    steps, rules = case
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        live = write(path, steps, rules, controller=False, log_every=log_every)
+        got = columnar(path)
+        assert got == scalar(path)
+        assert plain_nan(got) == plain_nan(bits(live.rows))
+
+
+@FEW
+@given(journals(FINITE, max_workers=3), EVERY, st.sampled_from(["sum", "mean,max,min", "max,first,last,count",
+                                                                 "micro:sum,rank:mean", "step:mean", "m0=p90"]))
+def test_rules_bitwise(case: Any, log_every: int, rule: str) -> None:
+    """A --rule re-aggregation: columnar == scalar."""
+    steps, rules = case
+    text = rule if "=" in rule else f"m*={rule}"
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        write(path, steps, rules, log_every=log_every)
+        try:
+            want = scalar(path, rules=[parse_rule(text)])
+        except SpecError:  # a rule the journal cannot serve (a quantile of records without a sketch) fails alike
+            with pytest.raises(SpecError):
+                columnar(path, rules=[parse_rule(text)])
+            return
+        assert columnar(path, rules=[parse_rule(text)]) == want
+
+
+@pytest.mark.parametrize(("workers", "cut"), [(1, 7), (1, 9), (3, 7), (3, 8)])
+def test_a_resumed_writer_starts_a_window_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, cut: int
+) -> None:
+    """A run closed mid-window (its close emits the open window), then resumed: the replay's windows restart at the
+    segment, as the live buses' did; most windows are merged in columns."""
+    counts = merged_windows(monkeypatch)
+    rng = np.random.default_rng(cut)
+    rules = {"a": "mean", "b": "sum,max", "c": "min,first,last,count"}
+
+    def steps(n: int) -> list[list[dict[str, list[tuple[float, float | None]]]]]:
+        return [
+            [{name: [(float(v), None) for v in rng.standard_normal(3)] for name in "abc"} for _ in range(workers)]
+            for _ in range(n)
+        ]
+
+    path = tmp_path / "j"
+    one = write(path, steps(cut), rules, controller=workers > 1, log_every=3)
+    two = write(path, steps(20), rules, controller=workers > 1, log_every=3, resume=True, first=cut)
+    got = columnar(path)
+    assert got == scalar(path) == bits(one.rows + two.rows)
+    assert sum(counts) >= (cut + 20) // 3 - 3
+
+
+def test_long_runs_of_many_ranks_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs longer than one batch over many ranks, NaN and -0.0 sprinkled in: the windows are merged in columns
+    (values over 40 orders of magnitude make sums the columns do not hold: those fall back, in the tests above)."""
+    counts = merged_windows(monkeypatch)
+    rng = np.random.default_rng(11)
+    rules = {"a": "mean", "b": "sum,max", "c": "min,max", "d": "count,first,last"}
+    steps = []
+    for step in range(90):
+        workers = []
+        for rank in range(12):
+            values = rng.standard_normal(4) * 10.0 ** rng.integers(-3, 3, 4)
+            if step % 17 == 3 and rank == 5:
+                values[0] = np.nan
+            if step % 13 == 4 and rank == 2:
+                values[1] = -0.0
+            workers.append({name: [(float(v), None)] * (1 + rank % 3) for name, v in zip("abcd", values,
+                                                                                         strict=True)})
+        steps.append(workers)
+    live = write(tmp_path / "j", steps, rules, log_every=4)
+    assert columnar(tmp_path / "j") == scalar(tmp_path / "j") == bits(live.rows)
+    assert sum(counts) >= 90 // 4 - 2
+
+
+class Step(NamedTuple):
+    step: int
+    starts_segment: bool
+
+
+@pytest.mark.parametrize(
+    ("segments", "pending", "log_every", "want"),
+    [
+        ([False] * 10, 0, 3, [0, 3, 6]),  # windows from the start; commit 9 starts the next one
+        ([False] * 10, 1, 3, [2, 5]),  # two commits complete the open window
+        ([False] * 10, 2, 3, [1, 4, 7]),
+        ([True] + [False] * 9, 2, 3, [0, 3, 6]),  # a segment's start: the open window was emitted before it
+        ([False] * 5 + [True] + [False] * 4, 0, 2, [0, 2, 5, 7]),  # commit 4 ends segment one's run alone
+        ([False] * 2, 0, 3, []),
+    ],
+)
+def test_which_commits_make_whole_windows(
+    segments: list[bool], pending: int, log_every: int, want: list[int]
+) -> None:
+    commits = [Step(i, s) for i, s in enumerate(segments)]
+    got = replay_windows._window_starts(commits, pending=pending, log_every=log_every)
+    assert got.tolist() == want
