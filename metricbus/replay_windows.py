@@ -47,11 +47,12 @@ def windows(
     """Each commit's level: ``emitted(metrics)`` for a commit of a whole window merged here (its last commit's
     metrics; ``{}`` for the others), else its rank-level results. ``fields``: the run's rows (T, rows, N_FIELDS);
     ``pending``: the commits of the reducer's open window when the run starts."""
-    states, held = layout.states(fields)
     starts = _window_starts(commits, pending=pending, log_every=log_every)
-    if len(starts):  # a window with a state the columns do not hold goes to the reducer whole
-        starts = starts[held[starts[:, None] + np.arange(log_every)].all(axis=1)]
-    merged = _merge(states, starts, log_every) if len(starts) else None
+    merged = None
+    if len(starts):  # (none: a run shorter than a window, as with a log_every of hundreds)
+        states, held = layout.states(fields)
+        starts = starts[held[starts[:, None] + np.arange(log_every)].all(axis=1)]  # a state with a rest: the reducer's
+        merged = _merge(states, starts, log_every) if len(starts) else None
     out: list[Any] = [None] * len(commits)
     if merged is not None:
         for start, metrics in zip(starts.tolist(), _emit(layout, merged, len(starts)), strict=True):
