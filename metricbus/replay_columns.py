@@ -107,7 +107,16 @@ class ColumnLayout:
             merged, ok = single_columns(table)
         else:
             merged, ok = merge_columns(table, self.present, self.lowest)
-        values = np.empty((fields.shape[0], len(self.keys)))
+        out, done = self.values(merged, ok)
+        if not done.all():
+            self._settle(out, table, ~done)
+        return out
+
+    def values(self, merged: Merged, ok: Array) -> tuple[list[dict[str, float]], Array]:
+        """Each row's ``{key: value}`` (sorted by key) of merged states ((rows, metrics) arrays), by the column
+        kinds, and (rows, keys) the mask of the values they settled where ``ok`` ((rows, metrics)) holds; the others
+        are for the caller to compute."""
+        values = np.empty((len(ok), len(self.keys)))
         done = np.zeros(values.shape, dtype=bool)
         for kind, ks in self.by_kind.items():
             columns = self.metric_of[ks]
@@ -120,9 +129,7 @@ class ColumnLayout:
             metrics = template.copy()
             metrics.update(zip(keys, row, strict=True))
             out.append(metrics)
-        if not done.all():
-            self._settle(out, table, ~done)
-        return out
+        return out, done
 
     def states(self, fields: Array) -> tuple[Array, Array]:
         """``(states, held)``: each commit's rank-level state of each metric as its Summary's fields, (T, metrics,

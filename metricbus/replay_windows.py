@@ -7,7 +7,7 @@ the step kinds of the result at the window's last commit. For a run whose layout
 instead: the run's rank-level states (:meth:`~metricbus.replay_columns.ColumnLayout.states`), then, for all its
 windows and metrics together, ``log_every - 1`` calls of :func:`metricbus.update_columns.merge_columns` (bit for
 bit ``Summary.merge``, the same left fold), then the kinds (:mod:`metricbus.column_kinds`, the scalar kind where
-an element is not settled).
+an element is not settled: no records, a field not finite, a division the columns cannot decide).
 
 Which commits: the window the reducer has open when the run starts is completed by the run's first commits, and the
 commits after the run's last whole window start the next one; those, the commits of a window where a rank-level
@@ -24,9 +24,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from metricbus.column_kinds import COLUMN_KINDS, Merged
+from metricbus.column_merge import single_columns
 from metricbus.fixed import Array
-from metricbus.replay_columns import ColumnLayout, row_summary, select_metrics
+from metricbus.replay_columns import ColumnLayout, row_summary
 from metricbus.summary import N_FIELDS
 from metricbus.update_columns import merge_columns
 
@@ -92,30 +92,16 @@ def _merge(states: Array, starts: Array, log_every: int) -> Array | None:
 
 
 def _emit(layout: ColumnLayout, acc: Array, count: int) -> list[dict[str, float]]:
-    """Each window's emitted ``{key: value}`` (sorted by key; a metric no commit of the window has is left out)."""
-    metrics = len(layout.names)
-    grid = acc.reshape(N_FIELDS, count, metrics)
-    merged = Merged(
-        count=grid[0], weight=grid[1], weight_lo=grid[2], wsum=grid[3], wsum_lo=grid[4], total=grid[5],
-        m2=grid[7], min=grid[8], max=grid[9], first=grid[10], last=grid[11],
-    )
-    values = np.empty((count, len(layout.keys)))
-    done = np.zeros(values.shape, dtype=bool)
-    for kind, ks in layout.by_kind.items():
-        got, settled = COLUMN_KINDS[kind](select_metrics(merged, layout.metric_of[ks], metrics))
-        values[:, ks] = got
-        done[:, ks] = settled
-    empty = grid[0] == 0  # (windows, metrics): no records in the window
+    """Each window's emitted ``{key: value}`` (sorted by key; a metric no commit of the window has is left out): the
+    column kinds where they settle a value of a window's state as one worker's (:func:`single_columns`: records and
+    finite fields), the scalar kind of its Summary elsewhere."""
+    states = acc.T.reshape(count, len(layout.names), N_FIELDS)  # (windows, metrics, N_FIELDS)
+    out, done = layout.values(*single_columns(states))
+    empty = states[..., 0] == 0  # no records in the window
     done |= empty[:, layout.metric_of]
-    keys, template = layout.keys, layout.template
-    out = []
-    for row in values.tolist():
-        window = template.copy()
-        window.update(zip(keys, row, strict=True))
-        out.append(window)
+    keys = layout.keys
     for w, k in zip(*np.nonzero(~done), strict=True):
-        state = row_summary(grid[:, w, layout.metric_of[k]].tolist())
-        out[w][keys[k]] = layout.plans[k].emit(state)
+        out[w][keys[k]] = layout.plans[k].emit(row_summary(states[w, layout.metric_of[k]].tolist()))
     if empty.any():
         for w, m in zip(*np.nonzero(empty), strict=True):
             for k in np.flatnonzero(layout.metric_of == m).tolist():

@@ -216,3 +216,24 @@ def test_which_commits_make_whole_windows(
     commits = [Step(i, s) for i, s in enumerate(segments)]
     got = replay_windows._window_starts(commits, pending=pending, log_every=log_every)
     assert got.tolist() == want
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_windows_of_non_finite_states_take_the_scalar_kind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """Windows merged in columns whose states hold inf, -inf or NaN (a sum, a mean, a min): the values come from the
+    scalar kind of the window's Summary, bit for bit the live bus's."""
+    counts = merged_windows(monkeypatch)
+    hostile = [float("inf"), float("-inf"), float("nan"), -0.0]
+    steps = [
+        [{"a": [(hostile[(step + rank) % 4] if step % 3 == 1 else float(step + rank), None)],
+          "b": [(float(step), None), (hostile[step % 4] if step % 5 == 2 else 1.5, None)]} for rank in range(workers)]
+        for step in range(40)
+    ]
+    rules = {"a": "mean,sum,min,max", "b": "sum,first,last,count"}
+    live = write(tmp_path / "j", steps, rules, controller=workers > 1, log_every=2)
+    got = columnar(tmp_path / "j")
+    assert got == scalar(tmp_path / "j")
+    assert plain_nan(got) == plain_nan(bits(live.rows))
+    assert sum(counts) >= 5
