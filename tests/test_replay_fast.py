@@ -171,22 +171,29 @@ def test_rules_bitwise(case: Any, rule: str) -> None:
         assert columnar(path, rules=[parse_rule(text)]) == want
 
 
-def test_many_commits_and_ranks_bitwise(tmp_path: Path) -> None:
-    """Runs longer than one batch, over many ranks, with a few hostile values sprinkled in."""
-    rng = np.random.default_rng(7)
-    rules = {"a": "mean", "b": "sum,std", "c": "min,max", "d": "count,first,last"}
-    steps = []
-    for step in range(60):
+def many_ranks(*, seed: int, steps: int, ranks: int, decades: int) -> list[list[dict[str, list[tuple[float, None]]]]]:
+    """``steps`` commits of ``ranks`` workers logging metrics a..d (1-3 records each, values over ``2 * decades``
+    orders of magnitude), a NaN and a -0.0 sprinkled in."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(steps):
         workers = []
-        for rank in range(24):
-            values = rng.standard_normal(4) * 10.0 ** rng.integers(-20, 20, 4)
+        for rank in range(ranks):
+            values = rng.standard_normal(4) * 10.0 ** rng.integers(-decades, decades, 4)
             if step % 17 == 3 and rank == 5:
                 values[0] = np.nan
             if step % 13 == 4 and rank == 2:
                 values[1] = -0.0
             workers.append({name: [(float(v), None)] * (1 + rank % 3) for name, v in zip("abcd", values,
                                                                                          strict=True)})
-        steps.append(workers)
+        out.append(workers)
+    return out
+
+
+def test_many_commits_and_ranks_bitwise(tmp_path: Path) -> None:
+    """Runs longer than one batch, over many ranks, with a few hostile values sprinkled in."""
+    rules = {"a": "mean", "b": "sum,std", "c": "min,max", "d": "count,first,last"}
+    steps = many_ranks(seed=7, steps=60, ranks=24, decades=20)
     live = write(tmp_path / "j", steps, rules)
     assert columnar(tmp_path / "j") == scalar(tmp_path / "j") == bits(live.rows)
 

@@ -22,6 +22,7 @@ from tests.test_replay_fast import (
     bits,
     columnar,
     journals,
+    many_ranks,
     plain_nan,
     records,
     scalar,
@@ -175,20 +176,8 @@ def test_long_runs_of_many_ranks_bitwise(tmp_path: Path, monkeypatch: pytest.Mon
     """Runs longer than one batch over many ranks, NaN and -0.0 sprinkled in: the windows are merged in columns
     (values over 40 orders of magnitude make sums the columns do not hold: those fall back, in the tests above)."""
     counts = merged_windows(monkeypatch)
-    rng = np.random.default_rng(11)
     rules = {"a": "mean", "b": "sum,max", "c": "min,max", "d": "count,first,last"}
-    steps = []
-    for step in range(90):
-        workers = []
-        for rank in range(12):
-            values = rng.standard_normal(4) * 10.0 ** rng.integers(-3, 3, 4)
-            if step % 17 == 3 and rank == 5:
-                values[0] = np.nan
-            if step % 13 == 4 and rank == 2:
-                values[1] = -0.0
-            workers.append({name: [(float(v), None)] * (1 + rank % 3) for name, v in zip("abcd", values,
-                                                                                         strict=True)})
-        steps.append(workers)
+    steps = many_ranks(seed=11, steps=90, ranks=12, decades=3)
     live = write(tmp_path / "j", steps, rules, log_every=4)
     assert columnar(tmp_path / "j") == scalar(tmp_path / "j") == bits(live.rows)
     assert sum(counts) >= 90 // 4 - 2
