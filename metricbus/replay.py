@@ -129,10 +129,7 @@ def emissions(
     commits = journal.runs() if isinstance(journal, JournalStream) else timeline(journal)
     if until is not None:
         commits = _before(commits, until)
-    def pending() -> int:  # the reducer this loop holds now (a segment's start replaces it): read late on purpose
-        return reducer.pending
-
-    for batch in reduced(commits, respec, reducer, log_every=journal.log_every, pending=pending):
+    for batch in reduced(commits, respec, reducer, log_every=journal.log_every):
         for commit, specs, ranked in batch:
             step = commit.step
             if commit.starts_segment:  # a resumed writer starts afresh: the open window ends with its segment
@@ -144,6 +141,8 @@ def emissions(
             last = step
             out: dict[str, float] | None
             if isinstance(ranked, Emitted):  # the columnar path: log_every 1, or a window it merged (none pending)
+                if reducer.pending:  # reduced() counts the phase of the open window: never seen
+                    raise AssertionError(f"step {step}: a window merged in columns while the reducer had one open")
                 out = ranked.metrics
             elif isinstance(ranked, Partial):  # one worker: its states are the rank level (the live single path)
                 out = reducer.commit([reducer.worker(ranked.updates(), specs)], specs)

@@ -73,8 +73,8 @@ class ColumnLayout:
         # whether a window of commits (log_every > 1) can be merged in columns (metricbus.replay_windows): the step
         # level reads the rank-level state as it is, and no kind reads a second moment the columns do not merge
         self.windowable = all(plan.step_lift is None for plan in self.plans) and (
-            self.single or not bool(self.moments.any())
-        )
+            self.single or not (bool(self.moments.any()) or any(step == "std" for _, _, step, _ in outputs))
+        )  # (std, the one kind reading m2, is a step kind only where it is the rank kind: the second test is a guard)
 
     @classmethod
     def of(cls, parts: Sequence[RawPart], respec: Respec, reducer: StepReducer) -> ColumnLayout | None:

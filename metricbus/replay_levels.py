@@ -61,16 +61,15 @@ def reduced(
     reducer: StepReducer,
     *,
     log_every: int = 0,
-    pending: Callable[[], int] = lambda: 0,
 ) -> Iterator[list[tuple[Item, dict[str, Spec], Level]]]:
     """The timeline's commits with their specs and rank-level results, a batch at a time: commits are read from
     their raw rows as packed partials and reduced side by side (:func:`metricbus.packed_ranks.rank_levels`); at
     most ``_BATCH_ENTRIES`` entries are held. With ``log_every`` 1, runs of commits of one shape that fit the
     columnar path (:mod:`metricbus.replay_columns`) come emitted already, at most ``_COLUMN_ENTRIES`` rows a run;
     a :class:`CommitRun` that fits it goes there as one array (its commits come back as :class:`Stepped`). With a
-    larger ``log_every`` so do the whole windows inside such a run (:mod:`metricbus.replay_windows`); ``pending``
-    says how many commits the consumer's reducer holds in its open window (read when a run is yielded: every batch
-    before it has been consumed)."""
+    larger ``log_every`` so do the whole windows inside such a run (:mod:`metricbus.replay_windows`), given the phase
+    of the consumer's open window, counted here: every commit counts one (a whole window merged in columns leaves
+    the phase as it was), a segment's first commit starts a window (the consumer resets its reducer there)."""
     rows = PackedRows(respec)
     layouts = Layouts(respec, reducer, windows=log_every > 1) if log_every >= 1 else None
     seen: dict[Any, Any] = {}  # rank-level layouts of the row layouts met so far
@@ -79,6 +78,16 @@ def reduced(
     run: Pieces = []
     shape: ColumnLayout | None = None
     count = 0  # commits in run
+    phase = 0  # commits in the consumer's open window (its reducer's ``pending``) after what was yielded
+
+    def counted(out: list[tuple[Item, dict[str, Spec], Level]]) -> list[tuple[Item, dict[str, Spec], Level]]:
+        nonlocal phase
+        if log_every > 1:
+            for item, _, _ in out:
+                phase = (0 if item.starts_segment else phase) + 1
+                phase %= log_every
+        return out
+
     for item in commits:
         if isinstance(item, CommitRun):
             part = item.part
@@ -87,7 +96,7 @@ def reduced(
                 each: Iterable[Commit] = item.commits()
             else:
                 if batch:
-                    yield _levels(batch, reducer, seen)
+                    yield counted(_levels(batch, reducer, seen))
                     batch, held = [], 0
                 fields = part.rows["fields"]
                 stepped: list[Item] = [_new(Stepped, (step, False)) for step in item.steps]
@@ -96,7 +105,7 @@ def reduced(
                 for lo in range(0, len(stepped), per):
                     piece = stepped[lo : lo + per]
                     if run and (layout is not shape or (count + len(piece)) * layout.rows > _COLUMN_ENTRIES):
-                        yield _emitted(run, shape, pending(), log_every)
+                        yield counted(_emitted(run, shape, phase, log_every))
                         run, count = [], 0
                     run.append((piece, fields[lo : lo + per]))
                     count += len(piece)
@@ -108,17 +117,17 @@ def reduced(
             layout = layouts.of(commit.parts) if layouts is not None and commit.parts else None
             if layout is not None:
                 if batch:
-                    yield _levels(batch, reducer, seen)
+                    yield counted(_levels(batch, reducer, seen))
                     batch, held = [], 0
                 if run and (layout is not shape or (count + 1) * layout.rows > _COLUMN_ENTRIES):
-                    yield _emitted(run, shape, pending(), log_every)
+                    yield counted(_emitted(run, shape, phase, log_every))
                     run, count = [], 0
                 run.append(([commit], run_fields([commit.parts])))
                 count += 1
                 shape = layout
                 continue
             if run:
-                yield _emitted(run, shape, pending(), log_every)
+                yield counted(_emitted(run, shape, phase, log_every))
                 run, count = [], 0
             partials: Workers
             alike = rows.ranks(commit.parts) if commit.parts else None
@@ -138,12 +147,12 @@ def reduced(
             batch.append((commit, partials, specs))
             held += _entries(partials)
             if held >= _BATCH_ENTRIES or len(batch) >= _BATCH_COMMITS:
-                yield _levels(batch, reducer, seen)
+                yield counted(_levels(batch, reducer, seen))
                 batch, held = [], 0
     if run:
-        yield _emitted(run, shape, pending(), log_every)
+        yield counted(_emitted(run, shape, phase, log_every))
     if batch:
-        yield _levels(batch, reducer, seen)
+        yield counted(_levels(batch, reducer, seen))
 
 
 def _emitted(
