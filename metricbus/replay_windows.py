@@ -13,8 +13,8 @@ Which commits: the window the reducer has open when the run starts is completed 
 commits after the run's last whole window start the next one; those, the commits of a window where a rank-level
 state has a rest (a third component, which the columns do not hold), and every commit of a run whose window merge
 would need one, go to the reducer as rank-level results (per metric, as the old path gives them), so its state is
-what it would have been. A segment's first commit (a resumed writer) starts a window
-afresh, as the replay loop resets the reducer there.
+what it would have been. A segment's first commit (a resumed writer) starts a window afresh, as the replay loop
+resets the reducer there.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def windows(
     merged = None
     if len(starts):  # (none: a run shorter than a window, as with a log_every of hundreds)
         states, held = layout.states(fields)
-        starts = starts[held[starts[:, None] + np.arange(log_every)].all(axis=1)]  # a state with a rest: the reducer's
+        # a window holding a state with a rest (its commit not ``held``) is left to the reducer
+        starts = starts[held[starts[:, None] + np.arange(log_every)].all(axis=1)]
         merged = _merge(states, starts, log_every) if len(starts) else None
     out: list[Any] = [None] * len(commits)
     if merged is not None:
