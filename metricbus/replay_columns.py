@@ -28,7 +28,7 @@ from metricbus.column_merge import merge_columns, single_columns
 from metricbus.fixed import Array
 from metricbus.journal.scan import RawPart, shape_bytes
 from metricbus.kinds import is_sketch
-from metricbus.reduce import Plan, StepReducer, lift, plans_of
+from metricbus.reduce import Plan, StepReducer, plans_of
 from metricbus.spec import Spec
 from metricbus.summary import N_FIELDS, Summary
 
@@ -138,8 +138,8 @@ class ColumnLayout:
         workers, ``m2`` is left 0.0 unless a scalar merge settled the element (a layout is windowable only where no
         kind reads it)."""
         table = self._grid(fields)
-        if self.single:  # one worker: its state as it is (the old path reads no count-0 row)
-            return np.array(table[:, 0]), np.ones(len(table), dtype=bool)
+        if self.single:  # one worker: its state as it is (the old path reads no count-0 row); read, never written
+            return table[:, 0], np.ones(len(table), dtype=bool)
         merged, ok = merge_columns(table, self.present, self.lowest)
         count = merged.count
         states = np.stack(
@@ -190,9 +190,7 @@ class ColumnLayout:
             if state is None:
                 del out[t][key]
                 continue
-            if plan.step_lift is not None:
-                state = lift(plan.step_lift(state), sketched=plan.step_sketch)
-            out[t][key] = plan.emit(state)
+            out[t][key] = plan.emit(plan.at_step(state))
 
     def _states(self, table: Array, needed: list[tuple[int, int]]) -> Sequence[Summary | None]:
         """The rank-level Summary of each (commit, metric) in ``needed`` (None: no worker has records)."""
