@@ -85,6 +85,37 @@ def write(path: Path, steps: list[list[dict[str, list[tuple[float, float | None]
     return mem
 
 
+def replayed_as_live(steps: Any, rules: dict[str, str], *, nan: bool, **options: Any) -> None:
+    """Journal ``steps`` (``write``'s ``options``), then assert columnar == scalar == the live bus, bit for bit
+    (``nan``: every NaN compared as a plain NaN, :func:`plain_nan`)."""
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        live = bits(write(path, steps, rules, **options).rows)
+        got = columnar(path)
+        assert got == scalar(path)
+        if nan:
+            assert plain_nan(got) == plain_nan(live)
+        else:
+            assert got == live
+
+
+def rule_replays_alike(steps: Any, rules: dict[str, str], rule: str, **options: Any) -> None:
+    """Journal ``steps`` (``write``'s ``options``), then assert the ``--rule`` re-aggregation ``rule``
+    (``PATTERN=SPEC``, or a spec for every metric) gives columnar == scalar, or fails alike where the journal cannot
+    serve it."""
+    text = rule if "=" in rule else f"m*={rule}"
+    with TemporaryDirectory() as tmp:
+        path = Path(tmp) / "j"
+        write(path, steps, rules, **options)
+        try:
+            want = scalar(path, rules=[parse_rule(text)])
+        except SpecError:  # a rule the journal cannot serve (a quantile of records without a sketch) fails alike
+            with pytest.raises(SpecError):
+                columnar(path, rules=[parse_rule(text)])
+            return
+        assert columnar(path, rules=[parse_rule(text)]) == want
+
+
 def _log(bus: MetricBus, records: dict[str, list[tuple[float, float | None]]]) -> None:
     for name, values in records.items():
         for value, weight in values:
@@ -120,12 +151,7 @@ FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChec
 def test_hostile_values_bitwise(case: Any) -> None:
     """NaN, inf, -0.0, huge and subnormal values, weights: columnar == scalar == live, bit for bit."""
     steps, rules = case
-    with TemporaryDirectory() as tmp:
-        path = Path(tmp) / "j"
-        live = write(path, steps, rules)
-        got = columnar(path)
-        assert got == scalar(path)
-        assert plain_nan(got) == plain_nan(bits(live.rows))
+    replayed_as_live(steps, rules, nan=True)
 
 
 @FEW
@@ -133,10 +159,7 @@ def test_hostile_values_bitwise(case: Any) -> None:
 def test_finite_sums_with_remainders_bitwise(case: Any) -> None:
     """Finite values whose sums need a low part (lo != 0): the vectorized division and exact sums hold."""
     steps, rules = case
-    with TemporaryDirectory() as tmp:
-        path = Path(tmp) / "j"
-        live = write(path, steps, rules)
-        assert columnar(path) == scalar(path) == bits(live.rows)
+    replayed_as_live(steps, rules, nan=False)
 
 
 @FEW
@@ -144,12 +167,7 @@ def test_finite_sums_with_remainders_bitwise(case: Any) -> None:
 def test_one_worker_bitwise(case: Any) -> None:
     """A one-rank journal (the live single-worker path): columnar == scalar == live."""
     steps, rules = case
-    with TemporaryDirectory() as tmp:
-        path = Path(tmp) / "j"
-        live = write(path, steps, rules, controller=False)
-        got = columnar(path)
-        assert got == scalar(path)
-        assert plain_nan(got) == plain_nan(bits(live.rows))
+    replayed_as_live(steps, rules, nan=True, controller=False)
 
 
 @FEW
@@ -158,17 +176,7 @@ def test_one_worker_bitwise(case: Any) -> None:
 def test_rules_bitwise(case: Any, rule: str) -> None:
     """A --rule re-aggregation: columnar == scalar."""
     steps, rules = case
-    text = rule if "=" in rule else f"m*={rule}"
-    with TemporaryDirectory() as tmp:
-        path = Path(tmp) / "j"
-        write(path, steps, rules)
-        try:
-            want = scalar(path, rules=[parse_rule(text)])
-        except SpecError:  # a rule the journal cannot serve (a quantile of records without a sketch) fails alike
-            with pytest.raises(SpecError):
-                columnar(path, rules=[parse_rule(text)])
-            return
-        assert columnar(path, rules=[parse_rule(text)]) == want
+    rule_replays_alike(steps, rules, rule)
 
 
 def many_ranks(*, seed: int, steps: int, ranks: int, decades: int) -> list[list[dict[str, list[tuple[float, None]]]]]:

@@ -4,7 +4,6 @@ scalar path and of the live bus, on hostile data, across shape changes mid-windo
 from __future__ import annotations
 
 from pathlib import Path
-from tempfile import TemporaryDirectory
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -13,8 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metricbus import replay_windows
-from metricbus.errors import SpecError
-from metricbus.replay import parse_rule
 from tests.test_replay_fast import (
     FEW,
     FINITE,
@@ -25,6 +22,8 @@ from tests.test_replay_fast import (
     many_ranks,
     plain_nan,
     records,
+    replayed_as_live,
+    rule_replays_alike,
     scalar,
     write,
 )
@@ -71,12 +70,7 @@ def test_hostile_values_bitwise(case: Any, log_every: int) -> None:
     """NaN, inf, -0.0, huge and subnormal values, weights, names that come and go mid-window: columnar == scalar ==
     live, bit for bit."""
     steps, rules = case
-    with TemporaryDirectory() as tmp:
-        path = Path(tmp) / "j"
-        live = write(path, steps, rules, log_every=log_every)
-        got = columnar(path)
-        assert got == scalar(path)
-        assert plain_nan(got) == plain_nan(bits(live.rows))
+    replayed_as_live(steps, rules, nan=True, log_every=log_every)
 
 
 @MORE
@@ -85,12 +79,7 @@ def test_windows_merged_in_columns_bitwise(case: Any, log_every: int) -> None:
     """Metrics whose windows merge in columns, hostile values and weights, one to four workers (one: its own log,
     "P" frames): columnar == scalar == live."""
     (steps, rules), workers = case
-    with TemporaryDirectory() as tmp:
-        path = Path(tmp) / "j"
-        live = write(path, steps, rules, controller=workers > 1, log_every=log_every)
-        got = columnar(path)
-        assert got == scalar(path)
-        assert plain_nan(got) == plain_nan(bits(live.rows))
+    replayed_as_live(steps, rules, nan=True, controller=workers > 1, log_every=log_every)
 
 
 @MORE
@@ -99,10 +88,7 @@ def test_windows_of_finite_sums_bitwise(case: Any, log_every: int) -> None:
     """The same with values of moderate size (sums with a low part, seldom a third component: few windows fall
     back): columnar == scalar == live."""
     (steps, rules), workers = case
-    with TemporaryDirectory() as tmp:
-        path = Path(tmp) / "j"
-        live = write(path, steps, rules, controller=workers > 1, log_every=log_every)
-        assert columnar(path) == scalar(path) == bits(live.rows)
+    replayed_as_live(steps, rules, nan=False, controller=workers > 1, log_every=log_every)
 
 
 @FEW
@@ -110,10 +96,7 @@ def test_windows_of_finite_sums_bitwise(case: Any, log_every: int) -> None:
 def test_finite_sums_with_remainders_bitwise(case: Any, log_every: int) -> None:
     """Finite values whose sums need a low part: columnar == scalar == live."""
     steps, rules = case
-    with TemporaryDirectory() as tmp:
-        path = Path(tmp) / "j"
-        live = write(path, steps, rules, log_every=log_every)
-        assert columnar(path) == scalar(path) == bits(live.rows)
+    replayed_as_live(steps, rules, nan=False, log_every=log_every)
 
 
 @FEW
@@ -121,12 +104,7 @@ def test_finite_sums_with_remainders_bitwise(case: Any, log_every: int) -> None:
 def test_one_worker_bitwise(case: Any, log_every: int) -> None:
     """A one-rank journal ("P" frames, the live single-worker path; std merges its second moment in columns)."""
     steps, rules = case
-    with TemporaryDirectory() as tmp:
-        path = Path(tmp) / "j"
-        live = write(path, steps, rules, controller=False, log_every=log_every)
-        got = columnar(path)
-        assert got == scalar(path)
-        assert plain_nan(got) == plain_nan(bits(live.rows))
+    replayed_as_live(steps, rules, nan=True, controller=False, log_every=log_every)
 
 
 @FEW
@@ -135,17 +113,7 @@ def test_one_worker_bitwise(case: Any, log_every: int) -> None:
 def test_rules_bitwise(case: Any, log_every: int, rule: str) -> None:
     """A --rule re-aggregation: columnar == scalar."""
     steps, rules = case
-    text = rule if "=" in rule else f"m*={rule}"
-    with TemporaryDirectory() as tmp:
-        path = Path(tmp) / "j"
-        write(path, steps, rules, log_every=log_every)
-        try:
-            want = scalar(path, rules=[parse_rule(text)])
-        except SpecError:  # a rule the journal cannot serve (a quantile of records without a sketch) fails alike
-            with pytest.raises(SpecError):
-                columnar(path, rules=[parse_rule(text)])
-            return
-        assert columnar(path, rules=[parse_rule(text)]) == want
+    rule_replays_alike(steps, rules, rule, log_every=log_every)
 
 
 @pytest.mark.parametrize(("workers", "cut"), [(1, 7), (1, 9), (3, 7), (3, 8)])
