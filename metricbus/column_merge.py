@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metricbus import extract
+from metricbus import extract, signed_zero
 from metricbus.column_kinds import Merged
 from metricbus.fixed import Array
 
@@ -50,13 +50,13 @@ def merge_columns(fields: Array, present: Array, lowest: Array) -> tuple[Merged,
     columns = np.arange(m)
     single = present.sum(axis=0) == 1
     m2 = np.where(single[None], fields[:, lowest, columns, 7], np.nan)
-    lowest_value, ok_min = _extreme(fields[..., 8], present, full, minimum=True)
-    highest, ok_max = _extreme(fields[..., 9], present, full, minimum=False)
+    lowest_value = _extreme(fields[..., 8], present, full, minimum=True)
+    highest = _extreme(fields[..., 9], present, full, minimum=False)
     merged = Merged(
         count=counts, weight=counts, weight_lo=np.zeros((t, m)), wsum=hi, wsum_lo=lo, total=hi, m2=m2,
         min=lowest_value, max=highest, first=fields[:, lowest, columns, 10], last=fields[:, lowest, columns, 11],
     )
-    return merged, ok & ok_min & ok_max
+    return merged, ok
 
 
 def single_columns(fields: Array) -> tuple[Merged, Array]:
@@ -89,17 +89,9 @@ def _exact_sum(total: Array, total_lo: Array, ok: Array) -> tuple[Array, Array, 
     return hi.reshape(t, m), lo.reshape(t, m), exact.reshape(t, m)
 
 
-def _extreme(values: Array, present: Array, full: bool, *, minimum: bool) -> tuple[Array, Array]:
-    """The min (or max) over the workers having the metric, and where it is settled: a zero extreme is left to
-    the scalar merge when +0.0 and -0.0 both reach it (which one numpy's reduction keeps is not specified)."""
+def _extreme(values: Array, present: Array, full: bool, *, minimum: bool) -> Array:
+    """The min (or max) over the workers having the metric, ``-0.0`` below ``+0.0`` (:mod:`~metricbus.signed_zero`)."""
     fill = np.inf if minimum else -np.inf
     held = values if full else np.where(present[None], values, fill)
     out = held.min(axis=1) if minimum else held.max(axis=1)
-    settled = np.ones(out.shape, dtype=bool)
-    zero = out == 0.0
-    if zero.any():
-        at_zero = held == 0.0
-        signs = np.signbit(held)
-        mixed = (at_zero & signs).any(axis=1) & (at_zero & ~signs).any(axis=1)
-        settled = ~(zero & mixed)
-    return out, settled
+    return signed_zero.columns(out, held, axis=1, minimum=minimum)

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from metricbus import signed_zero
 from metricbus.partial import Packed, layout_of, pack, with_fields
 from metricbus.sketch import Sketch
 from metricbus.spec import Spec
@@ -212,8 +213,9 @@ def _columns(
         fields[2] = 0.0
         fields[4:7:2] = lo
     np.take(flat, segments.ends, out=fields[10:12])  # first, last
-    if negative_zero:  # -0.0 and 0.0 tie: the first in log order, as of_batch
-        _first_of_ties(fields, segments, flat)
+    if negative_zero:  # a zero min or max may tie -0.0 with +0.0: -0.0 is below (signed_zero)
+        signed_zero.segments(fields[8], flat, starts, minimum=True)
+        signed_zero.segments(fields[9], flat, starts, minimum=False)
     fields.flags.writeable = False
     return MicroUpdate(names=tuple(names), fields=fields, others=others)
 
@@ -274,18 +276,6 @@ def _settle(rows: list[list[float]], indices: list[int], total: Any, lo: Any) ->
             three.append(i)
         total[i], lo[i] = hi, rest
     return over or three  # as before: those beyond the range leave first, the others are checked again
-
-
-def _first_of_ties(fields: Any, segments: Segments, flat: Any) -> None:
-    """Where a metric's min or max is a zero, take the zero ``of_batch`` takes: ``sorted()``'s first and last (the
-    first and the last of equal zeros in log order) up to 32 records, else ``min()``'s and ``max()``'s (the first)."""
-    tied = np.flatnonzero((fields[8] == 0.0) | (fields[9] == 0.0)).tolist()
-    for i, chunk in zip(tied, segments.rows(flat, tied), strict=True):
-        if len(chunk) <= 32:
-            ordered = sorted(chunk)
-            fields[8, i], fields[9, i] = ordered[0], ordered[-1]
-        else:
-            fields[8, i], fields[9, i] = min(chunk), max(chunk)
 
 
 def _split(

@@ -30,11 +30,13 @@ from metricbus.summary import N_FIELDS, Rest, Summary
 
 SLOTS = 4  # the exact sums of a column: weight, wsum, total, t
 # the fixed slots, per column: count, workers, first/last/m2 bits, then per slot NaN, +inf, -inf, -0.0 counts, then
-# NaN min/max
+# the workers with a NaN min or max, with a +0.0 max, with a -0.0 min (which zero a zero extreme is: signed_zero)
 COUNT, WORKERS, FIRST, LAST, M2 = 0, 1, 2, 3, 4
 NONFINITE = 5  # + 4 * slot + (0 NaN, 1 +inf, 2 -inf, 3 -0.0)
 NAN_MINMAX = NONFINITE + 4 * SLOTS
-NS = NAN_MINMAX + 1
+POSITIVE_ZERO_MAX = NAN_MINMAX + 1
+NEGATIVE_ZERO_MIN = NAN_MINMAX + 2
+NS = NAN_MINMAX + 3
 EXACT_COUNT = 2**53  # a count below this is its own float
 # the maxima, per column: E of each slot, -Q of each slot, max, -min, -rank, whether any worker has weights
 NM = 2 * SLOTS + 4
@@ -272,8 +274,10 @@ def assemble(head: Array, extrema: Array, moments: Array, quick: Sequence[Quick]
     columns[8:10] = extrema[picks, 1::-1].T  # -min, max
     np.negative(columns[8], out=columns[8])
     if rare:
-        no_order = head[picks, NAN_MINMAX] != 0
-        columns[8:10, no_order] = math.nan
+        picked = head[picks]
+        for f, signed, counted in ((8, -0.0, NEGATIVE_ZERO_MIN), (9, 0.0, POSITIVE_ZERO_MAX)):
+            columns[f] = np.where((columns[f] == 0.0) & (picked[:, counted] != 0), signed, columns[f])
+        columns[8:10, picked[:, NAN_MINMAX] != 0] = math.nan
     others: dict[int, Summary] = {}
     slow_ones = () if every else np.flatnonzero((workers > 0) & slow).tolist()
     if slow_ones:
@@ -337,6 +341,10 @@ def column(h: list[int], extrema: list[float], moment: bool, c: int, exact_sum: 
         m2 = math.nan
     rest: Rest = () if len(weight) < 3 and len(wsum) < 3 and len(total) < 3 else (weight[2:], wsum[2:], total[2:])
     lowest, highest = (math.nan, math.nan) if h[NAN_MINMAX] else (-extrema[1], extrema[0])
+    if lowest == 0.0 and h[NEGATIVE_ZERO_MIN]:
+        lowest = -0.0
+    if highest == 0.0 and h[POSITIVE_ZERO_MAX]:
+        highest = 0.0
     return _new(
         Summary,
         (

@@ -8,12 +8,14 @@ two associative passes, so under torch.distributed it costs two collectives of O
    negated smallest ``Q`` (see :mod:`metricbus.fixed`), ``max``, ``-min`` and ``-rank`` (so every participant
    learns the lowest rank that has the column);
 2. **sums** (all_reduce SUM, int64): ``NS`` fixed slots per column (count, number of workers, the bit patterns of
-   ``first``/``last``/``m2`` contributed only by the lowest rank, counts of NaN/±inf/-0.0 terms), then the limbs of
+   ``first``/``last``/``m2`` contributed only by the lowest rank, counts of NaN/±inf/-0.0 terms and of the workers
+   whose ``min`` is -0.0 or whose ``max`` is +0.0), then the limbs of
    the four exact sums Σw, Σw·x, Σx and ``t`` (below), aligned to the agreed exponents.
 
 The result (:func:`finish`) is, per column: ``count``, ``weight``, ``wsum``, ``total`` as the greedy components of
 the exact sums (bit for bit what :meth:`Summary.merge` gives, in any grouping); ``min``/``max`` (NaN if any worker's
-is NaN); ``first``/``last`` from the lowest rank that has the column; and ``m2``:
+is NaN; -0.0 below +0.0, :mod:`metricbus.signed_zero`); ``first``/``last`` from the lowest rank that has the
+column; and ``m2``:
 
 * one worker has the column: its own ``m2``, unchanged (so the rank level of one worker is the identity);
 * several, where a chain reads it (the column's rank kind is ``std``): ``m2 = Σ t_r - S²/W`` with
@@ -42,7 +44,17 @@ import numpy as np
 
 from metricbus import exact, extract, fixed, rank_finish, second_moment, sketch_level
 from metricbus.fixed import Array
-from metricbus.rank_finish import BITS_FIELDS, COUNT, FIRST, M2, NAN_MINMAX, NONFINITE, WORKERS
+from metricbus.rank_finish import (
+    BITS_FIELDS,
+    COUNT,
+    FIRST,
+    M2,
+    NAN_MINMAX,
+    NEGATIVE_ZERO_MIN,
+    NONFINITE,
+    POSITIVE_ZERO_MAX,
+    WORKERS,
+)
 from metricbus.sketch import Sketch, unknown
 from metricbus.summary import N_FIELDS, Summary, with_sketch
 
@@ -263,6 +275,9 @@ def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
             head[:, NONFINITE + k : stop : 4] = _row_count(special & hit).T
     head[:, NONFINITE + 3 : stop : 4] = _row_count(present & (his.view(np.int64) == _NEGATIVE_ZERO)).T
     head[:, NAN_MINMAX] = _row_count(present & np.isnan(fields[8:10]).any(axis=0))
+    ends = fields[8:10].view(np.int64)  # which zero a zero extreme is: -0.0 below +0.0 (signed_zero)
+    head[:, NEGATIVE_ZERO_MIN] = _row_count(present & (ends[0] == _NEGATIVE_ZERO))
+    head[:, POSITIVE_ZERO_MAX] = _row_count(present & (ends[1] == 0))
 
 
 _LEADING = [1, 3, 5]  # the leading components of weight, wsum, total (t's is Prepared.t_hi)

@@ -27,12 +27,13 @@ from collections.abc import Sequence
 from operator import attrgetter
 from typing import NamedTuple
 
-from metricbus import exact
+from metricbus import exact, signed_zero
 from metricbus.sketch import Sketch, unknown
 
 _INF = math.inf
 _NAN = math.nan
 _MAX = exact.MAX
+_least, _greatest = signed_zero.least, signed_zero.greatest  # min and max with -0.0 below +0.0
 _fsum = math.fsum
 Rest = tuple[tuple[float, ...], ...]
 
@@ -108,10 +109,14 @@ class Summary(NamedTuple):
                 lowest, highest = ordered[0], ordered[-1]
             else:
                 lowest, highest = min(values), max(values)
+            if lowest == 0.0 or highest == 0.0:  # which zero: -0.0 below +0.0 (signed_zero)
+                lowest, highest = signed_zero.of_values(values, lowest, highest)
         else:  # a NaN is present (or inf - inf): min/max of a set with NaN is NaN, never order-dependent
             has_nan = any(math.isnan(x) for x in values)
             lowest = _NAN if has_nan else min(values)
             highest = _NAN if has_nan else max(values)
+            if not has_nan:
+                lowest, highest = signed_zero.of_values(values, lowest, highest)
         return _new(
             Summary,
             (n, weight, weight_lo, wsum, wsum_lo, total, total_lo, m2, lowest, highest, values[0], values[-1], rest, None),  # noqa: E501
@@ -142,8 +147,8 @@ class Summary(NamedTuple):
                 total,
                 total_lo,
                 _chan_m2(self, other),
-                _nan_min(self.min, other.min),
-                _nan_max(self.max, other.max),
+                _least(self.min, other.min),
+                _greatest(self.max, other.max),
                 self.first,
                 other.last,
                 (rest_w, rest_ws, rest_t) if rest_w or rest_ws or rest_t else (),
@@ -375,15 +380,3 @@ def _merge_sketches(a: Summary, b: Summary) -> Sketch:
 def with_sketch(summary: Summary, sketch: Sketch | None) -> Summary:
     """``summary`` carrying ``sketch``."""
     return _new(Summary, (*summary[:SKETCH], sketch))
-
-
-def _nan_min(a: float, b: float) -> float:
-    if math.isnan(a) or math.isnan(b):
-        return _NAN
-    return a if a <= b else b
-
-
-def _nan_max(a: float, b: float) -> float:
-    if math.isnan(a) or math.isnan(b):
-        return _NAN
-    return a if a >= b else b

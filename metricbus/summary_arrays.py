@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from metricbus import exact
+from metricbus import exact, signed_zero
 from metricbus.summary import EMPTY, Summary, split_parts
 
 _MAX = exact.MAX
@@ -72,10 +72,10 @@ def _of_block(values: np.ndarray[Any, Any]) -> Summary:
     n = values.size
     if n <= _SHORT_ARRAY:
         return Summary.of_batch(values.tolist(), None)
-    # argmin/argmax return the first occurrence (as min() keeps the first of 0.0 and -0.0), and a NaN if any
-    lowest, highest = values.item(values.argmin()), values.item(values.argmax())
+    lowest, highest = values.item(values.argmin()), values.item(values.argmax())  # a NaN if any
     if not (lowest > -_MAX and highest < _MAX):  # non-finite or beyond the array path's range
         return Summary.of_batch(values.tolist(), None)
+    lowest, highest = signed_zero.of_array(values, lowest, highest)  # which zero: -0.0 below +0.0
     largest = highest if highest >= -lowest else -lowest
     smallest = lowest if lowest > 0.0 else -highest if highest < 0.0 else None  # one-signed data: free
     scratch = _scratch()

@@ -1,7 +1,9 @@
 """Device-side accumulation of torch tensors: ``log()`` never synchronizes with the device.
 
 Per metric and optimizer update, one running float64 state vector on the tensor's device, laid out as ``FIELDS``
-(``count, weight, wsum, total, m2, min, max, first, last, bad_weight, nonfinite``). Each ``log()`` summarises its
+(``count, weight, wsum, total, m2, min, max, first, last``, then flags: ``bad_weight, nonfinite`` and whether a
+-0.0 or a +0.0 was logged, which give a zero min or max its sign at commit, as :mod:`metricbus.signed_zero` orders
+them). Each ``log()`` summarises its
 batch with torch ops and merges it in (Chan's update for m2, NaN propagated by ``torch.minimum``/``maximum``), with
 no ``.item()``, ``.cpu()``, ``float()`` or data-dependent branch. At commit/export :meth:`DeviceStates.take_all`
 stacks every metric's state of every update and does ONE device-to-host copy. Negative/non-finite tensor weights and
@@ -20,9 +22,16 @@ from typing import Any
 from metricbus.errors import MetricValueError
 from metricbus.summary import N_FIELDS
 
-FIELDS = ("count", "weight", "wsum", "total", "m2", "min", "max", "first", "last", "bad_weight", "nonfinite")
+FIELDS = (
+    "count", "weight", "wsum", "total", "m2", "min", "max", "first", "last",
+    "bad_weight", "nonfinite", "negative_zero", "positive_zero",
+)  # fmt: skip
 _BAD_WEIGHT = FIELDS.index("bad_weight")
 _NONFINITE = FIELDS.index("nonfinite")
+_FLAGS = _BAD_WEIGHT  # from here on, flags merged by max
+# whether a -0.0 (a +0.0) was logged: a zero min is -0.0 (a zero max +0.0) if so (metricbus.signed_zero)
+_NEGATIVE_ZERO, _POSITIVE_ZERO = FIELDS.index("negative_zero"), FIELDS.index("positive_zero")
+_NEGATIVE_ZERO_BITS = -(2**63)
 # where each of FIELDS up to "last" goes in Summary.as_tuple() (count, weight, wsum, total, m2, min, max, first, last)
 _TO_FIELDS = [0, 1, 3, 5, 7, 8, 9, 10, 11]
 
@@ -45,6 +54,8 @@ def _batch(value: Any, weight: Any, *, ignore: bool) -> Any:
     else:
         w = torch.full_like(x, 1.0 if weight is None else float(weight))
     bad_w = ((w < 0) | ~torch.isfinite(w)).any().to(torch.float64)
+    bits = x.view(torch.int64)  # which zeros were logged: torch's min and max keep either of two tied zeros
+    zeros = [(bits == _NEGATIVE_ZERO_BITS).any().to(torch.float64), (bits == 0).any().to(torch.float64)]
     finite = torch.isfinite(x)
     nonfinite = (~finite).any().to(torch.float64)
     if ignore:
@@ -66,7 +77,7 @@ def _batch(value: Any, weight: Any, *, ignore: bool) -> Any:
     wsum = (w * x).sum()
     mean = torch.where(weight_sum > 0, wsum / weight_sum, torch.zeros_like(wsum))
     m2 = (w * (x - mean) ** 2).sum()
-    return torch.stack([count, weight_sum, wsum, x.sum(), m2, lo, hi, first, last, bad_w, nonfinite])
+    return torch.stack([count, weight_sum, wsum, x.sum(), m2, lo, hi, first, last, bad_w, nonfinite, *zeros])
 
 
 def _merge(a: Any, b: Any) -> Any:
@@ -78,11 +89,13 @@ def _merge(a: Any, b: Any) -> Any:
     m2 = a[4] + b[4] + torch.where(both, delta * delta * wa * wb / torch.where(both, wa + wb, 1.0), 0.0)
     has_a = a[0] > 0
     has_b = b[0] > 0
-    return torch.stack([
-        a[0] + b[0], wa + wb, a[2] + b[2], a[3] + b[3], m2,
-        torch.minimum(a[5], b[5]), torch.maximum(a[6], b[6]),
-        torch.where(has_a, a[7], b[7]), torch.where(has_b, b[8], a[8]),
-        torch.maximum(a[9], b[9]), torch.maximum(a[10], b[10]),
+    return torch.cat([
+        torch.stack([
+            a[0] + b[0], wa + wb, a[2] + b[2], a[3] + b[3], m2,
+            torch.minimum(a[5], b[5]), torch.maximum(a[6], b[6]),
+            torch.where(has_a, a[7], b[7]), torch.where(has_b, b[8], a[8]),
+        ]),
+        torch.maximum(a[_FLAGS:], b[_FLAGS:]),
     ])
 
 
@@ -149,6 +162,8 @@ class DeviceStates:
             keep &= np.array([name not in errors for name in every])
         fields = np.zeros((N_FIELDS, len(states)))  # the *_lo remainders stay 0.0: device sums are plain float64
         fields[_TO_FIELDS] = rows[:, : len(_TO_FIELDS)].T
+        for f, signed, logged in ((8, -0.0, _NEGATIVE_ZERO), (9, 0.0, _POSITIVE_ZERO)):  # -0.0 below +0.0
+            fields[f] = np.where((fields[f] == 0.0) & (rows[:, logged] != 0), signed, fields[f])
         out: dict[int, tuple[tuple[str, ...], Any]] = {}
         start = 0
         for u, names in zip(order, names_of, strict=True):

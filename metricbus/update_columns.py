@@ -11,7 +11,8 @@ is the one ``Summary.merge`` gives, bit for bit:
   the sum of the two double-doubles by error-free transformations, kept where it is exactly a double-double whose
   head is the correctly rounded sum (what ``math.fsum`` gives);
 - ``m2`` by Chan's formula with the means as double-doubles (Dekker's product: ``exact.two_product`` on arrays);
-- ``min``/``max`` with NaN propagated, ``first`` of the first, ``last`` of the last, counts added.
+- ``min``/``max`` with NaN propagated and ``-0.0`` below ``+0.0`` (:mod:`metricbus.signed_zero`), ``first`` of the
+  first, ``last`` of the last, counts added.
 
 A metric where a branch of ``Summary.merge`` has no column form (a sum that overflows or needs a third component, a
 zero from ``fsum``, a mean beyond the double range, Chan's term overflowing, a NaN among the sums or m2, whose
@@ -50,10 +51,8 @@ def merge_columns(a: Any, b: Any) -> Any:
         out[M2], slow = _chan_m2(a, b)
         slow |= bad.any(axis=0)
         out[COUNT] = a[COUNT] + b[COUNT]
-        nan = np.isnan(a[MIN]) | np.isnan(b[MIN])
-        out[MIN] = np.where(nan, _NAN, np.where(a[MIN] <= b[MIN], a[MIN], b[MIN]))
-        nan = np.isnan(a[MAX]) | np.isnan(b[MAX])
-        out[MAX] = np.where(nan, _NAN, np.where(a[MAX] >= b[MAX], a[MAX], b[MAX]))
+        out[MIN] = _extreme(a[MIN], b[MIN], minimum=True)
+        out[MAX] = _extreme(a[MAX], b[MAX], minimum=False)
         out[FIRST] = a[FIRST]
         out[LAST] = b[LAST]
         # a NaN among the sums or m2: which operand's NaN an addition keeps is the compiler's choice, and numpy's
@@ -76,6 +75,15 @@ def _two_sum(a: Any, b: Any) -> tuple[Any, Any]:
     s = a + b
     bb = s - a
     return s, (a - (s - bb)) + (b - bb)
+
+
+def _extreme(a: Any, b: Any, *, minimum: bool) -> Any:
+    """Elementwise ``signed_zero.least`` (or ``greatest``) of ``a`` and ``b``: NaN if either is, ``-0.0`` below
+    ``+0.0``."""
+    nan = np.isnan(a) | np.isnan(b)
+    tied = (a == b) & (np.signbit(a) if minimum else ~np.signbit(a))  # a is the zero to keep, or equals b
+    take_a = ((a < b) if minimum else (a > b)) | tied
+    return np.where(nan, _NAN, np.where(take_a, a, b))
 
 
 def _add(a: Any, a_lo: Any, b: Any, b_lo: Any) -> tuple[Any, Any, Any]:

@@ -9,6 +9,7 @@ the data and the split.
 from __future__ import annotations
 
 import functools
+import math
 import random
 import struct
 from collections.abc import Callable
@@ -32,7 +33,9 @@ RULES = {
     "resp": ["mean", "p50", "p90", "p99", "hist"],  # distributions: sketches merge in the same collectives
     "adv": Agg(micro="mean", rank="p90"),
     "upd": Agg(micro="p90", update="p50", rank="mean"),
+    "zero": ["min", "max", "mean"],  # tied -0.0 and +0.0 extremes: -0.0 is below (metricbus.signed_zero)
 }
+ZEROS = (0.0, -0.0, 0.0, -0.0, 2.0, -2.0)
 
 
 def make_plan(seed: int, *, ranks: int, steps: int = 3) -> dict[str, Any]:
@@ -57,6 +60,7 @@ def make_plan(seed: int, *, ranks: int, steps: int = 3) -> dict[str, Any]:
                     )
                     records.append((update, "adv", [rng.gauss(0.0, 1.0) for _ in range(n)], None))
                     records.append((update, "upd", [rng.expovariate(1.0) for _ in range(n)], None))
+                    records.append((update, "zero", [rng.choice(ZEROS) for _ in range(n)], None))
             if rng.random() < 0.3:
                 records = [r for r in records if r[1] != "clip"]  # a rank without a metric
             per_rank.append(records)
@@ -96,6 +100,25 @@ def ingested(plan: dict[str, Any], *, ranks: int, journal: str | None = None) ->
     return rows
 
 
+def zero_extremes(plan: dict[str, Any], name: str) -> list[tuple[bytes, bytes]]:
+    """Per step, the bits of ``name``'s min and max over every rank's records, -0.0 ordered below +0.0 (IEEE 754's
+    totalOrder on these finite values): the reference the emitted ``min`` and ``max`` must equal."""
+
+    def key(x: float) -> tuple[float, bool]:
+        return x, not math.copysign(1.0, x) < 0.0
+
+    out = []
+    for per_rank in plan["steps"]:
+        values = [v for records in per_rank for _, n, vs, _ in records if n == name for v in vs]
+        out.append((struct.pack("<d", min(values, key=key)), struct.pack("<d", max(values, key=key))))
+    return out
+
+
+def extremes_of(rows: list[dict[str, float]], name: str) -> list[tuple[bytes, bytes]]:
+    """Per row, the bits of ``name``'s emitted min and max."""
+    return [(struct.pack("<d", row[f"{name}/min"]), struct.pack("<d", row[f"{name}/max"])) for row in rows]
+
+
 def bits(rows: list[dict[str, float]]) -> list[dict[str, Any]]:
     """Each value's bits (a histogram's edges' bits and counts too)."""
     return [{k: (struct.pack("<d", v), _histogram_bits(v)) for k, v in row.items()} for row in rows]
@@ -116,10 +139,12 @@ def test_live_ingest_and_replay_agree_bit_for_bit(ranks: int, tmp_path: Path) ->
     plan = {**make_plan(1000 + ranks, ranks=ranks), "logger": "tests.test_bitwise:log_share"}
     journal = str(tmp_path / "journal")
     live = _spawn(dist_workers.updates_worker, ranks, plan, journal)
-    expected = bits(ingested(plan, ranks=ranks))
+    rows = ingested(plan, ranks=ranks)
+    expected = bits(rows)
     for rank in range(ranks):
         assert bits(live[rank]) == expected, rank
     assert bits([metrics for _, metrics in emitted(read_journal(journal))]) == expected
+    assert extremes_of(rows, "zero") == zero_extremes(plan, "zero")
 
 
 # every metric keeps its kind from the micro to the update level: a worker's updates merge in columns
@@ -131,6 +156,7 @@ MERGED_RULES = {
     "resp": ["mean", "min", "max"],
     "adv": "std",
     "upd": ["first", "last", "count"],
+    "zero": ["min", "max"],
 }
 
 
@@ -164,10 +190,13 @@ def test_updates_merged_in_columns_agree_bit_for_bit(ranks: int, tmp_path: Path)
     plan = {"steps": steps, "rules": {f"{name}/{j}": kind for name, kind in MERGED_RULES.items() for j in range(2)}}
     journal = str(tmp_path / "journal")
     live = _spawn(dist_workers.updates_worker, ranks, {**plan, "logger": "tests.test_bitwise:log_floats"}, journal)
-    expected = bits(ingested(plan, ranks=ranks))
+    rows = ingested(plan, ranks=ranks)
+    expected = bits(rows)
     for rank in range(ranks):
         assert bits(live[rank]) == expected, rank
     assert bits([metrics for _, metrics in emitted(read_journal(journal))]) == expected
+    for j in range(2):
+        assert extremes_of(rows, f"zero/{j}") == zero_extremes(plan, f"zero/{j}")
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -178,6 +207,7 @@ def test_ingest_and_replay_agree_bit_for_bit_over_splits(seed: int, tmp_path: Pa
     rows = ingested(plan, ranks=ranks, journal=str(tmp_path / "j"))
     assert bits(rows) == bits(ingested(plan, ranks=ranks))
     assert bits([m for _, m in emitted(read_journal(tmp_path / "j"))]) == bits(rows)
+    assert extremes_of(rows, "zero") == zero_extremes(plan, "zero")
 
 
 Records = list[tuple[int, str, list[float], list[float] | None]]

@@ -65,7 +65,12 @@ def reference_finish(agreed: np.ndarray, summed: np.ndarray, moments: np.ndarray
         else:
             m2 = math.nan
         rest: Rest = () if max(len(weight), len(wsum), len(total)) < 3 else (weight[2:], wsum[2:], total[2:])
-        lowest, highest = (math.nan, math.nan) if h[NS - 1] else (-float(extrema[c, 1]), float(extrema[c, 0]))
+        nan = h[rank_finish.NAN_MINMAX]
+        lowest, highest = (math.nan, math.nan) if nan else (-float(extrema[c, 1]), float(extrema[c, 0]))
+        if lowest == 0.0:  # -0.0 where some worker's min is
+            lowest = -0.0 if h[rank_finish.NEGATIVE_ZERO_MIN] else 0.0
+        if highest == 0.0:  # +0.0 where some worker's max is
+            highest = 0.0 if h[rank_finish.POSITIVE_ZERO_MAX] else -0.0
         out.append(Summary(count, weight[0], weight[1] if len(weight) > 1 else 0.0, wsum[0],
                            wsum[1] if len(wsum) > 1 else 0.0, total[0], total[1] if len(total) > 1 else 0.0, m2,
                            lowest, highest, floats[c][0], floats[c][1], rest, None))

@@ -1,0 +1,95 @@
+"""Which zero a ``min`` or ``max`` is: every path orders ``-0.0`` below ``+0.0``.
+
+IEEE comparison finds ``-0.0 == +0.0``, so Python's ``min()``, numpy's reductions, ``torch.minimum`` and an
+all_reduce(MAX) each keep an unspecified one of two tied zeros (the first, the last, or the hardware's choice).
+metricbus orders them as IEEE 754's totalOrder does: the min of records holding both zeros is ``-0.0`` and their max
+``+0.0``, whatever the order of the records, the split into micro-batches, updates and workers, and the path (log,
+ingest, torch.distributed, replay). A NaN among them still makes the min and max NaN.
+
+Only a zero extreme needs this: the helpers here fix one up after the ordinary reduction found it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+_NAN = math.nan
+_COPYSIGN = math.copysign
+NEGATIVE_ZERO_BITS = -(2**63)  # the bits of -0.0, read as an int64 (+0.0's are 0)
+
+
+def least(a: float, b: float) -> float:
+    """The min of ``a`` and ``b`` (NaN if either is NaN; ``-0.0`` if either is and the other is a zero)."""
+    if a < b:
+        return a
+    if b < a:
+        return b
+    if a == b:
+        return a if a != 0.0 or _COPYSIGN(1.0, a) < 0.0 else b
+    return _NAN
+
+
+def greatest(a: float, b: float) -> float:
+    """The max of ``a`` and ``b`` (NaN if either is NaN; ``+0.0`` if either is and the other is a zero)."""
+    if a > b:
+        return a
+    if b > a:
+        return b
+    if a == b:
+        return a if a != 0.0 or _COPYSIGN(1.0, a) > 0.0 else b
+    return _NAN
+
+
+def of_values(values: Iterable[float], lowest: float, highest: float) -> tuple[float, float]:
+    """``(lowest, highest)`` of ``values`` (no NaN among them) found by IEEE comparison, with a zero extreme given
+    its sign: ``-0.0`` for the min if any value is ``-0.0``, ``+0.0`` for the max if any value is ``+0.0``."""
+    if lowest != 0.0 and highest != 0.0:
+        return lowest, highest
+    signs = {_COPYSIGN(1.0, x) for x in values if x == 0.0}
+    if lowest == 0.0:
+        lowest = -0.0 if -1.0 in signs else 0.0
+    if highest == 0.0:
+        highest = 0.0 if 1.0 in signs else -0.0
+    return lowest, highest
+
+
+def of_array(values: Any, lowest: float, highest: float) -> tuple[float, float]:
+    """:func:`of_values` of a float64 numpy array."""
+    if lowest != 0.0 and highest != 0.0:
+        return lowest, highest
+    negative = np.signbit(values[values == 0.0])
+    if lowest == 0.0:
+        lowest = -0.0 if negative.any() else 0.0
+    if highest == 0.0:
+        highest = -0.0 if negative.all() else 0.0
+    return lowest, highest
+
+
+def columns(reduced: Any, held: Any, *, axis: int, minimum: bool) -> Any:
+    """``reduced`` (``held``'s min or max along ``axis``, by numpy) with each zero given its sign; ``held`` holds
+    the candidates (fill values that are not zeros where an entry is absent)."""
+    zero = reduced == 0.0
+    if not zero.any():
+        return reduced
+    bits = held.view(np.int64)
+    if minimum:  # -0.0 where any candidate is -0.0
+        signed = np.where((bits == NEGATIVE_ZERO_BITS).any(axis=axis), -0.0, 0.0)
+    else:  # +0.0 where any candidate is +0.0
+        signed = np.where((bits == 0).any(axis=axis), 0.0, -0.0)
+    return np.where(zero, signed, reduced)
+
+
+def segments(reduced: Any, flat: Any, starts: Any, *, minimum: bool) -> Any:
+    """``reduced`` (each segment's min or max of ``flat``, the segments starting at ``starts``, by
+    ``np.minimum.reduceat`` or ``np.maximum.reduceat``) with each zero given its sign, in place."""
+    zero = np.flatnonzero(reduced == 0.0)
+    if len(zero):
+        target = NEGATIVE_ZERO_BITS if minimum else 0
+        hits = np.add.reduceat((flat.view(np.int64) == target).astype(np.int64), starts)[zero] > 0
+        keep, other = (-0.0, 0.0) if minimum else (0.0, -0.0)
+        reduced[zero] = np.where(hits, keep, other)
+    return reduced
