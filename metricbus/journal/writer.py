@@ -35,6 +35,7 @@ import numpy as np
 
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError, JournalWarning
+from metricbus.journal import reserve
 from metricbus.journal.compact import CompactFrame
 from metricbus.journal.cursors import CursorStore, identity_of
 from metricbus.journal.format import (
@@ -115,6 +116,9 @@ class JournalWriter:
         self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
         self._locked = False
         self._last_sync = time.monotonic()
+        self._reserve = reserve.reserver()
+        self._end = 0
+        self._reserved = 0  # blocks are reserved up to this offset (reserve.py)
         self.cursors = CursorStore(self.directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -132,6 +136,7 @@ class JournalWriter:
             self._write(start + head + head)
             if self._fsync != "never":
                 os.fsync(fd)
+            self._end = os.fstat(fd).st_size  # the file's size, kept as commits are written
         except BaseException as exc:
             self._fd = None
             if self._locked:
@@ -330,13 +335,19 @@ class JournalWriter:
         fd = self._fd
         assert fd is not None
         size = len(data)
+        end = self._end + size
+        if end > self._reserved:
+            self._reserve_ahead(fd, end)
         try:
             written = os.write(fd, data)
             if written < size:
                 self._write(data, written)
         except OSError as exc:
             self._gap = (step, step) if self._gap is None else (self._gap[0], step)
+            with contextlib.suppress(OSError):  # part of it may have been written
+                self._end = os.fstat(fd).st_size
             raise self._error("write", exc, step) from exc
+        self._end = end
         self._gap = None
         self._unchecked = 0 if checkpoint else self._unchecked + size
         try:  # fsync as the policy says (inline: this runs at every commit)
@@ -350,6 +361,15 @@ class JournalWriter:
         except OSError as exc:  # the bytes may never reach the disk: say so, and send the names again
             self._gap = (step, step)
             raise self._error("fsync", exc, step) from exc
+
+    def _reserve_ahead(self, fd: int, end: int) -> None:
+        """Reserve the blocks from the file's end to at least ``end`` and a chunk beyond (reserve.py); where that
+        fails (a full disk, a file system without it), the writes allocate them, and the next chunk tries again."""
+        length = max(reserve.CHUNK_BYTES, end - self._end)
+        held = self._reserve
+        if held is not None:
+            held(fd, self._end, length)
+        self._reserved = self._end + length
 
     def _table_frame(self, ids: Names) -> bytes:
         """The "N" frame of the whole name table ``ids``, kept while it is the table (a table is never changed: a
@@ -396,6 +416,8 @@ class JournalWriter:
                     self._gap = None
                 except OSError:
                     pass  # already reported by the commit that failed; the file stays readable
+            if self._reserve is not None:
+                reserve.trim(fd)
             if self._fsync != "never":
                 try:
                     os.fsync(fd)
