@@ -261,7 +261,7 @@ def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
         head[:, FIRST : M2 + 1] = np.where(mine[0], fields[BITS_FIELDS, 0].view(np.int64), 0).T
     else:
         n_cols = fields.shape[2]
-        head[:, COUNT] = fields[0].sum(axis=0).astype(np.int64)
+        head[:, COUNT] = fields[0].astype(np.int64).sum(axis=0)  # exact beyond 2**53 in all
         head[:, WORKERS] = present.sum(axis=0)
         picked = fields[BITS_FIELDS][:, mine.argmax(axis=0), np.arange(n_cols)].view(np.int64)
         head[:, FIRST : M2 + 1] = np.where(mine.any(axis=0), picked, 0).T

@@ -97,3 +97,15 @@ def test_two_passes_with_another_ranks_layout() -> None:
     agreed = np.maximum.reduce([maxima(p) for p in prepared])
     summed = sum(sums(p, agreed) for p in prepared)
     assert bits(finish(agreed, summed, np.array([True]))[0]) == bits(merge(block_of(rows, [0, 1, 2], [True]))[0])
+
+
+def test_counts_beyond_two_to_the_53_add_exactly() -> None:
+    """Workers' counts whose sum passes 2**53 add as integers (a float sum would round 2**53 + 1 to 2**53)."""
+    one = Summary.of_batch([1.0], None)
+    big = one._replace(count=2**53 - 1, weight=float(2**53 - 1), wsum=float(2**53 - 1), total=float(2**53 - 1))
+    two = Summary.of_batch([1.0, 1.0], None)
+    block = block_of([[big], [two]], [0, 1], [False])
+    for merged in (merge(block), merge_collective(block)):
+        state = merged[0]
+        assert state is not None
+        assert state.count == big.merge(two).count == 2**53 + 1
