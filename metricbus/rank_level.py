@@ -274,10 +274,13 @@ def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
         for k, hit in enumerate((np.isnan(his), his == np.inf, his == -np.inf)):
             head[:, NONFINITE + k : stop : 4] = _row_count(special & hit).T
     head[:, NONFINITE + 3 : stop : 4] = _row_count(present & (his.view(np.int64) == _NEGATIVE_ZERO)).T
-    head[:, NAN_MINMAX] = _row_count(present & np.isnan(fields[8:10]).any(axis=0))
-    ends = fields[8:10].view(np.int64)  # which zero a zero extreme is: -0.0 below +0.0 (signed_zero)
-    head[:, NEGATIVE_ZERO_MIN] = _row_count(present & (ends[0] == _NEGATIVE_ZERO))
-    head[:, POSITIVE_ZERO_MAX] = _row_count(present & (ends[1] == 0))
+    low, high = fields[8], fields[9]
+    odd = np.isnan(low) | np.isnan(high) | (low == 0.0) | (high == 0.0)  # a NaN or a zero min or max
+    if odd.any():  # (rarely): count the workers whose min or max is NaN, whose min is -0.0, whose max is +0.0
+        odd &= present
+        head[:, NAN_MINMAX] = _row_count(odd & (np.isnan(low) | np.isnan(high)))
+        head[:, NEGATIVE_ZERO_MIN] = _row_count(odd & (low.view(np.int64) == _NEGATIVE_ZERO))
+        head[:, POSITIVE_ZERO_MAX] = _row_count(odd & (high.view(np.int64) == 0))
 
 
 _LEADING = [1, 3, 5]  # the leading components of weight, wsum, total (t's is Prepared.t_hi)
