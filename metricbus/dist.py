@@ -164,7 +164,10 @@ class TorchRanks:
         if one:  # the sums laid out by the guess, checked in the same all_reduce (see metricbus.one_pass)
             hit, longest, summed = self._one_pass_sums(prep, maxima, guess, len(payload))
         elif guess is not None:  # the sums laid out by the guess travel with the maxima (see metricbus.speculate)
-            early = rank_level.sums(prep, guess) if speculate.holds(maxima, guess) else speculate.blank(guess)
+            mine_fit = one_pass.own_fit(
+                maxima=maxima, present=prep.present[0], weighted=prep.weighted[0], rank=self.rank, guess=guess
+            )  # (weights in a column guessed unweighted have no slots in the guess's layout)
+            early = rank_level.sums(prep, guess) if mine_fit else speculate.blank(guess)
             head, summed = self._all_reduce_pair(head, early)
             longest, paired = int(head[0]), True
         else:

@@ -15,9 +15,10 @@ lowest ranks. Then the sums are finished under the guess's layout with the agree
 exact sums are the same integers in a wider window, and :func:`metricbus.fixed.components` is canonical in the value,
 so the result is bit for bit the sequential one. Otherwise (a value grew beyond the margin, a metric moved to
 another rank, a slot empty at the last commit has terms) every rank runs the sums pass again under the agreed
-maxima: one extra collective, on every rank. A rank whose own terms already fall outside the guess (:func:`holds`)
-sends zeros of the guess's length (:func:`blank`) rather than limbs outside their slots; the agreed maxima, at
-least its own, then miss the guess on every rank.
+maxima: one extra collective, on every rank. A rank whose own row already does not fit the guess (terms outside its
+windows, :func:`holds`; weights in a column guessed unweighted, or another lowest rank:
+:func:`metricbus.one_pass.own_fit`) sends zeros of the guess's length (:func:`blank`) rather than limbs outside
+their slots; the agreed maxima, at least its own, then miss the guess on every rank.
 """
 
 from __future__ import annotations

@@ -349,3 +349,25 @@ def test_one_pass_commits_agree_bit_for_bit_hit_or_miss(ranks: int) -> None:
         rows, calls = live[rank]
         assert bits(rows) == expected, rank
         assert calls == want, calls
+
+
+def test_weights_arriving_in_a_speculated_commit(tmp_path: Path) -> None:
+    """A metric read as ``max`` (so steady commits speculate) whose sum is 0 at one step and which is logged with
+    weights at the next: the rank sends blank sums for the guess, every rank runs the sums pass again, and live,
+    ingest and replay agree (found by a review fuzzer: an IndexError on the logging rank, gloo closed on the other)."""
+    pytest.importorskip("torch")
+    from tests import dist_workers
+    from tests.test_dist import _spawn
+
+    steps = [
+        [[(0, "x", [1.0], None)], []],
+        [[(0, "x", [-1.5, 1.5], None)], []],
+        [[(0, "x", [0.0], [3.0])], []],
+        [[(0, "x", [2.0], [1.0])], [(0, "x", [-0.0], None)]],
+    ]
+    plan = {"steps": steps, "rules": {"x": ["max", "mean"]}, "logger": "tests.test_bitwise:log_share"}
+    journal = str(tmp_path / "journal")
+    live = _spawn(dist_workers.updates_worker, 2, plan, journal)
+    expected = bits(ingested(plan, ranks=2))
+    assert bits(live[0]) == bits(live[1]) == expected
+    assert bits([metrics for _, metrics in emitted(read_journal(journal))]) == expected

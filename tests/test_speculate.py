@@ -90,3 +90,19 @@ def test_a_rank_whose_own_terms_leave_the_guess_sends_zeros_of_its_length() -> N
         assert blank.dtype == np.int64
         assert not blank.any()
         assert len(blank) == len(sums(prepared(before), guess))
+
+
+def test_weights_in_a_column_guessed_unweighted_do_not_fit_the_rank() -> None:
+    """A rank whose row brings weights to a column the guess lays out unweighted (no weight slots) does not fit it,
+    though its terms lie inside the windows: its sums would need slots the guess lacks (found by a review fuzzer:
+    IndexError in the speculated commit)."""
+    from metricbus import one_pass
+
+    plain = prepare(block_of([[summary(([-1.5, 1.5], None))]], [0], [False]))
+    guess = speculate.guess_of(maxima(plain), None)
+    weighted = prepare(block_of([[summary(([0.0], 3.0))]], [0], [False]))
+    mine = maxima(weighted)
+    assert speculate.holds(mine, guess)
+    assert not one_pass.own_fit(
+        maxima=mine, present=weighted.present[0], weighted=weighted.weighted[0], rank=0, guess=guess
+    )
