@@ -242,7 +242,8 @@ def assemble(head: Array, extrema: Array, moments: Array, quick: Sequence[Quick]
     n_cols = head.shape[0]
     workers, count = head[:, WORKERS], head[:, COUNT]
     weighted = extrema[:, 3] > 0
-    rare = bool(head[:, NONFINITE:].any())  # a non-finite or -0.0 sum, or a NaN min/max, in some column
+    rare = bool(head[:, NONFINITE:NAN_MINMAX].any())  # a non-finite or -0.0 sum in some column
+    odd_ends = bool(head[:, NAN_MINMAX:].any())  # a NaN min or max, a -0.0 min or a +0.0 max in some column
     # a merged m2 (exact integer arithmetic) or a count beyond 2**53 takes the per-column path
     slow = count >= EXACT_COUNT
     if moments.any():
@@ -273,7 +274,7 @@ def assemble(head: Array, extrema: Array, moments: Array, quick: Sequence[Quick]
         columns[7, ~single] = math.nan
     columns[8:10] = extrema[picks, 1::-1].T  # -min, max
     np.negative(columns[8], out=columns[8])
-    if rare:
+    if odd_ends:
         picked = head[picks]
         for f, signed, counted in ((8, -0.0, NEGATIVE_ZERO_MIN), (9, 0.0, POSITIVE_ZERO_MAX)):
             columns[f] = np.where((columns[f] == 0.0) & (picked[:, counted] != 0), signed, columns[f])

@@ -57,6 +57,28 @@ def of_values(values: Iterable[float], lowest: float, highest: float) -> tuple[f
     return lowest, highest
 
 
+def of_sorted(ordered: list[float]) -> tuple[float, float]:
+    """:func:`of_values` of a sorted list (no NaN): only the run of zeros at an end is read."""
+    lowest, highest = ordered[0], ordered[-1]
+    if lowest == 0.0:
+        lowest = 0.0
+        for x in ordered:
+            if x != 0.0:
+                break
+            if _COPYSIGN(1.0, x) < 0.0:
+                lowest = -0.0
+                break
+    if highest == 0.0:
+        highest = -0.0
+        for x in reversed(ordered):
+            if x != 0.0:
+                break
+            if _COPYSIGN(1.0, x) > 0.0:
+                highest = 0.0
+                break
+    return lowest, highest
+
+
 def of_array(values: Any, lowest: float, highest: float) -> tuple[float, float]:
     """:func:`of_values` of a float64 numpy array."""
     if lowest != 0.0 and highest != 0.0:

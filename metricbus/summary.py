@@ -107,10 +107,12 @@ class Summary(NamedTuple):
             if n <= 32:  # sorting a few floats is cheaper than min() plus max()
                 ordered = sorted(values)
                 lowest, highest = ordered[0], ordered[-1]
+                if lowest == 0.0 or highest == 0.0:  # which zero: -0.0 below +0.0 (signed_zero)
+                    lowest, highest = signed_zero.of_sorted(ordered)
             else:
                 lowest, highest = min(values), max(values)
-            if lowest == 0.0 or highest == 0.0:  # which zero: -0.0 below +0.0 (signed_zero)
-                lowest, highest = signed_zero.of_values(values, lowest, highest)
+                if lowest == 0.0 or highest == 0.0:
+                    lowest, highest = signed_zero.of_values(values, lowest, highest)
         else:  # a NaN is present (or inf - inf): min/max of a set with NaN is NaN, never order-dependent
             has_nan = any(math.isnan(x) for x in values)
             lowest = _NAN if has_nan else min(values)
