@@ -275,10 +275,13 @@ def assemble(head: Array, extrema: Array, moments: Array, quick: Sequence[Quick]
     columns[8:10] = extrema[picks, 1::-1].T  # -min, max
     np.negative(columns[8], out=columns[8])
     if odd_ends:
-        picked = head[picks]
         for f, signed, counted in ((8, -0.0, NEGATIVE_ZERO_MIN), (9, 0.0, POSITIVE_ZERO_MAX)):
-            columns[f] = np.where((columns[f] == 0.0) & (picked[:, counted] != 0), signed, columns[f])
-        columns[8:10, picked[:, NAN_MINMAX] != 0] = math.nan
+            hit = head[picks, counted] != 0
+            if hit.any():
+                columns[f] = np.where((columns[f] == 0.0) & hit, signed, columns[f])
+        nan = head[picks, NAN_MINMAX] != 0
+        if nan.any():
+            columns[8:10, nan] = math.nan
     others: dict[int, Summary] = {}
     slow_ones = () if every else np.flatnonzero((workers > 0) & slow).tolist()
     if slow_ones:

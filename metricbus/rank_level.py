@@ -277,10 +277,11 @@ def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
     low, high = fields[8], fields[9]
     odd = np.isnan(low) | np.isnan(high) | (low == 0.0) | (high == 0.0)  # a NaN or a zero min or max
     if odd.any():  # (rarely): count the workers whose min or max is NaN, whose min is -0.0, whose max is +0.0
-        odd &= present
-        head[:, NAN_MINMAX] = _row_count(odd & (np.isnan(low) | np.isnan(high)))
-        head[:, NEGATIVE_ZERO_MIN] = _row_count(odd & (low.view(np.int64) == _NEGATIVE_ZERO))
-        head[:, POSITIVE_ZERO_MAX] = _row_count(odd & (high.view(np.int64) == 0))
+        at = np.flatnonzero((odd & present).any(axis=0))  # in those columns only
+        low, high, held = low[:, at], high[:, at], present[:, at]
+        head[at, NAN_MINMAX] = _row_count(held & (np.isnan(low) | np.isnan(high)))
+        head[at, NEGATIVE_ZERO_MIN] = _row_count(held & (low.view(np.int64) == _NEGATIVE_ZERO))
+        head[at, POSITIVE_ZERO_MAX] = _row_count(held & (high.view(np.int64) == 0))
 
 
 _LEADING = [1, 3, 5]  # the leading components of weight, wsum, total (t's is Prepared.t_hi)
