@@ -115,7 +115,9 @@ def std(m: Merged) -> Settled:
 
 
 def _sum(m: Merged) -> Settled:
-    return _all(m, m.total)  # finite: the correctly rounded sum
+    """:meth:`Summary.sum`: inside the double range ``total`` is the correctly rounded sum; at ±MAX the exact sum
+    may lie beyond it (then it is ±inf), which the scalar kind decides."""
+    return m.total, np.abs(m.total) < exact.MAX
 
 
 def _count(m: Merged) -> Settled:

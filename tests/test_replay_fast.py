@@ -226,3 +226,10 @@ def test_divide_by_count_matches_the_scalar_one(hi: float, lo: float, count: int
     if done[0]:
         assert want is not None
         assert struct.pack("<d", q[0]) == struct.pack("<d", want)
+
+
+def test_a_sum_beyond_the_double_range_is_inf_in_columns() -> None:
+    """A state whose exact sum passes MAX holds ``total`` = MAX: the columnar ``sum`` leaves it to the scalar kind,
+    which rounds it to inf, as live does (found by hypothesis: the columns emitted MAX)."""
+    steps = [[{"m0": [(7.976931348623158e307, None), (1e308, None)]}]]
+    replayed_as_live(steps, {"m0": "sum"}, nan=True, controller=False)
