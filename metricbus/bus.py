@@ -19,6 +19,7 @@ from typing import Any
 from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT
 from metricbus.adapter import Adapter, RunInfo, Status
+from metricbus.canonical import nans
 from metricbus.collect import Collector
 from metricbus.delivery import WRITE_TIMEOUT_S
 from metricbus.errors import (
@@ -314,6 +315,7 @@ class MetricBus:
         return emitted, rejected
 
     def _emit(self, step: int, out: dict[str, float]) -> dict[str, float]:
+        nans(out)  # one NaN's bits on every path (canonical.py)
         if out and self._ranks.is_writer:
             self._sink.submit(step=step, metrics=out)
         return out

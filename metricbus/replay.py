@@ -24,6 +24,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from metricbus.adapter import Adapter, RunInfo, Status
+from metricbus.canonical import nans
 from metricbus.errors import JournalError, SpecError
 from metricbus.journal import CursorStore, Journal
 from metricbus.journal.cursors import identity_of, resume_adapter
@@ -136,7 +137,7 @@ def emissions(
                 if reducer.pending and last is not None:
                     tail = reducer.finish()
                     if tail:
-                        yield last, tail, True
+                        yield last, nans(tail), True
                 reducer = StepReducer(log_every=journal.log_every)
             last = step
             out: dict[str, float] | None
@@ -149,14 +150,14 @@ def emissions(
             else:
                 out = reducer.commit_ranked(ranked, specs)
             if out:
-                yield step, out, False
+                yield step, nans(out), False
             done += 1
             if progress is not None:
                 progress(done, max(total, done))
     if reducer.pending and last is not None:
         tail = reducer.finish()
         if tail:
-            yield last, tail, True
+            yield last, nans(tail), True
 
 
 def _before(commits: Iterator[Commit | CommitRun], until: int) -> Iterator[Commit | CommitRun]:

@@ -34,8 +34,12 @@ RULES = {
     "adv": Agg(micro="mean", rank="p90"),
     "upd": Agg(micro="p90", update="p50", rank="mean"),
     "zero": ["min", "max", "mean"],  # tied -0.0 and +0.0 extremes: -0.0 is below (metricbus.signed_zero)
+    # NaNs of both signs and with a payload, and infinities that meet: one NaN emitted (metricbus.canonical)
+    "odd": ["mean", "sum", "min", "max", "first", "last", "std"],
 }
 ZEROS = (0.0, -0.0, 0.0, -0.0, 2.0, -2.0)
+_NAN_BITS = struct.pack("<d", math.nan)
+ODD = (1.0, 1.0, 1.0, math.inf, -math.inf, math.nan, struct.unpack("<d", bytes.fromhex("0100000000f8ffff"))[0])
 
 
 def make_plan(seed: int, *, ranks: int, steps: int = 3) -> dict[str, Any]:
@@ -61,6 +65,7 @@ def make_plan(seed: int, *, ranks: int, steps: int = 3) -> dict[str, Any]:
                     records.append((update, "adv", [rng.gauss(0.0, 1.0) for _ in range(n)], None))
                     records.append((update, "upd", [rng.expovariate(1.0) for _ in range(n)], None))
                     records.append((update, "zero", [rng.choice(ZEROS) for _ in range(n)], None))
+                    records.append((update, "odd", [rng.choice(ODD) for _ in range(n)], None))
             if rng.random() < 0.3:
                 records = [r for r in records if r[1] != "clip"]  # a rank without a metric
             per_rank.append(records)
@@ -120,7 +125,10 @@ def extremes_of(rows: list[dict[str, float]], name: str) -> list[tuple[bytes, by
 
 
 def bits(rows: list[dict[str, float]]) -> list[dict[str, Any]]:
-    """Each value's bits (a histogram's edges' bits and counts too)."""
+    """Each value's bits (a histogram's edges' bits and counts too); every NaN emitted must be ``math.nan``."""
+    for row in rows:
+        for name, value in row.items():
+            assert not (isinstance(value, float) and math.isnan(value)) or struct.pack("<d", value) == _NAN_BITS, name
     return [{k: (struct.pack("<d", v), _histogram_bits(v)) for k, v in row.items()} for row in rows]
 
 
