@@ -281,7 +281,9 @@ def _add(
         hi = a + b
         if hi - hi == 0.0:  # finite: TwoSum gives the exact remainder, so (hi, lo) is already canonical
             bb = hi - a
-            return hi, (a - (hi - bb)) + (b - bb), ()
+            lo = (a - (hi - bb)) + (b - bb)
+            if lo - lo == 0.0:  # (hi - a overflows for a finite sum near ±MAX of opposite signs: exact.add)
+                return hi, lo, ()
         if a - a != 0.0 or b - b != 0.0:  # non-finite data: IEEE
             return hi, 0.0, ()
     elif not rests[0] and not rests[1]:

@@ -94,7 +94,8 @@ def _add(a: Any, a_lo: Any, b: Any, b_lo: Any) -> tuple[Any, Any, Any]:
     s, e = _two_sum(a, b)
     finite = s - s == 0.0
     inputs_finite = (a - a == 0.0) & (b - b == 0.0)
-    slow = plain & ~finite & inputs_finite  # an overflow: exact.add
+    # an overflow of the sum, or of TwoSum's hi - a near ±MAX (its remainder then NaN): exact.add
+    slow = plain & inputs_finite & ~(finite & (e - e == 0.0))
     # else: the four components' sum by error-free transformations (exact where nothing overflows)
     t, f = _two_sum(a_lo, b_lo)
     u, g = _two_sum(e, t)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -225,3 +226,17 @@ def test_std_through_workers_is_stable() -> None:
         driver.log("x", chunk, agg="std")
     out = driver.commit()
     assert out["x"] == pytest.approx(float(np.std(x.astype(np.longdouble))), rel=1e-12)
+
+
+def test_two_sums_near_the_top_of_the_range_merge_exactly() -> None:
+    """TwoSum's ``hi - a`` overflows for a finite sum of opposite-signed values near ±MAX (its remainder would be
+    NaN, and the next merge raise): the merge takes the exact path instead (found by a review fuzzer)."""
+    from fractions import Fraction
+
+    top = sys.float_info.max
+    a = 7.976931348623158e307
+    merged = Summary.of_batch([a], None).merge(Summary.of_batch([-top], None))
+    assert math.isfinite(merged.total_lo)
+    assert Fraction(merged.total) + Fraction(merged.total_lo) == Fraction(a) - Fraction(top)
+    three = merged.merge(Summary.of_batch([1.0], None))
+    assert three.sum() == float(Fraction(a) - Fraction(top) + 1)

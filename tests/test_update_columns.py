@@ -149,3 +149,12 @@ def test_a_bus_with_several_updates_per_commit_emits_the_same_bits_either_way(mo
         assert [{k: bits([v]) for k, v in row.items()} for row in fast] == [
             {k: bits([v]) for k, v in row.items()} for row in slow
         ]
+
+
+def test_a_two_sum_overflowing_near_the_top_of_the_range_is_left_to_the_scalar_merge() -> None:
+    """The columns give ``Summary.merge``'s bits where TwoSum's intermediate overflows for a finite sum."""
+    top = 1.7976931348623157e308
+    rows = [(Summary.of_batch([7.976931348623158e307], None), Summary.of_batch([-top], None))]
+    got = merge_columns(_columns([a for a, _ in rows]), _columns([b for _, b in rows]))
+    assert got is not None
+    assert bits(got[:, 0]) == bits(rows[0][0].merge(rows[0][1]).as_tuple())
