@@ -82,3 +82,17 @@ def test_a_frame_larger_than_a_chunk_reserves_all_of_it(tmp_path: Path, monkeypa
     assert len(calls) >= 2
     assert [length for _, length in calls[1:]] == [4096] * (len(calls) - 1)
     assert [s for s, _ in read_journal(directory).commits] == list(range(8))
+
+
+def test_a_python_without_ctypes_still_journals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ctypes (a Python built without libffi): nothing is reserved, and the journal opens and writes as before."""
+    monkeypatch.setitem(sys.modules, "ctypes", None)  # import ctypes raises ImportError
+    uncached = reserve.reserver.__wrapped__
+    assert uncached() is None
+    monkeypatch.setattr(reserve, "reserver", uncached)
+    directory = tmp_path / "journal"
+    with MetricBus(dist=None, rules=RULES, journal=str(directory)) as bus:
+        for step in range(2):
+            log_step(bus, step, 0)
+            bus.commit(step)
+    assert [s for s, _ in read_journal(directory).commits] == [0, 1]

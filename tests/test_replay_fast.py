@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import struct
 import warnings
 from pathlib import Path
@@ -37,14 +36,6 @@ Rows = list[tuple[int, dict[str, bytes]]]
 def bits(rows: Any) -> Rows:
     """Rows with every float as its 8 bytes (NaN == NaN, -0.0 != 0.0)."""
     return [(step, {k: struct.pack("<d", v) for k, v in m.items()}) for step, m in rows]
-
-
-def plain_nan(rows: Rows) -> Rows:
-    """``rows`` with every NaN as ``float("nan")``'s bytes: a record's NaN payload reaches a one-rank replay's value,
-    while the live ingest's rank level writes a plain NaN (an older difference, not the columnar path's)."""
-    nan = struct.pack("<d", math.nan)
-    return [(step, {k: nan if math.isnan(struct.unpack("<d", v)[0]) else v for k, v in m.items()})
-            for step, m in rows]
 
 
 def scalar(path: Path, **options: Any) -> Rows:
@@ -85,18 +76,15 @@ def write(path: Path, steps: list[list[dict[str, list[tuple[float, float | None]
     return mem
 
 
-def replayed_as_live(steps: Any, rules: dict[str, str], *, nan: bool, **options: Any) -> None:
-    """Journal ``steps`` (``write``'s ``options``), then assert columnar == scalar == the live bus, bit for bit
-    (``nan``: every NaN compared as a plain NaN, :func:`plain_nan`)."""
+def replayed_as_live(steps: Any, rules: dict[str, str], **options: Any) -> None:
+    """Journal ``steps`` (``write``'s ``options``), then assert columnar == scalar == the live bus, bit for bit (NaNs
+    included: every emitted NaN is ``math.nan``, metricbus.canonical)."""
     with TemporaryDirectory() as tmp:
         path = Path(tmp) / "j"
         live = bits(write(path, steps, rules, **options).rows)
         got = columnar(path)
         assert got == scalar(path)
-        if nan:
-            assert plain_nan(got) == plain_nan(live)
-        else:
-            assert got == live
+        assert got == live
 
 
 def rule_replays_alike(steps: Any, rules: dict[str, str], rule: str, **options: Any) -> None:
@@ -151,7 +139,7 @@ FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChec
 def test_hostile_values_bitwise(case: Any) -> None:
     """NaN, inf, -0.0, huge and subnormal values, weights: columnar == scalar == live, bit for bit."""
     steps, rules = case
-    replayed_as_live(steps, rules, nan=True)
+    replayed_as_live(steps, rules)
 
 
 @FEW
@@ -159,7 +147,7 @@ def test_hostile_values_bitwise(case: Any) -> None:
 def test_finite_sums_with_remainders_bitwise(case: Any) -> None:
     """Finite values whose sums need a low part (lo != 0): the vectorized division and exact sums hold."""
     steps, rules = case
-    replayed_as_live(steps, rules, nan=False)
+    replayed_as_live(steps, rules)
 
 
 @FEW
@@ -167,7 +155,7 @@ def test_finite_sums_with_remainders_bitwise(case: Any) -> None:
 def test_one_worker_bitwise(case: Any) -> None:
     """A one-rank journal (the live single-worker path): columnar == scalar == live."""
     steps, rules = case
-    replayed_as_live(steps, rules, nan=True, controller=False)
+    replayed_as_live(steps, rules, controller=False)
 
 
 @FEW
@@ -232,4 +220,4 @@ def test_a_sum_beyond_the_double_range_is_inf_in_columns() -> None:
     """A state whose exact sum passes MAX holds ``total`` = MAX: the columnar ``sum`` leaves it to the scalar kind,
     which rounds it to inf, as live does (found by hypothesis: the columns emitted MAX)."""
     steps = [[{"m0": [(7.976931348623158e307, None), (1e308, None)]}]]
-    replayed_as_live(steps, {"m0": "sum"}, nan=True, controller=False)
+    replayed_as_live(steps, {"m0": "sum"}, controller=False)

@@ -20,7 +20,6 @@ from tests.test_replay_fast import (
     columnar,
     journals,
     many_ranks,
-    plain_nan,
     records,
     replayed_as_live,
     rule_replays_alike,
@@ -70,7 +69,7 @@ def test_hostile_values_bitwise(case: Any, log_every: int) -> None:
     """NaN, inf, -0.0, huge and subnormal values, weights, names that come and go mid-window: columnar == scalar ==
     live, bit for bit."""
     steps, rules = case
-    replayed_as_live(steps, rules, nan=True, log_every=log_every)
+    replayed_as_live(steps, rules, log_every=log_every)
 
 
 @MORE
@@ -79,7 +78,7 @@ def test_windows_merged_in_columns_bitwise(case: Any, log_every: int) -> None:
     """Metrics whose windows merge in columns, hostile values and weights, one to four workers (one: its own log,
     "P" frames): columnar == scalar == live."""
     (steps, rules), workers = case
-    replayed_as_live(steps, rules, nan=True, controller=workers > 1, log_every=log_every)
+    replayed_as_live(steps, rules, controller=workers > 1, log_every=log_every)
 
 
 @MORE
@@ -88,7 +87,7 @@ def test_windows_of_finite_sums_bitwise(case: Any, log_every: int) -> None:
     """The same with values of moderate size (sums with a low part, seldom a third component: few windows fall
     back): columnar == scalar == live."""
     (steps, rules), workers = case
-    replayed_as_live(steps, rules, nan=False, controller=workers > 1, log_every=log_every)
+    replayed_as_live(steps, rules, controller=workers > 1, log_every=log_every)
 
 
 @FEW
@@ -96,7 +95,7 @@ def test_windows_of_finite_sums_bitwise(case: Any, log_every: int) -> None:
 def test_finite_sums_with_remainders_bitwise(case: Any, log_every: int) -> None:
     """Finite values whose sums need a low part: columnar == scalar == live."""
     steps, rules = case
-    replayed_as_live(steps, rules, nan=False, log_every=log_every)
+    replayed_as_live(steps, rules, log_every=log_every)
 
 
 @FEW
@@ -104,7 +103,7 @@ def test_finite_sums_with_remainders_bitwise(case: Any, log_every: int) -> None:
 def test_one_worker_bitwise(case: Any, log_every: int) -> None:
     """A one-rank journal ("P" frames, the live single-worker path; std merges its second moment in columns)."""
     steps, rules = case
-    replayed_as_live(steps, rules, nan=True, controller=False, log_every=log_every)
+    replayed_as_live(steps, rules, controller=False, log_every=log_every)
 
 
 @FEW
@@ -192,5 +191,5 @@ def test_windows_of_non_finite_states_take_the_scalar_kind(
     live = write(tmp_path / "j", steps, rules, controller=workers > 1, log_every=2)
     got = columnar(tmp_path / "j")
     assert got == scalar(tmp_path / "j")
-    assert plain_nan(got) == plain_nan(bits(live.rows))
+    assert got == bits(live.rows)
     assert sum(counts) >= 5

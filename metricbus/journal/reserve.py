@@ -31,12 +31,19 @@ def reserver() -> Reserve | None:
     first journal's open, not at import)."""
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes
-
     try:
-        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
-    except (OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+    except (ImportError, OSError):  # a Python built without ctypes (libffi), or no C library to load
         return None
+    # 64-bit offsets: fallocate64 (glibc, 32-bit builds included); else fallocate where off_t is 64-bit (musl,
+    # 64-bit glibc); a 32-bit off_t would misread the arguments
+    fallocate = getattr(libc, "fallocate64", None)
+    if fallocate is None:
+        fallocate = getattr(libc, "fallocate", None)
+        if fallocate is None or ctypes.sizeof(ctypes.c_long) < 8:
+            return None
     fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     fallocate.restype = ctypes.c_int
 
@@ -47,6 +54,7 @@ def reserver() -> Reserve | None:
 
 
 def trim(fd: int) -> None:
-    """Free the blocks reserved past the end of the file (a truncation to its own size; best effort)."""
+    """Free the blocks reserved past the end of the file (a truncation to its own size; best effort). Only for a
+    writer holding the file's lock: another writer's append between the size read and the truncation would be cut."""
     with contextlib.suppress(OSError):  # else only space past the end stays allocated; a next writer's close frees it
         os.ftruncate(fd, os.fstat(fd).st_size)

@@ -416,7 +416,7 @@ class JournalWriter:
                     self._gap = None
                 except OSError:
                     pass  # already reported by the commit that failed; the file stays readable
-            if self._reserve is not None:
+            if self._reserve is not None and self._locked:  # (unlocked, another writer may be appending)
                 reserve.trim(fd)
             if self._fsync != "never":
                 try:
