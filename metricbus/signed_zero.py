@@ -44,6 +44,14 @@ def greatest(a: float, b: float) -> float:
     return _NAN
 
 
+def pairs(a: Any, b: Any, *, minimum: bool) -> Any:
+    """Elementwise :func:`least` (or :func:`greatest`) of the float64 arrays ``a`` and ``b``."""
+    nan = np.isnan(a) | np.isnan(b)
+    tied = (a == b) & (np.signbit(a) if minimum else ~np.signbit(a))  # a is the zero to keep, or equals b
+    take_a = ((a < b) if minimum else (a > b)) | tied
+    return np.where(nan, _NAN, np.where(take_a, a, b))
+
+
 def of_values(values: Iterable[float], lowest: float, highest: float) -> tuple[float, float]:
     """``(lowest, highest)`` of ``values`` (no NaN among them) found by IEEE comparison, with a zero extreme given
     its sign: ``-0.0`` for the min if any value is ``-0.0``, ``+0.0`` for the max if any value is ``+0.0``."""

@@ -20,6 +20,7 @@ from itertools import compress
 from typing import Any
 
 from metricbus.errors import MetricValueError
+from metricbus.signed_zero import NEGATIVE_ZERO_BITS
 from metricbus.summary import N_FIELDS
 
 FIELDS = (
@@ -31,7 +32,6 @@ _NONFINITE = FIELDS.index("nonfinite")
 _FLAGS = _BAD_WEIGHT  # from here on, flags merged by max
 # whether a -0.0 (a +0.0) was logged: a zero min is -0.0 (a zero max +0.0) if so (metricbus.signed_zero)
 _NEGATIVE_ZERO, _POSITIVE_ZERO = FIELDS.index("negative_zero"), FIELDS.index("positive_zero")
-_NEGATIVE_ZERO_BITS = -(2**63)
 # where each of FIELDS up to "last" goes in Summary.as_tuple() (count, weight, wsum, total, m2, min, max, first, last)
 _TO_FIELDS = [0, 1, 3, 5, 7, 8, 9, 10, 11]
 
@@ -55,7 +55,7 @@ def _batch(value: Any, weight: Any, *, ignore: bool) -> Any:
         w = torch.full_like(x, 1.0 if weight is None else float(weight))
     bad_w = ((w < 0) | ~torch.isfinite(w)).any().to(torch.float64)
     bits = x.view(torch.int64)  # which zeros were logged: torch's min and max keep either of two tied zeros
-    zeros = [(bits == _NEGATIVE_ZERO_BITS).any().to(torch.float64), (bits == 0).any().to(torch.float64)]
+    zeros = [(bits == NEGATIVE_ZERO_BITS).any().to(torch.float64), (bits == 0).any().to(torch.float64)]
     finite = torch.isfinite(x)
     nonfinite = (~finite).any().to(torch.float64)
     if ignore:

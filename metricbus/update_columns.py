@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from metricbus import signed_zero
 from metricbus.exact import two_product
 from metricbus.summary import N_FIELDS, Summary
 
 _MAX = 1.7976931348623157e308
 _SAFE = 2.0**1000  # below this no error-free transformation of two sums overflows
-_NAN = float("nan")
 _FSUM_ZERO = math.fsum([1.0, -1.0])  # what fsum gives for a sum that cancels to 0 (+0.0)
 COUNT, WEIGHT, WEIGHT_LO, WSUM, WSUM_LO, TOTAL, TOTAL_LO, M2, MIN, MAX, FIRST, LAST = range(N_FIELDS)
 _HI, _LO = [WEIGHT, WSUM, TOTAL], [WEIGHT_LO, WSUM_LO, TOTAL_LO]
@@ -51,8 +51,8 @@ def merge_columns(a: Any, b: Any) -> Any:
         out[M2], slow = _chan_m2(a, b)
         slow |= bad.any(axis=0)
         out[COUNT] = a[COUNT] + b[COUNT]
-        out[MIN] = _extreme(a[MIN], b[MIN], minimum=True)
-        out[MAX] = _extreme(a[MAX], b[MAX], minimum=False)
+        out[MIN] = signed_zero.pairs(a[MIN], b[MIN], minimum=True)
+        out[MAX] = signed_zero.pairs(a[MAX], b[MAX], minimum=False)
         out[FIRST] = a[FIRST]
         out[LAST] = b[LAST]
         # a NaN among the sums or m2: which operand's NaN an addition keeps is the compiler's choice, and numpy's
@@ -75,15 +75,6 @@ def _two_sum(a: Any, b: Any) -> tuple[Any, Any]:
     s = a + b
     bb = s - a
     return s, (a - (s - bb)) + (b - bb)
-
-
-def _extreme(a: Any, b: Any, *, minimum: bool) -> Any:
-    """Elementwise ``signed_zero.least`` (or ``greatest``) of ``a`` and ``b``: NaN if either is, ``-0.0`` below
-    ``+0.0``."""
-    nan = np.isnan(a) | np.isnan(b)
-    tied = (a == b) & (np.signbit(a) if minimum else ~np.signbit(a))  # a is the zero to keep, or equals b
-    take_a = ((a < b) if minimum else (a > b)) | tied
-    return np.where(nan, _NAN, np.where(take_a, a, b))
 
 
 def _add(a: Any, a_lo: Any, b: Any, b_lo: Any) -> tuple[Any, Any, Any]:

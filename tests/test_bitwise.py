@@ -109,13 +109,12 @@ def zero_extremes(plan: dict[str, Any], name: str) -> list[tuple[bytes, bytes]]:
     """Per step, the bits of ``name``'s min and max over every rank's records, -0.0 ordered below +0.0 (IEEE 754's
     totalOrder on these finite values): the reference the emitted ``min`` and ``max`` must equal."""
 
-    def key(x: float) -> tuple[float, bool]:
-        return x, not math.copysign(1.0, x) < 0.0
+    from tests.test_signed_zero import total_order
 
     out = []
     for per_rank in plan["steps"]:
         values = [v for records in per_rank for _, n, vs, _ in records if n == name for v in vs]
-        out.append((struct.pack("<d", min(values, key=key)), struct.pack("<d", max(values, key=key))))
+        out.append((struct.pack("<d", min(values, key=total_order)), struct.pack("<d", max(values, key=total_order))))
     return out
 
 
