@@ -39,7 +39,6 @@ from metricbus.summary import N_FIELDS, Rest, Summary
 _fsum = math.fsum
 COLUMNS_FROM = 8  # plain metrics in an update from which they are summarised in columns
 _new = tuple.__new__
-_NEGATIVE_ZERO = np.int64(-(2**63))  # the bits of -0.0, read as an int64
 _FSUM_SIGNED_ZERO = math.copysign(1.0, _fsum([-0.0, -0.0])) < 0.0  # fsum of -0.0s is -0.0 (newer Pythons)
 _EXP_TOP = 1020  # _exact_sums takes magnitudes below 2**(_EXP_TOP - M) (so sigma and every partial sum are finite)
 _MAX = sys.float_info.max
@@ -194,7 +193,7 @@ def _columns(
         left = _settle(segments.rows(flat, unsettled), unsettled, total, lo)
         if left:
             return _split(names, segments, flat, others, left)
-    negative_zero = flat.view(np.int64).min() == _NEGATIVE_ZERO  # its bits are the least int64
+    negative_zero = flat.view(np.int64).min() == signed_zero.NEGATIVE_ZERO_BITS  # its bits are the least int64
     if negative_zero and _FSUM_SIGNED_ZERO:  # fsum keeps the sign of a sum of -0.0s: take its zeros
         zero = np.flatnonzero(total == 0.0).tolist()
         for i, row in zip(zero, segments.rows(flat, zero), strict=True):

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from metricbus import exact, extract, fixed, rank_finish, second_moment, sketch_level
+from metricbus import exact, extract, fixed, rank_finish, second_moment, signed_zero, sketch_level
 from metricbus.fixed import Array
 from metricbus.rank_finish import (
     BITS_FIELDS,
@@ -273,19 +273,18 @@ def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
         special = present & ~np.isfinite(his)
         for k, hit in enumerate((np.isnan(his), his == np.inf, his == -np.inf)):
             head[:, NONFINITE + k : stop : 4] = _row_count(special & hit).T
-    head[:, NONFINITE + 3 : stop : 4] = _row_count(present & (his.view(np.int64) == _NEGATIVE_ZERO)).T
+    head[:, NONFINITE + 3 : stop : 4] = _row_count(present & (his.view(np.int64) == signed_zero.NEGATIVE_ZERO_BITS)).T
     low, high = fields[8], fields[9]
     odd = np.isnan(low) | np.isnan(high) | (low == 0.0) | (high == 0.0)  # a NaN or a zero min or max
     if odd.any():  # (rarely): count the workers whose min or max is NaN, whose min is -0.0, whose max is +0.0
         at = np.flatnonzero((odd & present).any(axis=0))  # in those columns only
         low, high, held = low[:, at], high[:, at], present[:, at]
         head[at, NAN_MINMAX] = _row_count(held & (np.isnan(low) | np.isnan(high)))
-        head[at, NEGATIVE_ZERO_MIN] = _row_count(held & (low.view(np.int64) == _NEGATIVE_ZERO))
+        head[at, NEGATIVE_ZERO_MIN] = _row_count(held & (low.view(np.int64) == signed_zero.NEGATIVE_ZERO_BITS))
         head[at, POSITIVE_ZERO_MAX] = _row_count(held & (high.view(np.int64) == 0))
 
 
 _LEADING = [1, 3, 5]  # the leading components of weight, wsum, total (t's is Prepared.t_hi)
-_NEGATIVE_ZERO = np.int64(-(2**63))  # the bits of -0.0
 
 
 def finish(agreed: Array, summed: Array, moments: Array) -> rank_finish.Merged:
