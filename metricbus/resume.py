@@ -25,6 +25,7 @@ from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError
 from metricbus.journal import Journal, JournalStream, stream_journal
 from metricbus.journal.format import SUFFIX
+from metricbus.journal.scan import UnreadableError
 
 Emission = tuple[int, Mapping[str, float]]
 
@@ -53,8 +54,8 @@ def previous_run(
         return run, None
     try:
         journal = stream_journal(path)
-    except JournalError:
-        return run, None  # nothing readable: the writer appends a fresh run
+    except UnreadableError:  # nothing readable: a fresh run (a writer refuses a file it cannot append to)
+        return run, None
     if journal.last_step is None:
         return run, None
     old = journal.run

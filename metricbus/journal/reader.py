@@ -267,7 +267,9 @@ def stream_journal(directory: str | os.PathLike[str]) -> JournalStream:
                 raise
             skipped.append((path, str(exc)))
     if not indexes:
-        raise JournalError(f"{directory} holds no readable journal file: " + "; ".join(why for _, why in skipped))
+        raise UnreadableError(
+            f"{directory} holds no readable journal file: " + "; ".join(why for _, why in skipped)
+        )
     for path, why in skipped:
         warnings.warn(f"journal {path}: skipped, the other ranks are read ({why})", JournalWarning, stacklevel=2)
     return JournalStream(directory, indexes, skipped)

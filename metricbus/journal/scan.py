@@ -143,7 +143,9 @@ def _warn(path: Path, what: str) -> None:
     warnings.warn(f"journal {path}: {what}", JournalWarning, stacklevel=3)
 
 
-def _check_header(path: Path, header: Any) -> dict[str, Any]:
+def check_header(path: Path, header: Any) -> dict[str, Any]:
+    """``header`` (a decoded "H" frame) as a dict; TypeError if it is not an object, JournalError if its format is
+    newer than this metricbus reads."""
     if not isinstance(header, dict):
         raise TypeError(f"a header is a JSON object, not {type(header).__name__}")
     fmt = header.get("format")
@@ -154,7 +156,9 @@ def _check_header(path: Path, header: Any) -> dict[str, Any]:
     return dict(header)
 
 
-def _check_magic(path: Path, head: bytes) -> None:
+def check_magic(path: Path, head: bytes) -> None:
+    """Pass a file's first bytes ``head`` that are metricbus's magic, with a warning where at most
+    ``_MAGIC_SLACK`` of them are damaged; else UnreadableError (an empty or foreign file)."""
     if head.startswith(MAGIC):
         return
     if not head:
@@ -257,7 +261,7 @@ def index_file(path: Path) -> FileIndex:
 
     with file:
         size = os.fstat(file.fileno()).st_size
-        _check_magic(path, file.read(len(MAGIC)))
+        check_magic(path, file.read(len(MAGIC)))
         ordinal, last, new_segment, prior, checked = 0, None, False, b"", b""
         for at, span, k in FrameSource(file, size, reuse=True).frames(damage, runs=True):
             steps = _run_steps(span, k) if k > 1 else None
@@ -277,7 +281,7 @@ def index_file(path: Path) -> FileIndex:
                     if kind == b"H":
                         if prior == header:
                             continue  # the second copy of the header just read
-                        rf.headers.append(_check_header(path, json.loads(bytes(payload[1:]))))
+                        rf.headers.append(check_header(path, json.loads(bytes(payload[1:]))))
                         new_segment = True
                     elif kind == b"N":
                         if payload != checked:  # a checkpoint repeating the table just checked is not decoded again

@@ -36,6 +36,7 @@ import numpy as np
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError, JournalWarning
 from metricbus.journal import reserve
+from metricbus.journal.appendable import check_appendable
 from metricbus.journal.compact import CompactFrame
 from metricbus.journal.cursors import CursorStore, identity_of
 from metricbus.journal.format import (
@@ -122,16 +123,19 @@ class JournalWriter:
         self.cursors = CursorStore(self.directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)  # read: check_appendable
         except OSError as exc:
             raise JournalError(f"cannot open journal file {self.path}: {_os_error(exc)}") from exc
         self._fd: int | None = fd
         try:
             self._lock(fd)
             start = b""
-            if os.fstat(fd).st_size < len(MAGIC):  # new, or a torn magic (only its writer could have cut it)
+            size = os.fstat(fd).st_size
+            if size < len(MAGIC):  # new, or a torn magic (only its writer could have cut it)
                 os.ftruncate(fd, 0)
                 start = MAGIC
+            else:  # never append to bytes no reader would read back (a foreign file, a newer format)
+                check_appendable(fd, self.path, size)
             head = frame(b"H", json.dumps(header).encode())
             self._write(start + head + head)
             if self._fsync != "never":
