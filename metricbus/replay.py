@@ -244,6 +244,8 @@ class _Target:
     label: str
     cursor: int | None
     written: int | None = None
+    whole: int | None = None  # the last step all of whose commits were written (``written`` or the one before)
+    at_written: int = 0  # the writes at step ``written`` not yet acknowledged
     unflushed: int = 0
     sent: int = 0
     error: BaseException | None = None
@@ -337,7 +339,12 @@ def _send(
         reduced[:] = [done, total]
 
     last_ack = time.monotonic()
-    for step, metrics in emitted(journal, progress=None if progress is None else tick):
+    stream = emitted(journal, progress=None if progress is None else tick)
+    ahead = next(stream, None)
+    while ahead is not None:
+        step, metrics = ahead
+        ahead = next(stream, None)  # a cursor covers whole steps: is this the step's last commit?
+        last_of_step = ahead is None or ahead[0] != step
         if stop is not None and stop.is_set():
             raise KeyboardInterrupt
         if all(t.error is not None for t in targets):
@@ -351,8 +358,12 @@ def _send(
             except Exception as exc:
                 target.error = exc
                 continue
-            target.written = step
+            if target.written != step:
+                target.written, target.at_written = step, 0
             target.unflushed += 1
+            target.at_written += 1
+            if last_of_step:
+                target.whole = step
             if step in target.gaps:
                 target.resent.add(step)
             wrote = True
@@ -368,7 +379,9 @@ def _send(
 
 
 def _acknowledge(target: _Target, store: CursorStore) -> None:
-    """Flush the adapter, then advance its cursor to the last step written (never before the flush returned)."""
+    """Flush the adapter, then advance its cursor (never before the flush returned) through the last step written
+    whole: a cursor covers whole steps, so a step with another commit still to send (training, then evaluation at
+    one step) is not acknowledged yet, and a sync stopped in between sends that whole step again."""
     if target.written is None or not target.unflushed:
         return
     try:
@@ -376,16 +389,22 @@ def _acknowledge(target: _Target, store: CursorStore) -> None:
     except Exception as exc:
         target.error = target.error or exc
         target.unflushed = 0  # not acknowledged; the next sync sends these steps again
-        target.written = None
+        target.written = target.whole = None
         return
-    store.advance(target.adapter, target.written)
-    target.cursor = target.written if target.cursor is None else max(target.cursor, target.written)
-    target.sent += target.unflushed
-    target.unflushed = 0
-    if target.resent:  # rejected live, delivered now
-        store.clear_gaps(target.adapter, target.resent)
-        target.gaps -= target.resent
-        target.resent = set()
+    through = target.whole
+    held = 0 if through == target.written else min(target.at_written, target.unflushed)
+    target.sent += target.unflushed - held
+    target.unflushed = held
+    if through is None:
+        return
+    if target.cursor is None or through > target.cursor:
+        store.advance(target.adapter, through)
+        target.cursor = through
+    done = {step for step in target.resent if step <= through}
+    if done:  # rejected live, delivered now
+        store.clear_gaps(target.adapter, done)
+        target.gaps -= done
+        target.resent -= done
 
 
 def _finish(targets: list[_Target], store: CursorStore, *, status: Status) -> None:

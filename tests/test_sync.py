@@ -212,3 +212,32 @@ def test_a_set_stop_event_ends_sync_after_the_current_step(outage_run: Path) -> 
         sync(outage_run / "journal", [JsonlAdapter(path=outage_run / "down.jsonl")], stop=stop)
     assert stopped.value.sent == {"jsonl": 0}
     assert len(steps_and_values(outage_run / "down.jsonl")) == OUTAGE_FROM
+
+
+def test_a_sync_stopped_between_two_commits_of_a_step_sends_the_whole_step_again(tmp_path: Path) -> None:
+    """A cursor covers whole steps: stopped after the first of a step's two commits (training, then evaluation),
+    the step is not acknowledged, and the next sync sends both commits, each once (review finding: the cursor
+    reached that step and the evaluation commit was never delivered)."""
+    journal, out = tmp_path / "journal", tmp_path / "out.jsonl"
+    bus = MetricBus(dist=None, journal=str(journal))
+    for step in range(4):
+        bus.log("loss", float(step))
+        bus.commit(step)
+        if step == 2:
+            bus.log("eval/acc", 0.5)
+            bus.commit(step)
+    bus.close()
+    stop = threading.Event()
+
+    def progress(done: int, total: int, sent: int) -> None:
+        if sent == 3:  # steps 0, 1 and step 2's first commit written
+            stop.set()
+
+    with pytest.raises(SyncInterrupted):
+        sync(journal, [JsonlAdapter(path=out)], progress=progress, flush_every=1, stop=stop)
+    assert CursorStore(journal).get(JsonlAdapter(path=out)) == 1
+    assert sync(journal, [JsonlAdapter(path=out)]) == {"jsonl": 3}
+    assert sync(journal, [JsonlAdapter(path=out)]) == {"jsonl": 0}
+    assert read_jsonl(out) == [
+        (0, {"loss": 0.0}), (1, {"loss": 1.0}), (2, {"loss": 2.0}), (2, {"eval/acc": 0.5}), (3, {"loss": 3.0})
+    ]
