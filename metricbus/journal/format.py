@@ -16,6 +16,10 @@ File format (version 5), little-endian::
              (:mod:`metricbus.journal.compact`)
       b"G" + <q first step> <q last step>   every commit of this writer in that range failed to be journaled
                                             (written with the next write that succeeds)
+      b"K" + <q step>   a writer's first commit is at ``step``: written with it (before it, in the same write), so a
+                        reader that loses that commit still knows where the segment starts and which of the file's
+                        earlier steps it replaces. A reader without it skips it (an unknown type) and reads the
+                        segment's start off its first readable commit, as before
 
 An entry is one Summary of one worker's metric; a name may repeat within a commit (one entry per optimizer update
 of that worker, in update order) and entries keep their order. ``Summary.rest_flat()`` (the terms that make a
@@ -69,12 +73,13 @@ MAGIC = b"MBJOURN\x00"
 SUFFIX = ".mbj"
 FSYNC_MODES = ("commit", "interval", "never")
 FSYNC_INTERVAL_S = 1.0
-FRAME_TYPES = b"HNSRGP"
+FRAME_TYPES = b"HNSRGPK"
 CHECKPOINT_BYTES = 1 << 20  # the whole name table is written again after this many bytes
 MAX_FRAME = 1 << 30
 FRAME = struct.Struct("<II")
 STEP = struct.Struct("<qI")
 GAP = struct.Struct("<qq")
+SEGMENT = struct.Struct("<q")
 ENTRY = struct.Struct(f"<II{N_FIELDS}d")
 _COUNT = struct.Struct("<I")
 # A Summary's as_tuple() fields, read as one C slice: Summary is a NamedTuple whose first N_FIELDS fields are those,
@@ -116,6 +121,11 @@ def names_frame(rows: Sequence[Sequence[Any]]) -> bytes:
 def gap_frame(first: int, last: int) -> bytes:
     """A "G" frame: the commits of steps ``first..last`` (inclusive) were not journaled."""
     return frame(b"G", GAP.pack(first, last))
+
+
+def segment_frame(step: int) -> bytes:
+    """A "K" frame: this writer's first commit is at ``step``."""
+    return frame(b"K", SEGMENT.pack(step))
 
 
 # -- a commit's entries ------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from metricbus.journal.format import (
     FRAME,
     GAP,
     MAGIC,
+    SEGMENT,
     STEP,
     spec_from_json,
     unpack_commit,
@@ -295,6 +296,13 @@ def index_file(path: Path) -> FileIndex:
                             resets.append((ordinal, step))
                             rf.gaps = [g for g in (_clip(g, step) for g in rf.gaps) if g is not None]
                         ordinal, last, new_segment = ordinal + 1, step, False
+                    elif kind == b"K":  # a writer's first commit is at this step, read or not
+                        (first,) = SEGMENT.unpack(payload[1:])
+                        if last is not None and first <= last:  # drops steps >= first
+                            resets.append((ordinal, first))
+                            rf.gaps = [g for g in (_clip(g, first) for g in rf.gaps) if g is not None]
+                            last = first - 1  # so the segment's commits (at first, or later) reset nothing more
+                        new_segment = False
                     elif kind == b"G":
                         first, final = GAP.unpack(payload[1:])
                         rank = int(rf.headers[-1].get("rank", -1)) if rf.headers else -1

@@ -56,6 +56,7 @@ from metricbus.journal.format import (
     names_frame,
     packed_entries,
     rank_file,
+    segment_frame,
     spec_to_json,
 )
 from metricbus.partial import Partial
@@ -115,6 +116,8 @@ class JournalWriter:
         self._unchecked = 0  # bytes written since the whole name table was
         self._table: tuple[Names, bytes] | None = None  # a whole name table and its "N" frame, for the checkpoints
         self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
+        self._segment: int | None = None  # the step of this writer's first commit, marked ("K") until written
+        self._segment_written = False
         self._locked = False
         self._last_sync = time.monotonic()
         self._reserve = reserve.reserver()
@@ -332,6 +335,10 @@ class JournalWriter:
         """Write a commit's ``data``, after a pending gap marker and, when one is due, the whole name table
         (``ids``: the table once this commit is written); then fsync as the policy says."""
         checkpoint = self._unchecked >= CHECKPOINT_BYTES
+        if not self._segment_written:  # the first write of this writer's commits says where its segment starts
+            if self._segment is None:
+                self._segment = step
+            data = segment_frame(self._segment) + data
         if checkpoint:
             data = self._table_frame(ids) + data
         if self._gap is not None:
@@ -353,6 +360,7 @@ class JournalWriter:
             raise self._error("write", exc, step) from exc
         self._end = end
         self._gap = None
+        self._segment_written = True
         self._unchecked = 0 if checkpoint else self._unchecked + size
         try:  # fsync as the policy says (inline: this runs at every commit)
             if self._fsync == "interval":
