@@ -206,11 +206,11 @@ def test_resumed_run_streams_like_read_journal_and_replays_the_same(tmp_path: Pa
 
 
 def test_per_rank_files_merge_by_step_and_rank(tmp_path: Path) -> None:
-    """Two rank files holding different steps (rank 1 joins late, rank 0 writes twice at step 3) merge by
-    (step, n-th commit of the step); each commit's partials are in rank order."""
+    """Two rank files holding different steps (rank 1 joins late, rank 0 writes twice at step 3, other names the
+    second time) merge by (step, n-th commit of the step); each commit's partials are in rank order."""
     s = Summary.of_batch([1.0, 2.0], None)
     rank_file(tmp_path, 0).write_bytes(MAGIC + header(0) + names(range(2)) + b"".join(
-        commit(step, [(0, 0, s)]) for step in (1, 2, 3, 3, 4)))
+        commit(step, [(0, ident, s)]) for step, ident in ((1, 0), (2, 0), (3, 0), (3, 1), (4, 0))))
     rank_file(tmp_path, 1).write_bytes(MAGIC + header(1) + names(range(2)) + b"".join(
         commit(step, [(1, 1, s)]) for step in (3, 4, 5)))
     commits = list(stream_journal(tmp_path).commits())

@@ -51,6 +51,8 @@ _MAGIC_SLACK = 2  # a magic with at most this many wrong bytes is damage, not a 
 _COMMITS = (b"S", b"R", b"P")
 _COUNT_AT = 8  # an entry's count (its first field) follows its rank and id (<II)
 _SMALL = 1 << 10  # a commit of at most this many entries compares its ids with the commit before's
+_PRINT_END = 2048  # bytes kept of each end of a long commit frame (_print)
+_NONE = bytes(4)  # a commit's entry count (its bytes 9..12, after the type and step), when it has no entry
 _NO_RESTS: Mapping[int, tuple[float, ...]] = MappingProxyType({})
 _new = tuple.__new__
 _DAMAGE = (ValueError, KeyError, TypeError, struct.error)
@@ -205,15 +207,16 @@ def _commit_step(kind: bytes, body: memoryview) -> int:
 
 
 def _run_steps(span: memoryview, k: int) -> Any:
-    """The steps of a run's commits when each is one :func:`_commit_step` accepts and they do not go back (so only
-    the first may reset the file); else None (the run is read frame by frame, with the warnings)."""
+    """The steps of a run's commits when each is one :func:`_commit_step` accepts and they increase (so only the
+    first may reset the file, and none repeats the one before: a writer never writes two commits of one shape at one
+    step); else None (the run is read frame by frame, with the warnings)."""
     run = run_array(span, k)
     if run is None:
         return None
     steps, counts = run["step"], run["rows"]["fields"][..., 0]
     if not math.isfinite(float(np.add.reduce(counts, axis=None))) and not np.isfinite(counts).all():
         return None
-    return steps if bool((steps[1:] >= steps[:-1]).all()) else None
+    return steps if bool((steps[1:] > steps[:-1]).all()) else None
 
 
 # -- one file ----------------------------------------------------------------------------------------------------
@@ -264,14 +267,21 @@ def index_file(path: Path) -> FileIndex:
         size = os.fstat(file.fileno()).st_size
         check_magic(path, file.read(len(MAGIC)))
         ordinal, last, new_segment, prior, checked = 0, None, False, b"", b""
+        # the last commit frame with entries read in this segment: a second copy of it is damage (a writer never
+        # writes one twice: two commits at one step hold different names; an empty commit may repeat)
+        before = b""
         for at, span, k in FrameSource(file, size, reuse=True).frames(damage, runs=True):
             steps = _run_steps(span, k) if k > 1 else None
-            if steps is not None:  # a run of whole commits, steps not going back: only its first may reset the file
+            if steps is not None and int(steps[0]) == last and _print(split_run(at, span, k)[0][1]) == before != b"":
+                steps = None  # its first commit repeats the one before: frame by frame, where that is skipped
+            if steps is not None:  # a run of whole commits, steps increasing: only its first may reset the file
                 first = int(steps[0])
                 if last is not None and first <= last and (new_segment or first < last):
                     resets.append((ordinal, first))
                     rf.gaps = [g for g in (_clip(g, first) for g in rf.gaps) if g is not None]
                 ordinal, last, new_segment, prior = ordinal + k, int(steps[-1]), False, b""
+                tail = split_run(at, span, k)[-1][1]
+                before = _print(tail) if tail[9:13] != _NONE else b""
                 continue
             for pos, payload in split_run(at, span, k):
                 if len(payload) > WHOLE:
@@ -283,7 +293,7 @@ def index_file(path: Path) -> FileIndex:
                         if prior == header:
                             continue  # the second copy of the header just read
                         rf.headers.append(check_header(path, json.loads(bytes(payload[1:]))))
-                        new_segment = True
+                        new_segment, before = True, b""
                     elif kind == b"N":
                         if payload != checked:  # a checkpoint repeating the table just checked is not decoded again
                             error = _names(payload[1:], {})[1]
@@ -292,17 +302,23 @@ def index_file(path: Path) -> FileIndex:
                             checked = bytes(payload)
                     elif kind in _COMMITS:
                         step = _commit_step(kind, payload[1:])
+                        if step == last and payload[9:13] != _NONE and _print(payload) == before:  # never written
+                            bad.add(pos)
+                            rf.damaged += 1
+                            _warn(path, f"record at byte {pos} repeats the commit before it (step {step}); skipped")
+                            continue
                         if last is not None and step <= last and (new_segment or step < last):  # drops steps >= step
                             resets.append((ordinal, step))
                             rf.gaps = [g for g in (_clip(g, step) for g in rf.gaps) if g is not None]
                         ordinal, last, new_segment = ordinal + 1, step, False
+                        before = _print(payload) if payload[9:13] != _NONE else b""
                     elif kind == b"K":  # a writer's first commit is at this step, read or not
                         (first,) = SEGMENT.unpack(payload[1:])
                         if last is not None and first <= last:  # drops steps >= first
                             resets.append((ordinal, first))
                             rf.gaps = [g for g in (_clip(g, first) for g in rf.gaps) if g is not None]
                             last = first - 1  # so the segment's commits (at first, or later) reset nothing more
-                        new_segment = False
+                        new_segment, before = False, b""
                     elif kind == b"G":
                         first, final = GAP.unpack(payload[1:])
                         rank = int(rf.headers[-1].get("rank", -1)) if rf.headers else -1
@@ -323,6 +339,14 @@ def index_file(path: Path) -> FileIndex:
         lowest = min(lowest, step)
         limits.append((ordinal, int(lowest)))
     return FileIndex(rf, size, bad, limits[::-1], last, long=long, sound=sound)
+
+
+def _print(payload: memoryview) -> bytes:
+    """What tells a commit frame from the next one at its step: its bytes, or for a long one its length and the
+    bytes at both ends (two commits at one step hold different names, so their first entries already differ)."""
+    if len(payload) <= 2 * _PRINT_END:
+        return bytes(payload)
+    return b"".join((len(payload).to_bytes(8, "little"), payload[:_PRINT_END], payload[-_PRINT_END:]))
 
 
 def _clip(gap: Gap, step: int) -> Gap | None:
