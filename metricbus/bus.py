@@ -152,7 +152,10 @@ class MetricBus:
         """
         if weight is None and agg is None:
             if type(value) is float:
-                buffer = self._fast.get(name)  # type: ignore[arg-type]
+                try:
+                    buffer = self._fast.get(name)  # type: ignore[arg-type]
+                except TypeError:  # an unhashable name (a dict with a value): the general path says what is wrong
+                    buffer = None
                 if buffer is not None:
                     buffer.append(value)  # atomic under the GIL; see metricbus.accumulate
                     if len(buffer) >= FOLD_AT:
@@ -210,6 +213,10 @@ class MetricBus:
                 raise DistributedError(
                     "ingest() cannot be combined with torch.distributed; use export()/ingest() with dist=None, "
                     "or log on every rank and let commit() gather"
+                )
+            if isinstance(partials, Partial) or not isinstance(partials, Iterable):
+                raise MetricTypeError(
+                    f"ingest() takes an iterable of Partial objects from export(), got {type(partials).__name__}"
                 )
             batch = list(partials)
             for part in batch:  # check all before taking any, so a bad call ingests nothing

@@ -55,10 +55,8 @@ def to_values(metric: str, value: object) -> list[float]:
     cls = type(value)
     if cls is float:
         return [value]  # type: ignore[list-item]
-    if cls is int or cls is bool:
-        return [float(value)]  # type: ignore[arg-type]
-    if isinstance(value, (float, int)) and not isinstance(value, complex):  # float/int subclasses
-        return [float(value)]
+    if cls is int or cls is bool or (isinstance(value, (float, int)) and not isinstance(value, complex)):
+        return [_real(metric, value, "value")]  # (float/int subclasses too)
     if isinstance(value, np.generic):
         if value.dtype.kind not in _REAL_DTYPE_KINDS:
             raise _type_error(metric, value, f" (dtype {value.dtype})")
@@ -71,12 +69,23 @@ def to_values(metric: str, value: object) -> list[float]:
     raise _type_error(metric, value)
 
 
+def _real(metric: str, value: Any, what: str) -> float:
+    """``float(value)``; an int beyond the double range is a MetricValueError naming ``metric``."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise MetricValueError(
+            f"{what} for {metric!r} is an integer of {int(value).bit_length()} bits, beyond the double range "
+            "(|x| <= 1.8e308, 1024 bits): log a float"
+        ) from None
+
+
 def to_weights(metric: str, weight: object, n: int, value: Any) -> list[float] | None:
     """Weights broadcast to ``n`` records, validated (finite, >= 0); None when no weight was given."""
     if weight is None:
         return None
     if isinstance(weight, (int, float, np.generic)) and not isinstance(weight, complex):
-        w = float(weight)
+        w = _real(metric, weight, "weight")
         _check_weight(metric, w)
         return [w] * n
     try:

@@ -129,3 +129,21 @@ def test_weight_may_be_a_numpy_scalar_or_torch_tensor() -> None:
     b.log("a", [1.0, 3.0], weight=np.int64(2))
     b.log("b", torch.tensor([1.0, 3.0]), weight=torch.tensor([3, 1]))
     assert b.commit() == {"a": 2.0, "b": 1.5}
+
+
+def test_an_int_beyond_the_double_range_is_a_clear_error_naming_the_metric() -> None:
+    """Review finding: these raised a raw OverflowError / TypeError without the metric's name."""
+    bus = MetricBus(dist=None)
+    bus.log("kept", 1.0)
+    with pytest.raises(MetricValueError, match=r"value for 'x' is an integer of 1101 bits, beyond the double range"):
+        bus.log("x", 2**1100)
+    with pytest.raises(MetricValueError, match=r"weight for 'x' is an integer of 16610 bits"):
+        bus.log("x", 1.0, weight=10**5000)
+    with pytest.raises(MetricValueError, match=r"value for 'a' is an integer"):
+        bus.log({"a": -(2**2000)})
+    with pytest.raises(MetricTypeError, match=r"log\(dict\) takes the values in the dict"):
+        bus.log({"a": 1.0}, 2.0)
+    with pytest.raises(MetricTypeError, match=r"ingest\(\) takes an iterable of Partial objects from export\(\), got"):
+        bus.ingest(None)  # type: ignore[arg-type]
+    assert bus.commit() == {"kept": 1.0}
+    bus.close()
