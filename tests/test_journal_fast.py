@@ -133,9 +133,10 @@ def test_a_failed_steady_write_is_a_gap_and_later_commits_read(tmp_path: Path, m
     with pytest.warns(Warning, match="damaged record"):
         journal = read_journal(directory)
     assert journal.gaps == [Gap(0, 3, 3)]
-    assert [step for step, _ in journal.commits] == [0, 1, 2, 4, 5, 6, 7]
+    # step 3 is an empty commit (its "L" frame): counted where it was, so log_every windows stay the live ones
+    assert [step for step, _ in journal.commits] == list(range(8))
     for step, partials in journal.commits:
-        assert [bits(p) for p in partials] == [bits(Partial(tuple(entries(step, NAMES))))]
+        assert [bits(p) for p in partials] == ([bits(Partial(tuple(entries(step, NAMES))))] if step != 3 else [])
 
 
 def test_a_partial_of_a_packed_form_is_immutable_and_equal_to_its_entries() -> None:

@@ -16,6 +16,10 @@ File format (version 5), little-endian::
              (:mod:`metricbus.journal.compact`)
       b"G" + <q first step> <q last step>   every commit of this writer in that range failed to be journaled
                                             (written with the next write that succeeds)
+      b"L" + n * (<q first step> <q last step>)   the commits whose write failed (one at each step of each
+                        range; a repeated step is a range of its own), written with the next write that succeeds or
+                        at close, before the commit it carries: the reader counts each as an empty commit there, so
+                        ``log_every`` windows stay the live ones. A reader without it skips it
       b"K" + <q step>   a writer's first commit is at ``step``: written with it (before it, in the same write), so a
                         reader that loses that commit still knows where the segment starts and which of the file's
                         earlier steps it replaces. A reader without it skips it (an unknown type) and reads the
@@ -73,13 +77,14 @@ MAGIC = b"MBJOURN\x00"
 SUFFIX = ".mbj"
 FSYNC_MODES = ("commit", "interval", "never")
 FSYNC_INTERVAL_S = 1.0
-FRAME_TYPES = b"HNSRGPK"
+FRAME_TYPES = b"HNSRGPKL"
 CHECKPOINT_BYTES = 1 << 20  # the whole name table is written again after this many bytes
 MAX_FRAME = 1 << 30
 FRAME = struct.Struct("<II")
 STEP = struct.Struct("<qI")
 GAP = struct.Struct("<qq")
 SEGMENT = struct.Struct("<q")
+LOST = struct.Struct("<qq")
 ENTRY = struct.Struct(f"<II{N_FIELDS}d")
 _COUNT = struct.Struct("<I")
 # A Summary's as_tuple() fields, read as one C slice: Summary is a NamedTuple whose first N_FIELDS fields are those,
@@ -121,6 +126,23 @@ def names_frame(rows: Sequence[Sequence[Any]]) -> bytes:
 def gap_frame(first: int, last: int) -> bytes:
     """A "G" frame: the commits of steps ``first..last`` (inclusive) were not journaled."""
     return frame(b"G", GAP.pack(first, last))
+
+
+def lost_frame(ranges: Sequence[tuple[int, int]]) -> bytes:
+    """An "L" frame: one failed commit at each step of each ``(first, last)`` range."""
+    return frame(b"L", b"".join(LOST.pack(first, last) for first, last in ranges))
+
+
+def lost_steps(body: bytes | memoryview) -> list[int]:
+    """The steps of an "L" frame's failed commits, in order; ValueError if its body is not whole ranges."""
+    if len(body) % LOST.size:
+        raise ValueError(f"an 'L' frame body of {len(body)} bytes is not whole (first, last) ranges")
+    steps: list[int] = []
+    for first, last in LOST.iter_unpack(body):
+        if last < first:
+            raise ValueError(f"an 'L' frame range {first}..{last} goes back")
+        steps.extend(range(first, last + 1))
+    return steps
 
 
 def segment_frame(step: int) -> bytes:

@@ -37,6 +37,7 @@ from metricbus.journal.format import (
     MAGIC,
     SEGMENT,
     STEP,
+    lost_steps,
     spec_from_json,
     unpack_commit,
 )
@@ -54,6 +55,8 @@ _SMALL = 1 << 10  # a commit of at most this many entries compares its ids with 
 _PRINT_END = 2048  # bytes kept of each end of a long commit frame (_print)
 _NONE = bytes(4)  # a commit's entry count (its bytes 9..12, after the type and step), when it has no entry
 _NO_RESTS: Mapping[int, tuple[float, ...]] = MappingProxyType({})
+_NO_ROWS = np.empty(0, ENTRY_DTYPE)  # an "L" frame's failed commit: counted, holding nothing
+_NO_ROWS.flags.writeable = False
 _new = tuple.__new__
 _DAMAGE = (ValueError, KeyError, TypeError, struct.error)
 
@@ -312,6 +315,12 @@ def index_file(path: Path) -> FileIndex:
                             rf.gaps = [g for g in (_clip(g, step) for g in rf.gaps) if g is not None]
                         ordinal, last, new_segment = ordinal + 1, step, False
                         before = _print(payload) if payload[9:13] != _NONE else b""
+                    elif kind == b"L":  # commits whose write failed: each counts as an empty commit here
+                        for step in lost_steps(payload[1:]):
+                            if last is not None and step <= last and (new_segment or step < last):
+                                resets.append((ordinal, step))
+                                rf.gaps = [g for g in (_clip(g, step) for g in rf.gaps) if g is not None]
+                            ordinal, last, new_segment, before = ordinal + 1, step, False, b""
                     elif kind == b"K":  # a writer's first commit is at this step, read or not
                         (first,) = SEGMENT.unpack(payload[1:])
                         if last is not None and first <= last:  # drops steps >= first
@@ -431,6 +440,11 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
                     if names is not table or payload != body:  # a checkpoint repeating the table keeps it (and its id)
                         names = _names(payload[1:], names)[0]  # an error was reported by the first pass
                         table, body = names, bytes(payload)
+                elif kind == b"L" and pos not in bad:  # failed commits: empty ones, so windows count them
+                    for step in lost_steps(payload[1:]):
+                        taken = timeline.take(step)
+                        if taken is not None:
+                            yield step, taken[0], taken[1], RawPart(_NO_ROWS, _NO_RESTS, names) if decode else None
                 elif kind in _COMMITS and pos not in bad:
                     step, n = STEP.unpack_from(payload, 1)
                     taken = timeline.take(step)

@@ -52,6 +52,7 @@ from metricbus.journal.format import (
     frame,
     gap_frame,
     lock_file,
+    lost_frame,
     make_header,
     names_frame,
     packed_entries,
@@ -116,6 +117,7 @@ class JournalWriter:
         self._unchecked = 0  # bytes written since the whole name table was
         self._table: tuple[Names, bytes] | None = None  # a whole name table and its "N" frame, for the checkpoints
         self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
+        self._lost: list[tuple[int, int]] = []  # the same, as "L" ranges: one failed commit at each step of each
         self._segment: int | None = None  # the step of this writer's first commit, marked ("K") until written
         self._segment_written = False
         self._locked = False
@@ -335,6 +337,8 @@ class JournalWriter:
         """Write a commit's ``data``, after a pending gap marker and, when one is due, the whole name table
         (``ids``: the table once this commit is written); then fsync as the policy says."""
         checkpoint = self._unchecked >= CHECKPOINT_BYTES
+        if self._lost:  # the commits whose write failed, counted by the reader where they were
+            data = lost_frame(self._lost) + data
         if not self._segment_written:  # the first write of this writer's commits says where its segment starts
             if self._segment is None:
                 self._segment = step
@@ -355,12 +359,19 @@ class JournalWriter:
                 self._write(data, written)
         except OSError as exc:
             self._gap = (step, step) if self._gap is None else (self._gap[0], step)
+            lost = self._lost
+            if lost and lost[-1][1] == step - 1:
+                lost[-1] = (lost[-1][0], step)
+            else:
+                lost.append((step, step))
             with contextlib.suppress(OSError):  # part of it may have been written
                 self._end = os.fstat(fd).st_size
             raise self._error("write", exc, step) from exc
         self._end = end
         self._gap = None
         self._segment_written = True
+        if self._lost:
+            self._lost = []
         self._unchecked = 0 if checkpoint else self._unchecked + size
         try:  # fsync as the policy says (inline: this runs at every commit)
             if self._fsync == "interval":
@@ -414,7 +425,8 @@ class JournalWriter:
         self.cursors.rewind(adapter, step)
 
     def close(self) -> None:
-        """Write a pending gap marker (best effort), fsync (unless ``fsync="never"``), close and unlock the file.
+        """Write a pending gap marker and the failed commits' "L" frame (best effort), fsync (unless
+        ``fsync="never"``), close and unlock the file.
 
         Raise JournalError if the final fsync fails; the file is closed and unlocked either way.
         """
@@ -422,10 +434,15 @@ class JournalWriter:
             return
         fd = self._fd
         try:
-            if self._gap is not None:
+            tail = b"" if self._gap is None else gap_frame(*self._gap)
+            if self._lost:  # the failed commits, counted where they were (after the segment's start)
+                if not self._segment_written and self._segment is not None:
+                    tail += segment_frame(self._segment)
+                tail += lost_frame(self._lost)
+            if tail:
                 try:
-                    self._write(gap_frame(*self._gap))
-                    self._gap = None
+                    self._write(tail)
+                    self._gap, self._lost = None, []
                 except OSError:
                     pass  # already reported by the commit that failed; the file stays readable
             if self._reserve is not None and self._locked:  # (unlocked, another writer may be appending)
