@@ -20,6 +20,9 @@ File format (version 5), little-endian::
                         range; a repeated step is a range of its own), written with the next write that succeeds or
                         at close, before the commit it carries: the reader counts each as an empty commit there, so
                         ``log_every`` windows stay the live ones. A reader without it skips it
+      b"W" + n * <q step>   with ``log_every`` n > 1: the steps of the n commits of the window that ends with the
+                        commit before it (in the same write), failed ones included, so a reader that lost one of them
+                        to damage counts it still, as an empty commit at its step. A reader without it skips it
       b"K" + <q step>   a writer's first commit is at ``step``: written with it (before it, in the same write), so a
                         reader that loses that commit still knows where the segment starts and which of the file's
                         earlier steps it replaces. A reader without it skips it (an unknown type) and reads the
@@ -53,6 +56,7 @@ frames.
 
 from __future__ import annotations
 
+import itertools
 import json
 import operator
 import os
@@ -77,7 +81,7 @@ MAGIC = b"MBJOURN\x00"
 SUFFIX = ".mbj"
 FSYNC_MODES = ("commit", "interval", "never")
 FSYNC_INTERVAL_S = 1.0
-FRAME_TYPES = b"HNSRGPKL"
+FRAME_TYPES = b"HNSRGPKLW"
 CHECKPOINT_BYTES = 1 << 20  # the whole name table is written again after this many bytes
 MAX_FRAME = 1 << 30
 FRAME = struct.Struct("<II")
@@ -142,6 +146,21 @@ def lost_steps(body: bytes | memoryview) -> list[int]:
         if last < first:
             raise ValueError(f"an 'L' frame range {first}..{last} goes back")
         steps.extend(range(first, last + 1))
+    return steps
+
+
+def window_frame(steps: Sequence[int]) -> bytes:
+    """A "W" frame: the steps of a ``log_every`` window's commits."""
+    return frame(b"W", struct.pack(f"<{len(steps)}q", *steps))
+
+
+def window_steps(body: bytes | memoryview) -> list[int]:
+    """The steps of a "W" frame, in order; ValueError if its body is not whole steps or they go back."""
+    if not body or len(body) % 8:
+        raise ValueError(f"a 'W' frame body of {len(body)} bytes is not whole steps")
+    steps = list(struct.unpack(f"<{len(body) // 8}q", body))
+    if any(b < a for a, b in itertools.pairwise(steps)):
+        raise ValueError("the steps of a 'W' frame go back")
     return steps
 
 

@@ -14,6 +14,7 @@ frame beyond it; the second pass does not compute again the CRCs the first one c
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -40,6 +41,7 @@ from metricbus.journal.format import (
     lost_steps,
     spec_from_json,
     unpack_commit,
+    window_steps,
 )
 from metricbus.journal.frames import ENTRY_DTYPE, S_FRAME, WHOLE, FrameSource, run_array, run_of, split_run
 from metricbus.spec import Spec
@@ -238,6 +240,8 @@ class FileIndex:
     last_step: int | None
     warned: bool = False
     long: set[int] = field(default_factory=set)  # offsets of the valid frames over WHOLE bytes (one per 16 MiB)
+    # commits lost to damage that a "W" frame names: file offset -> their steps, yielded (empty) before that frame
+    phantoms: dict[int, list[int]] = field(default_factory=dict)
     sound: list[tuple[int, int]] = field(default_factory=list)  # stretches read as valid frames (FrameSource.frames)
 
 
@@ -273,6 +277,10 @@ def index_file(path: Path) -> FileIndex:
         # the last commit frame with entries read in this segment: a second copy of it is damage (a writer never
         # writes one twice: two commits at one step hold different names; an empty commit may repeat)
         before = b""
+        # log_every > 1: (step, offset) of the commits read in the open window, and the damage count at its start
+        window: list[tuple[int, int]] | None = None
+        damaged = 0
+        phantoms: dict[int, list[int]] = {}
         for at, span, k in FrameSource(file, size, reuse=True).frames(damage, runs=True):
             steps = _run_steps(span, k) if k > 1 else None
             if steps is not None and int(steps[0]) == last and _print(split_run(at, span, k)[0][1]) == before != b"":
@@ -283,6 +291,9 @@ def index_file(path: Path) -> FileIndex:
                     resets.append((ordinal, first))
                     rf.gaps = [g for g in (_clip(g, first) for g in rf.gaps) if g is not None]
                 ordinal, last, new_segment, prior = ordinal + k, int(steps[-1]), False, b""
+                if window is not None:
+                    stride = (len(span) + FRAME.size) // k
+                    window.extend((step, at + i * stride) for i, step in enumerate(steps.tolist()))
                 tail = split_run(at, span, k)[-1][1]
                 before = _print(tail) if tail[9:13] != _NONE else b""
                 continue
@@ -297,6 +308,7 @@ def index_file(path: Path) -> FileIndex:
                             continue  # the second copy of the header just read
                         rf.headers.append(check_header(path, json.loads(bytes(payload[1:]))))
                         new_segment, before = True, b""
+                        window, damaged = ([] if _log_every(rf.headers[-1]) > 1 else None), rf.damaged
                     elif kind == b"N":
                         if payload != checked:  # a checkpoint repeating the table just checked is not decoded again
                             error = _names(payload[1:], {})[1]
@@ -315,12 +327,23 @@ def index_file(path: Path) -> FileIndex:
                             rf.gaps = [g for g in (_clip(g, step) for g in rf.gaps) if g is not None]
                         ordinal, last, new_segment = ordinal + 1, step, False
                         before = _print(payload) if payload[9:13] != _NONE else b""
+                        if window is not None:
+                            window.append((step, pos))
                     elif kind == b"L":  # commits whose write failed: each counts as an empty commit here
                         for step in lost_steps(payload[1:]):
                             if last is not None and step <= last and (new_segment or step < last):
                                 resets.append((ordinal, step))
                                 rf.gaps = [g for g in (_clip(g, step) for g in rf.gaps) if g is not None]
                             ordinal, last, new_segment, before = ordinal + 1, step, False, b""
+                            if window is not None:
+                                window.append((step, pos))
+                    elif kind == b"W":  # the steps of the window just ended: what damage took is counted still
+                        listed = window_steps(payload[1:])
+                        if window is not None and rf.damaged > damaged:
+                            for where, lost in _window_losses(listed, window, pos).items():
+                                phantoms.setdefault(where, []).extend(lost)
+                        if window is not None:
+                            window, damaged = [], rf.damaged
                     elif kind == b"K":  # a writer's first commit is at this step, read or not
                         (first,) = SEGMENT.unpack(payload[1:])
                         if last is not None and first <= last:  # drops steps >= first
@@ -328,6 +351,8 @@ def index_file(path: Path) -> FileIndex:
                             rf.gaps = [g for g in (_clip(g, first) for g in rf.gaps) if g is not None]
                             last = first - 1  # so the segment's commits (at first, or later) reset nothing more
                         new_segment, before = False, b""
+                        if window is not None:
+                            window, damaged = [], rf.damaged
                     elif kind == b"G":
                         first, final = GAP.unpack(payload[1:])
                         rank = int(rf.headers[-1].get("rank", -1)) if rf.headers else -1
@@ -347,7 +372,34 @@ def index_file(path: Path) -> FileIndex:
     for ordinal, step in reversed(resets):
         lowest = min(lowest, step)
         limits.append((ordinal, int(lowest)))
-    return FileIndex(rf, size, bad, limits[::-1], last, long=long, sound=sound)
+    return FileIndex(rf, size, bad, limits[::-1], last, long=long, sound=sound, phantoms=phantoms)
+
+
+def _log_every(header: Mapping[str, Any]) -> int:
+    every = header.get("log_every", 1)
+    return every if isinstance(every, int) else 1
+
+
+def _window_losses(listed: list[int], read: list[tuple[int, int]], here: int) -> dict[int, list[int]]:
+    """The commits a "W" frame at offset ``here`` names (``listed`` steps) that were not read (``read``: (step,
+    offset) of the window's commits read, maybe after an earlier window whose "W" was lost): offset of the commit
+    read after each (``here`` for the last) -> their steps. Matched from the end, as the frame ends the window; {}
+    where the steps read and the missing ones would not be in order (a window this cannot tell)."""
+    out: dict[int, list[int]] = {}
+    j, after, floor = len(read) - 1, here, None
+    for step in reversed(listed):
+        if j >= 0 and read[j][0] == step:
+            after = read[j][1]
+            j -= 1
+        else:
+            out.setdefault(after, []).insert(0, step)
+        floor = step
+    merged = sorted(
+        [(offset, step) for offset, steps in out.items() for step in steps] + [(o, s) for s, o in read[j + 1 :]],
+        key=lambda pair: pair[0],
+    )
+    in_order = all(a[1] <= b[1] for a, b in itertools.pairwise(merged))
+    return out if in_order and (j < 0 or floor is None or read[j][0] <= floor) else {}
 
 
 def _print(payload: memoryview) -> bytes:
@@ -391,7 +443,8 @@ def file_runs(index: FileIndex) -> Iterator[FileItem | RunItem]:
 def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem | RunItem]:
     """The second pass. A run of commits of one shape (:func:`_alike`) is read as one array: its rows' names checked
     once, each commit's part a view of it (the run copied once, as one commit is: :meth:`FrameSource.keep`)."""
-    path, bad = index.file.path, index.bad
+    path, bad, phantoms = index.file.path, index.bad, index.phantoms
+    breaks = bad if not phantoms else {*bad, *phantoms}  # a run is read frame by frame where a lost commit goes
     timeline = _Timeline(index.limits)
     names: Names = {}
     table, body = names, b""  # the last table read from an "N" frame, and that frame
@@ -401,7 +454,7 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
     with path.open("rb", buffering=0) as file:
         source = FrameSource(file, index.size, reuse=True)  # what is kept of it is copied (keep)
         for start, span, k in source.frames(None, index.long, runs=True, sound=index.sound):
-            run = _alike(start, span, k, bad) if k > 1 else None
+            run = _alike(start, span, k, breaks) if k > 1 else None
             if run is not None:
                 prior, missing, shape, rows = b"", 0, None, None
                 if decode:
@@ -431,6 +484,11 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
                                   RawPart(rows if every else rows[kept], _NO_RESTS, names, shape))
                 continue
             for pos, payload in split_run(start, span, k):
+                if phantoms and pos in phantoms:  # commits lost to damage, counted (empty) where they were
+                    for step in phantoms[pos]:
+                        taken = timeline.take(step, counted=False)
+                        if taken is not None:
+                            yield step, taken[0], taken[1], RawPart(_NO_ROWS, _NO_RESTS, names) if decode else None
                 kind = bytes(payload[:1])
                 header, prior = prior, (bytes(payload) if kind == b"H" else b"")
                 if kind == b"H":
@@ -491,15 +549,16 @@ class _Timeline:
         self._nth = 0
         self.new_segment = False
 
-    def take(self, step: int) -> tuple[int, bool] | None:
+    def take(self, step: int, *, counted: bool = True) -> tuple[int, bool] | None:
         """The next commit, at ``step``: ``(nth, starts a segment)``, or None where a later segment (or a step
-        going back) replaces it."""
+        going back) replaces it. ``counted`` False: a commit lost to damage (the first pass did not count it),
+        in the segment of the commit read after it."""
         limits, at = self._limits, self._at
         while at < len(limits) and limits[at][0] <= self._ordinal:
             at += 1
         self._at = at
         starts, self.new_segment = self.new_segment, False
-        self._ordinal += 1
+        self._ordinal += counted
         if at < len(limits) and step >= limits[at][1]:
             return None
         self._nth = self._nth + 1 if step == self._last else 0

@@ -59,6 +59,7 @@ from metricbus.journal.format import (
     rank_file,
     segment_frame,
     spec_to_json,
+    window_frame,
 )
 from metricbus.partial import Partial
 from metricbus.spec import Spec
@@ -120,6 +121,9 @@ class JournalWriter:
         self._lost: list[tuple[int, int]] = []  # the same, as "L" ranges: one failed commit at each step of each
         self._segment: int | None = None  # the step of this writer's first commit, marked ("K") until written
         self._segment_written = False
+        # log_every > 1: the steps of the open window's commits, written whole ("W") after its last one
+        self._window = int(header.get("log_every", 1))
+        self._window_steps: list[int] = []
         self._locked = False
         self._last_sync = time.monotonic()
         self._reserve = reserve.reserver()
@@ -337,6 +341,12 @@ class JournalWriter:
         """Write a commit's ``data``, after a pending gap marker and, when one is due, the whole name table
         (``ids``: the table once this commit is written); then fsync as the policy says."""
         checkpoint = self._unchecked >= CHECKPOINT_BYTES
+        if self._window > 1:  # counted whether or not the write succeeds: the live window counts it
+            window = self._window_steps
+            window.append(step)
+            if len(window) >= self._window:
+                data = data + window_frame(window)
+                self._window_steps = []
         if self._lost:  # the commits whose write failed, counted by the reader where they were
             data = lost_frame(self._lost) + data
         if not self._segment_written:  # the first write of this writer's commits says where its segment starts
@@ -439,10 +449,12 @@ class JournalWriter:
                 if not self._segment_written and self._segment is not None:
                     tail += segment_frame(self._segment)
                 tail += lost_frame(self._lost)
+            if self._window_steps:  # the open window's steps, so a reader that lost its last commit still ends it
+                tail += window_frame(self._window_steps)
             if tail:
                 try:
                     self._write(tail)
-                    self._gap, self._lost = None, []
+                    self._gap, self._lost, self._window_steps = None, [], []
                 except OSError:
                     pass  # already reported by the commit that failed; the file stays readable
             if self._reserve is not None and self._locked:  # (unlocked, another writer may be appending)
