@@ -340,11 +340,18 @@ def _send(
 
     last_ack = time.monotonic()
     stream = emitted(journal, progress=None if progress is None else tick)
-    ahead = next(stream, None)
+
+    def following() -> tuple[tuple[int, dict[str, float]] | None, Exception | None]:
+        try:
+            return next(stream, None), None
+        except Exception as exc:  # raised once the emission read before it is written
+            return None, exc
+
+    ahead, failure = following()
     while ahead is not None:
         step, metrics = ahead
-        ahead = next(stream, None)  # a cursor covers whole steps: is this the step's last commit?
-        last_of_step = ahead is None or ahead[0] != step
+        ahead, failure = following()  # a cursor covers whole steps: is this the step's last commit?
+        last_of_step = failure is None and (ahead is None or ahead[0] != step)
         if stop is not None and stop.is_set():
             raise KeyboardInterrupt
         if all(t.error is not None for t in targets):
@@ -374,6 +381,9 @@ def _send(
             last_ack = time.monotonic()
         if progress is not None:
             progress(reduced[0], reduced[1], sent)
+    else:
+        if failure is not None:  # reducing the emission after the last one written failed
+            raise failure
     if progress is not None:
         progress(reduced[1], reduced[1], sent)
 

@@ -155,7 +155,8 @@ def test_a_second_writer_in_another_process_is_refused_until_it_dies(tmp_path: P
 
 def test_a_full_disk_on_the_commit_of_a_new_metric_orphans_nothing(tmp_path: Path) -> None:
     """EFBIG (RLIMIT_FSIZE) 20 bytes into step 5's write, which introduces "acc": commit() raises JournalError,
-    the adapters still get step 5, steps 6-14 (with "acc") are journaled, and replay recovers all but step 5."""
+    the adapters still get step 5, steps 6-14 (with "acc") are journaled, and replay recovers all but step 5 (the
+    20 bytes are cut: nothing to warn about)."""
     journal = tmp_path / "j"
     done = subprocess.run(
         [sys.executable, WORKERS, "efbig", str(journal)], capture_output=True, text=True, cwd=ROOT, timeout=120,
@@ -170,8 +171,8 @@ def test_a_full_disk_on_the_commit_of_a_new_metric_orphans_nothing(tmp_path: Pat
     assert "step 5 is not journaled" in error
     assert [(s, m) for s, m in report["rows"]] == [(s, expected(s)) for s in range(15)]
     got, caught = quietly_read(journal)
-    size = report["size"]
-    assert caught == [f"journal {rank_file(journal, 0)}: damaged record at byte {size}; skipped 20 bytes"]
+    assert report["size"] > 0
+    assert caught == []
     assert [s for s, _ in got.commits] == list(range(15))  # step 5 an empty commit ("L" frame): windows count it
     assert got.commits[5][1] == []
     assert got.gaps == [Gap(0, 5, 5)]
@@ -181,7 +182,8 @@ def test_a_full_disk_on_the_commit_of_a_new_metric_orphans_nothing(tmp_path: Pat
 def test_consecutive_write_errors_are_one_gap_and_every_later_commit_replays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """ENOSPC on steps 5-7, each after 7 bytes were written: three JournalErrors, one gap 5..7, 21 bytes skipped."""
+    """ENOSPC on steps 5-7, each after 7 bytes were written: three JournalErrors, one gap 5..7; the bytes each
+    failed write left are cut (the writer holds the file), so the file reads without damage."""
     journal = tmp_path / "j"
     memory = MemoryAdapter()
     bus = MetricBus(dist=None, journal=str(journal), adapters=[memory], strict=True)
@@ -204,7 +206,8 @@ def test_consecutive_write_errors_are_one_gap_and_every_later_commit_replays(
     assert all("No space left on device (ENOSPC)" in e and str(rank_file(journal, 0)) in e for e in errors.values())
     assert memory.rows == [(s, expected(s)) for s in range(12)]
     got, caught = quietly_read(journal)
-    assert caught == [f"journal {rank_file(journal, 0)}: damaged record at byte {size}; skipped 21 bytes"]
+    assert caught == []
+    assert size > 0
     assert got.gaps == [Gap(0, 5, 7)]
     assert recovered(got) == {s: expected(s) for s in range(12) if s not in {5, 6, 7}}
 

@@ -104,3 +104,64 @@ def test_a_commit_lost_to_damage_keeps_the_live_windows(tmp_path: Path, log_ever
         for window in windows:
             if not lost & set(window):
                 assert replayed[window[-1]] == live[window[-1]], (damaged, window)
+
+
+def _damage_steps(path: Path, steps: set[int]) -> None:
+    """Flip a byte inside the commit frame of each of ``steps``."""
+    data = bytearray(path.read_bytes())
+    for start, _ in _commit_frames(bytes(data)):
+        if int.from_bytes(data[start + 9 : start + 17], "little", signed=True) in steps:
+            data[start + 12] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("plan", "damaged", "log_every"),
+    [
+        ({1: -3}, set(), 2),  # a short write (all of the commit, not all of its "W"), then ENOSPC
+        ({2: None, 3: 30}, set(), 2),  # a failed commit, then the next write cut after its "L" frame
+        ({2: None, 3: 55}, set(), 3),
+        ({3: None}, {2}, 2),  # a window's last commit failed (its "W" goes with the next write), another damaged
+        ({4: None, 5: None, 6: None}, {8}, 3),
+        ({5: -1, 6: None}, {1, 9}, 2),
+    ],
+)
+def test_failed_and_damaged_commits_keep_the_live_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan: dict[int, int | None], damaged: set[int], log_every: int
+) -> None:
+    """Short writes, failed writes and damage together (second review): each window emits at its live step, with
+    the live values where none of its commits was lost; a short write's bytes are cut, so nothing counts twice."""
+    directory = tmp_path / "j"
+    memory = MemoryAdapter()
+    bus = MetricBus(dist=None, journal=str(directory), adapters=[memory], log_every=log_every, fsync="never")
+    real = os.write
+    for step in range(12):
+        bus.log("loss", float(step))
+        bus.log("tokens", 1.0, agg="sum")
+        if step not in plan:
+            bus.commit(step)
+            continue
+        cut = plan[step]
+        calls = [0]
+
+        def failing(fd: int, data: bytes, cut: int | None = cut, calls: list[int] = calls) -> int:
+            calls[0] += 1
+            if cut is not None and calls[0] == 1:
+                return real(fd, bytes(data)[:cut])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "write", failing)
+        with pytest.raises(JournalError, match=f"step {step} is not journaled"):
+            bus.commit(step)
+        monkeypatch.setattr(os, "write", real)
+    bus.close()
+    _damage_steps(directory / "rank-00000.mbj", damaged)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JournalWarning)
+        replayed = dict(emitted(read_journal(directory)))
+    lost = set(plan) | damaged
+    windows = {step: set(range(step - log_every + 1, step + 1)) & set(range(12)) for step, _ in memory.rows}
+    assert set(replayed) == {step for step, window in windows.items() if not window <= lost}
+    for step, live in memory.rows:
+        if not lost & windows[step]:
+            assert replayed[step] == live

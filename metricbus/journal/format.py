@@ -89,6 +89,7 @@ STEP = struct.Struct("<qI")
 GAP = struct.Struct("<qq")
 SEGMENT = struct.Struct("<q")
 LOST = struct.Struct("<qq")
+MAX_LOST = 1 << 20  # the steps an "L" or "W" frame may name: more is damage (a reader never builds more)
 ENTRY = struct.Struct(f"<II{N_FIELDS}d")
 _COUNT = struct.Struct("<I")
 # A Summary's as_tuple() fields, read as one C slice: Summary is a NamedTuple whose first N_FIELDS fields are those,
@@ -143,8 +144,8 @@ def lost_steps(body: bytes | memoryview) -> list[int]:
         raise ValueError(f"an 'L' frame body of {len(body)} bytes is not whole (first, last) ranges")
     steps: list[int] = []
     for first, last in LOST.iter_unpack(body):
-        if last < first:
-            raise ValueError(f"an 'L' frame range {first}..{last} goes back")
+        if last < first or last - first >= MAX_LOST - len(steps):
+            raise ValueError(f"an 'L' frame range {first}..{last} goes back or passes {MAX_LOST} commits")
         steps.extend(range(first, last + 1))
     return steps
 
@@ -156,8 +157,8 @@ def window_frame(steps: Sequence[int]) -> bytes:
 
 def window_steps(body: bytes | memoryview) -> list[int]:
     """The steps of a "W" frame, in order; ValueError if its body is not whole steps or they go back."""
-    if not body or len(body) % 8:
-        raise ValueError(f"a 'W' frame body of {len(body)} bytes is not whole steps")
+    if not body or len(body) % 8 or len(body) > 8 * MAX_LOST:
+        raise ValueError(f"a 'W' frame body of {len(body)} bytes is not whole steps, at most {MAX_LOST}")
     steps = list(struct.unpack(f"<{len(body) // 8}q", body))
     if any(b < a for a, b in itertools.pairwise(steps)):
         raise ValueError("the steps of a 'W' frame go back")

@@ -97,7 +97,11 @@ class FrameSource:
         second pass), whose CRCs are not computed again. That is safe because bytes a reader saw never change: a
         writer only appends (``O_APPEND``, one writer per file under its ``flock``), and the only truncation, of a
         file shorter than its magic, leaves no frame. So the second pass follows the first one's chain through these
-        bytes; a frame outside them (damage, or what was appended after the first pass) is checked as always."""
+        bytes; a frame outside them (damage, or what was appended after the first pass) is checked as always. (One
+        more truncation exists: a writer cuts the bytes a failed write left at the end of its file, and the next
+        write fills those offsets again. A reader whose first pass ran between the two can trust new bytes there:
+        whole frames the writer wrote, unless its second pass meets that next write half done. Left as it is: it
+        needs a full disk and a concurrent reader at that moment, and that reader's next run reads the file.)"""
         pos, end = len(MAGIC), self.size
         stretches, trusted = iter(sound), (0, 0)
         while pos < end:

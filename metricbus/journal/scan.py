@@ -242,6 +242,9 @@ class FileIndex:
     long: set[int] = field(default_factory=set)  # offsets of the valid frames over WHOLE bytes (one per 16 MiB)
     # commits lost to damage that a "W" frame names: file offset -> their steps, yielded (empty) before that frame
     phantoms: dict[int, list[int]] = field(default_factory=dict)
+    # the offsets in ``phantoms`` that are "W" frames: their lost commits end the window before them, in the
+    # segment of the commits before (a segment starting after that frame replaces them as it replaces those)
+    tails: set[int] = field(default_factory=set)
     sound: list[tuple[int, int]] = field(default_factory=list)  # stretches read as valid frames (FrameSource.frames)
 
 
@@ -281,6 +284,7 @@ def index_file(path: Path) -> FileIndex:
         window: list[tuple[int, int]] | None = None
         damaged = 0
         phantoms: dict[int, list[int]] = {}
+        tails: set[int] = set()
         for at, span, k in FrameSource(file, size, reuse=True).frames(damage, runs=True):
             steps = _run_steps(span, k) if k > 1 else None
             if steps is not None and int(steps[0]) == last and _print(split_run(at, span, k)[0][1]) == before != b"":
@@ -342,6 +346,9 @@ def index_file(path: Path) -> FileIndex:
                         if window is not None and rf.damaged > damaged:
                             for where, lost in _window_losses(listed, window, pos).items():
                                 phantoms.setdefault(where, []).extend(lost)
+                                if where == pos:  # the window's last commits: the file's last step so far
+                                    tails.add(pos)
+                                    last = lost[-1] if last is None else max(last, lost[-1])
                         if window is not None:
                             window, damaged = [], rf.damaged
                     elif kind == b"K":  # a writer's first commit is at this step, read or not
@@ -372,7 +379,7 @@ def index_file(path: Path) -> FileIndex:
     for ordinal, step in reversed(resets):
         lowest = min(lowest, step)
         limits.append((ordinal, int(lowest)))
-    return FileIndex(rf, size, bad, limits[::-1], last, long=long, sound=sound, phantoms=phantoms)
+    return FileIndex(rf, size, bad, limits[::-1], last, long=long, sound=sound, phantoms=phantoms, tails=tails)
 
 
 def _log_every(header: Mapping[str, Any]) -> int:
@@ -486,7 +493,7 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
             for pos, payload in split_run(start, span, k):
                 if phantoms and pos in phantoms:  # commits lost to damage, counted (empty) where they were
                     for step in phantoms[pos]:
-                        taken = timeline.take(step, counted=False)
+                        taken = timeline.take(step, counted=False, tail=pos in index.tails)
                         if taken is not None:
                             yield step, taken[0], taken[1], RawPart(_NO_ROWS, _NO_RESTS, names) if decode else None
                 kind = bytes(payload[:1])
@@ -549,12 +556,13 @@ class _Timeline:
         self._nth = 0
         self.new_segment = False
 
-    def take(self, step: int, *, counted: bool = True) -> tuple[int, bool] | None:
+    def take(self, step: int, *, counted: bool = True, tail: bool = False) -> tuple[int, bool] | None:
         """The next commit, at ``step``: ``(nth, starts a segment)``, or None where a later segment (or a step
-        going back) replaces it. ``counted`` False: a commit lost to damage (the first pass did not count it),
-        in the segment of the commit read after it."""
-        limits, at = self._limits, self._at
-        while at < len(limits) and limits[at][0] <= self._ordinal:
+        going back) replaces it. ``counted`` False: a commit lost to damage (the first pass did not count it), in
+        the segment of the commit read after it, or (``tail``) of the commits read before it: then a reset by the
+        commit read next replaces it too."""
+        limits, at, ordinal = self._limits, self._at, self._ordinal - tail
+        while at < len(limits) and limits[at][0] <= ordinal:
             at += 1
         self._at = at
         starts, self.new_segment = self.new_segment, False

@@ -12,8 +12,10 @@ the file and that PID. The kernel releases the lock when its holder dies, so a c
 
 Disk errors: a failed write or fsync raises ``JournalError`` (the file, the OS error and the step), never a raw
 ``OSError``. Names count as written only once the write that carried them succeeded, so the next commit sends them
-again; a partly written frame is skipped by the reader (its CRC fails); and the next write that succeeds starts
-with a "G" frame naming the steps that are missing, which the reader reports in ``Journal.gaps``.
+again; what part of a failed write reached the file is cut again (under the file's lock; unlocked, the reader
+skips the torn frame, its CRC failing); and the next write that succeeds starts with a "G" frame naming the steps
+that are missing, which the reader reports in ``Journal.gaps``, and "L" frames listing them, which it counts as
+empty commits where they were (so ``log_every`` windows stay the live ones).
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ class JournalWriter:
         self._table: tuple[Names, bytes] | None = None  # a whole name table and its "N" frame, for the checkpoints
         self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
         self._lost: list[tuple[int, int]] = []  # the same, as "L" ranges: one failed commit at each step of each
+        # windows that ended with a failed commit: each one's "L" and "W" frames, in order (``_lost`` then holds
+        # the failed commits of the open window only), so a reader counts each window's commits apart
+        self._windows_due = b""
+        self._failed = False  # ``_lost`` or ``_windows_due`` is pending
         self._segment: int | None = None  # the step of this writer's first commit, marked ("K") until written
         self._segment_written = False
         # log_every > 1: the steps of the open window's commits, written whole ("W") after its last one
@@ -341,14 +347,16 @@ class JournalWriter:
         """Write a commit's ``data``, after a pending gap marker and, when one is due, the whole name table
         (``ids``: the table once this commit is written); then fsync as the policy says."""
         checkpoint = self._unchecked >= CHECKPOINT_BYTES
+        closing = b""
         if self._window > 1:  # counted whether or not the write succeeds: the live window counts it
             window = self._window_steps
             window.append(step)
             if len(window) >= self._window:
-                data = data + window_frame(window)
+                closing = window_frame(window)
+                data = data + closing
                 self._window_steps = []
-        if self._lost:  # the commits whose write failed, counted by the reader where they were
-            data = lost_frame(self._lost) + data
+        if self._failed:  # the commits whose write failed, counted by the reader where they were
+            data = self._failures() + data
         if not self._segment_written:  # the first write of this writer's commits says where its segment starts
             if self._segment is None:
                 self._segment = step
@@ -374,14 +382,17 @@ class JournalWriter:
                 lost[-1] = (lost[-1][0], step)
             else:
                 lost.append((step, step))
-            with contextlib.suppress(OSError):  # part of it may have been written
-                self._end = os.fstat(fd).st_size
+            if closing:  # the window ended with this commit: its "L" piece, then its "W"
+                self._windows_due += lost_frame(lost) + closing
+                self._lost = []
+            self._failed = True
+            self._cut(fd)
             raise self._error("write", exc, step) from exc
         self._end = end
         self._gap = None
         self._segment_written = True
-        if self._lost:
-            self._lost = []
+        if self._failed:
+            self._lost, self._windows_due, self._failed = [], b"", False
         self._unchecked = 0 if checkpoint else self._unchecked + size
         try:  # fsync as the policy says (inline: this runs at every commit)
             if self._fsync == "interval":
@@ -394,6 +405,22 @@ class JournalWriter:
         except OSError as exc:  # the bytes may never reach the disk: say so, and send the names again
             self._gap = (step, step)
             raise self._error("fsync", exc, step) from exc
+
+    def _failures(self) -> bytes:
+        """The pending failed commits' frames: each window that ended with one ("L", "W"), then the open one's."""
+        return self._windows_due + (lost_frame(self._lost) if self._lost else b"")
+
+    def _cut(self, fd: int) -> None:
+        """After a failed write: remove what part of it reached the file (a short write before the error), so
+        none of its frames is read and counted again with the next write, which carries them whole; unlocked
+        (another writer may be appending), or where that fails, the file's size is taken as it is (the reader
+        skips a torn frame)."""
+        with contextlib.suppress(OSError):
+            if self._locked and os.fstat(fd).st_size > self._end:
+                os.ftruncate(fd, self._end)  # (frees the blocks reserved past it too: reserved again)
+                self._reserved = self._end
+        with contextlib.suppress(OSError):
+            self._end = os.fstat(fd).st_size
 
     def _reserve_ahead(self, fd: int, end: int) -> None:
         """Reserve the blocks from the file's end to at least ``end`` and a chunk beyond (reserve.py); where that
@@ -445,16 +472,17 @@ class JournalWriter:
         fd = self._fd
         try:
             tail = b"" if self._gap is None else gap_frame(*self._gap)
-            if self._lost:  # the failed commits, counted where they were (after the segment's start)
+            if self._failed:  # the failed commits, counted where they were (after the segment's start)
                 if not self._segment_written and self._segment is not None:
                     tail += segment_frame(self._segment)
-                tail += lost_frame(self._lost)
+                tail += self._failures()
             if self._window_steps:  # the open window's steps, so a reader that lost its last commit still ends it
                 tail += window_frame(self._window_steps)
             if tail:
                 try:
                     self._write(tail)
-                    self._gap, self._lost, self._window_steps = None, [], []
+                    self._gap, self._lost, self._windows_due, self._window_steps = None, [], b"", []
+                    self._failed = False
                 except OSError:
                     pass  # already reported by the commit that failed; the file stays readable
             if self._reserve is not None and self._locked:  # (unlocked, another writer may be appending)
