@@ -299,21 +299,31 @@ class MetricBus:
             self._step_names = self._step_names | names
         else:
             self._step_names = names
+        # a second commit at a step: the adapters' cursors stay below it until its emission is written (so a crash
+        # once it is journaled never leaves a cursor covering a step an adapter did not get whole)
+        held = step == self._last_step and self._ranks.is_writer and self._sink.hold(step)
         journal_error = None
         try:
-            if steady is None:
-                self._sink.record(step=step, entries=exchange.journal)
-            elif not self._sink.columns(step=step, rank=0, layout=steady[0].layout, fields=steady[1]):
-                # not written from the columns (see Sink.columns): through the commit's own partial
-                self._sink.record(step=step, entries=[(0, self._collector.partial(updates, undeclared=False))])
-        except JournalError as exc:  # the step is still reduced and delivered; the journal has a gap
-            journal_error = exc
-        self._table.seal()
-        if self._ranks.collective:  # specs agreed by the ranks (their nan policy) apply from now on; ingest()
-            self._collector.respec()  # already applied what ingested workers brought
-        self._last_step = step
-        out = exchange.commit_to(self._reducer)
-        emitted = {} if out is None else self._emit(step, out)
+            try:
+                if steady is None:
+                    self._sink.record(step=step, entries=exchange.journal)
+                elif not self._sink.columns(step=step, rank=0, layout=steady[0].layout, fields=steady[1]):
+                    # not written from the columns (see Sink.columns): through the commit's own partial
+                    self._sink.record(step=step, entries=[(0, self._collector.partial(updates, undeclared=False))])
+            except JournalError as exc:  # the step is still reduced and delivered; the journal has a gap
+                journal_error = exc
+            self._table.seal()
+            if self._ranks.collective:  # specs agreed by the ranks (their nan policy) apply from now on; ingest()
+                self._collector.respec()  # already applied what ingested workers brought
+            self._last_step = step
+            out = exchange.commit_to(self._reducer)
+            emitted = {} if out is None else self._emit(step, out, repeat=held)
+        except BaseException:
+            if held:
+                self._sink.release(step)
+            raise
+        if held and not emitted:
+            self._sink.release(step)
         if journal_error is not None:
             raise journal_error
         rejected = dict(errors)
@@ -321,10 +331,10 @@ class MetricBus:
             rejected.setdefault(name, MetricValueError(f"{where} rejected the records of {name!r}"))
         return emitted, rejected
 
-    def _emit(self, step: int, out: dict[str, float]) -> dict[str, float]:
+    def _emit(self, step: int, out: dict[str, float], *, repeat: bool = False) -> dict[str, float]:
         nans(out)  # one NaN's bits on every path (canonical.py)
         if out and self._ranks.is_writer:
-            self._sink.submit(step=step, metrics=out)
+            self._sink.submit(step=step, metrics=out, repeat=repeat)
         return out
 
     def _next_step(self, step: int | None) -> int:

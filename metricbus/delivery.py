@@ -154,6 +154,7 @@ class Delivery:
         """Every step an adapter skipped because its backend rejected it, in the order they happened."""
         self._errors: list[AdapterError] = []
         self._lock = threading.Lock()
+        self.cursor_lock = threading.Lock()  # the workers' ``acked`` and ``holds``, and the cursor writes
         self._started = False
         self._closed = False
         names = [getattr(a, "name", type(a).__name__) for a in adapters]
@@ -293,9 +294,35 @@ class Delivery:
         """The adapters, in order (index = position)."""
         return [w.adapter for w in self._workers]
 
-    def submit(self, *, step: int, metrics: Mapping[str, float]) -> None:
-        """Enqueue one emitted step for every adapter (a read-only copy of ``metrics``, shared)."""
-        item = _Step(step, MappingProxyType(dict(metrics)))
+    def hold(self, step: int) -> None:
+        """A second commit at ``step`` is about to be journaled (before it is): every adapter's cursor goes below
+        ``step`` now and stays there until that commit's emission (``submit(repeat=True)``) was written, or
+        :meth:`release` says none comes. So a crash in between never leaves a cursor covering a step the adapter
+        did not get whole, and ``metricbus sync`` sends it again."""
+        on_rewound = self.on_rewound
+        for worker in self._workers:
+            with self.cursor_lock:
+                worker.holds.append(step)
+                rewind = worker.acked is not None and worker.acked >= step
+                if rewind:
+                    worker.acked = step - 1
+                    if on_rewound is not None:
+                        try:
+                            on_rewound(worker.index, worker.adapter, step - 1)
+                        except Exception as exc:
+                            self.report(logging.ERROR, worker.label, "on_rewound",
+                                        "adapter %r: its cursor could not go back before step %d: %r",
+                                        worker.label, step, exc)
+
+    def release(self, step: int) -> None:
+        """End :meth:`hold` of ``step``: that commit emitted nothing at it."""
+        for worker in self._workers:
+            worker.unhold(step)
+
+    def submit(self, *, step: int, metrics: Mapping[str, float], repeat: bool = False) -> None:
+        """Enqueue one emitted step for every adapter (a read-only copy of ``metrics``, shared); ``repeat``: the
+        commit :meth:`hold` held the cursors for."""
+        item = _Step(step, MappingProxyType(dict(metrics)), repeat)
         now = time.monotonic()
         deadline = now + self._timeout_s if self._policy == "block" else None
         for worker in self._workers:
@@ -303,10 +330,14 @@ class Delivery:
             if worker.stopped is not None:
                 if worker.dead:
                     worker.released += 1
+                if repeat:
+                    worker.unhold(step)
                 continue
             worker.submitted += 1
             if worker.put(item, deadline=deadline):
                 continue
+            if repeat:  # not queued: never written by this worker
+                worker.unhold(step)
             self._watch(worker, time.monotonic())
             if worker.stopped is not None:
                 worker.released += 1

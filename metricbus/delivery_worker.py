@@ -27,6 +27,7 @@ WAIT_SLICE_S = 0.25  # how often a blocked submit/flush/close looks at the write
 class _Step:
     step: int
     metrics: Mapping[str, float]
+    repeat: bool = False  # a second commit at its step: the cursor is held below it until it is written
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,9 @@ class Worker:
         self.unacked_count = 0
         self.flush_due = 0.0
         self.acked: int | None = None
+        # steps held (Delivery.hold): the cursor stays below each until its repeated commit was written, so a
+        # crash before then never leaves a cursor covering a step whose second commit the adapter lacks
+        self.holds: list[int] = []  # under delivery.cursor_lock, as ``acked`` is while a hold may change it
         self.dropped = 0
         self.submitted = 0  # written by the caller's thread only
         self.released = 0  # steps never handed to a stopped adapter, or taken out of its queue
@@ -181,6 +185,8 @@ class Worker:
                 self._resume(item)
             elif self.stopped is not None or self.abandon.is_set():
                 self.lost += 1
+                if item.repeat:
+                    self.unhold(item.step)
             else:
                 self._deliver(item)
                 if self.unacked_count >= FLUSH_EVERY_STEPS or time.monotonic() >= self.flush_due:
@@ -226,16 +232,31 @@ class Worker:
             if self.unacked_count >= FLUSH_EVERY_STEPS:
                 self._flush()
 
+    def unhold(self, step: int) -> None:
+        """End one hold of ``step`` (its repeated commit was written, or will never be)."""
+        with self.delivery.cursor_lock:
+            if step in self.holds:
+                self.holds.remove(step)
+
     def _deliver(self, item: _Step) -> None:
+        try:
+            self._write(item)
+        finally:
+            if item.repeat:
+                self.unhold(item.step)
+
+    def _write(self, item: _Step) -> None:
         d = self.delivery
-        if self.acked is not None and item.step <= self.acked:
-            # A second commit at an acknowledged step: its cursor covers whole steps, so it goes back one step
-            # until this part is durable too (a crash in between sends the whole step again).
-            on_rewound = d.on_rewound
-            self.acked = item.step - 1
-            if on_rewound is not None:
-                back = item.step - 1
-                self._call("on_rewound", lambda: on_rewound(self.index, self.adapter, back))
+        with d.cursor_lock:
+            rewind = self.acked is not None and item.step <= self.acked
+            if rewind:
+                # A second commit at an acknowledged step: its cursor covers whole steps, so it goes back one step
+                # until this part is durable too (a crash in between sends the whole step again).
+                self.acked = item.step - 1
+        on_rewound = d.on_rewound
+        if rewind and on_rewound is not None:
+            back = item.step - 1
+            self._call("on_rewound", lambda: on_rewound(self.index, self.adapter, back))
         tries = 0
         while True:
             try:
@@ -310,13 +331,16 @@ class Worker:
         return None if durable is None else min(written, int(durable))
 
     def _acknowledge(self, step: int | None) -> None:
-        """Advance the cursor to ``step`` (never back)."""
+        """Advance the cursor to ``step`` (never back), and never to a held step (see ``holds``)."""
         on_delivered = self.delivery.on_delivered
-        if step is None or (self.acked is not None and step <= self.acked):
-            return
-        self.acked = step
-        if on_delivered is not None:
-            self._call("on_delivered", lambda: on_delivered(self.index, self.adapter, step))
+        with self.delivery.cursor_lock:
+            if step is not None and self.holds:
+                step = min(step, min(self.holds) - 1)
+            if step is None or (self.acked is not None and step <= self.acked):
+                return
+            self.acked = step
+            if on_delivered is not None:  # under the lock: a hold's rewind never lands before this advance
+                self._call("on_delivered", lambda: on_delivered(self.index, self.adapter, step))
 
     def _call(self, verb: str, fn: Callable[[], object]) -> bool:
         try:

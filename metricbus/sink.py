@@ -123,9 +123,21 @@ class Sink:
             if plan.rewind is not None or plan.steps:
                 self.delivery.resume(index, rewind=plan.rewind, steps=plan.steps)
 
-    def submit(self, *, step: int, metrics: Mapping[str, float]) -> None:
-        """Hand an emitted step to the adapters (enqueue only)."""
-        self.delivery.submit(step=step, metrics=metrics)
+    def submit(self, *, step: int, metrics: Mapping[str, float], repeat: bool = False) -> None:
+        """Hand an emitted step to the adapters (enqueue only); ``repeat``: the commit :meth:`hold` was for."""
+        self.delivery.submit(step=step, metrics=metrics, repeat=repeat)
+
+    def hold(self, step: int) -> bool:
+        """Before journaling a second commit at ``step``: keep every adapter's delivery cursor below it until that
+        commit's emission was written (Delivery.hold). True where there is a cursor to hold (a journal)."""
+        if self._journal is None or not self._has_adapters:
+            return False
+        self.delivery.hold(step)
+        return True
+
+    def release(self, step: int) -> None:
+        """End :meth:`hold`: the commit at ``step`` emitted nothing there."""
+        self.delivery.release(step)
 
     def check(self) -> None:
         """Re-raise a strict bus's adapter failure."""

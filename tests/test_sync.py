@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
@@ -13,8 +15,9 @@ from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 from metricbus import MetricBus
 from metricbus.adapter import RunInfo, Status
 from metricbus.cli import main
-from metricbus.journal import CursorStore, adapter_key
+from metricbus.journal import CursorStore, JournalWriter, adapter_key
 from metricbus.replay import SyncInterrupted, sync
+from metricbus.testing import MemoryAdapter
 from tests.journal_workers import RULES, log_step
 
 STEPS = 30
@@ -241,3 +244,41 @@ def test_a_sync_stopped_between_two_commits_of_a_step_sends_the_whole_step_again
     assert read_jsonl(out) == [
         (0, {"loss": 0.0}), (1, {"loss": 1.0}), (2, {"loss": 2.0}), (2, {"eval/acc": 0.5}), (3, {"loss": 3.0})
     ]
+
+
+class _Keyed(MemoryAdapter):
+    cursor_key = "memory-keyed"
+
+
+def test_a_second_commit_at_an_acknowledged_step_moves_the_cursor_back_before_it_is_journaled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The live bus rewinds each adapter's cursor below a step inside commit(), before journaling a second commit
+    at it, and holds it there until that commit's emission was written: a crash right after commit() (the copy of
+    the journal taken then) leaves a cursor the next sync sends the whole step from (second review: the cursor
+    still covered the step until the delivery thread picked the commit up, and sync never sent it)."""
+    journal = tmp_path / "journal"
+    live = _Keyed()
+    bus = MetricBus(dist=None, journal=str(journal), adapters=[live], fsync="commit")
+    for step in range(3):
+        bus.log("loss", float(step))
+        bus.commit(step)
+    assert bus.flush()
+    assert CursorStore(journal).get(live) == 2
+    crashed = tmp_path / "crashed"
+    append = JournalWriter.append
+
+    def append_then_crash(self: JournalWriter, *, step: int, entries: Any) -> None:
+        append(self, step=step, entries=entries)
+        shutil.copytree(journal, crashed)  # the files as a SIGKILL right after the journal write leaves them
+
+    monkeypatch.setattr(JournalWriter, "append", append_then_crash)
+    bus.log("eval/acc", 0.5)
+    bus.commit(2)
+    monkeypatch.undo()
+    assert CursorStore(crashed).get(live) == 1
+    bus.close()
+    assert CursorStore(journal).get(live) == 2  # delivered whole: acknowledged again
+    again = _Keyed()
+    assert sync(crashed, [again]) == {"memory": 2}
+    assert again.rows == [(2, {"loss": 2.0}), (2, {"eval/acc": 0.5})]
