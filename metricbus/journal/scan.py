@@ -280,9 +280,10 @@ def index_file(path: Path) -> FileIndex:
         # the last commit frame with entries read in this segment: a second copy of it is damage (a writer never
         # writes one twice: two commits at one step hold different names; an empty commit may repeat)
         before = b""
-        # log_every > 1: (step, offset) of the commits read in the open window, and the damage count at its start
+        # log_every > 1: (step, offset) of the commits read in the open window (its last ``keep`` at least: a file
+        # without "W" frames, from before them, keeps no more), and the damage count at its start
         window: list[tuple[int, int]] | None = None
-        damaged = 0
+        damaged, keep, cut = 0, 0, False
         phantoms: dict[int, list[int]] = {}
         tails: set[int] = set()
         for at, span, k in FrameSource(file, size, reuse=True).frames(damage, runs=True):
@@ -298,6 +299,9 @@ def index_file(path: Path) -> FileIndex:
                 if window is not None:
                     stride = (len(span) + FRAME.size) // k
                     window.extend((step, at + i * stride) for i, step in enumerate(steps.tolist()))
+                    if len(window) > 2 * keep:
+                        del window[:-keep]
+                        cut = True
                 tail = split_run(at, span, k)[-1][1]
                 before = _print(tail) if tail[9:13] != _NONE else b""
                 continue
@@ -312,7 +316,8 @@ def index_file(path: Path) -> FileIndex:
                             continue  # the second copy of the header just read
                         rf.headers.append(check_header(path, json.loads(bytes(payload[1:]))))
                         new_segment, before = True, b""
-                        window, damaged = ([] if _log_every(rf.headers[-1]) > 1 else None), rf.damaged
+                        every = _log_every(rf.headers[-1])
+                        window, damaged, keep, cut = ([] if every > 1 else None), rf.damaged, 2 * every + 2, False
                     elif kind == b"N":
                         if payload != checked:  # a checkpoint repeating the table just checked is not decoded again
                             error = _names(payload[1:], {})[1]
@@ -333,6 +338,9 @@ def index_file(path: Path) -> FileIndex:
                         before = _print(payload) if payload[9:13] != _NONE else b""
                         if window is not None:
                             window.append((step, pos))
+                            if len(window) > 2 * keep:
+                                del window[:-keep]
+                                cut = True
                     elif kind == b"L":  # commits whose write failed: each counts as an empty commit here
                         for step in lost_steps(payload[1:]):
                             if last is not None and step <= last and (new_segment or step < last):
@@ -341,16 +349,19 @@ def index_file(path: Path) -> FileIndex:
                             ordinal, last, new_segment, before = ordinal + 1, step, False, b""
                             if window is not None:
                                 window.append((step, pos))
+                        if window is not None and len(window) > 2 * keep:
+                            del window[:-keep]
+                            cut = True
                     elif kind == b"W":  # the steps of the window just ended: what damage took is counted still
                         listed = window_steps(payload[1:])
-                        if window is not None and rf.damaged > damaged:
+                        if window is not None and rf.damaged > damaged and not (cut and len(listed) >= len(window)):
                             for where, lost in _window_losses(listed, window, pos).items():
                                 phantoms.setdefault(where, []).extend(lost)
                                 if where == pos:  # the window's last commits: the file's last step so far
                                     tails.add(pos)
                                     last = lost[-1] if last is None else max(last, lost[-1])
                         if window is not None:
-                            window, damaged = [], rf.damaged
+                            window, damaged, cut = [], rf.damaged, False
                     elif kind == b"K":  # a writer's first commit is at this step, read or not
                         (first,) = SEGMENT.unpack(payload[1:])
                         if last is not None and first <= last:  # drops steps >= first
@@ -359,7 +370,7 @@ def index_file(path: Path) -> FileIndex:
                             last = first - 1  # so the segment's commits (at first, or later) reset nothing more
                         new_segment, before = False, b""
                         if window is not None:
-                            window, damaged = [], rf.damaged
+                            window, damaged, cut = [], rf.damaged, False
                     elif kind == b"G":
                         first, final = GAP.unpack(payload[1:])
                         rank = int(rf.headers[-1].get("rank", -1)) if rf.headers else -1
