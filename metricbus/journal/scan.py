@@ -14,7 +14,6 @@ frame beyond it; the second pass does not compute again the CRCs the first one c
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -44,6 +43,7 @@ from metricbus.journal.format import (
     window_steps,
 )
 from metricbus.journal.frames import ENTRY_DTYPE, S_FRAME, WHOLE, FrameSource, run_array, run_of, split_run
+from metricbus.journal.window_marks import OpenWindow
 from metricbus.spec import Spec
 from metricbus.summary import Summary, rest_layout
 
@@ -280,30 +280,27 @@ def index_file(path: Path) -> FileIndex:
         # the last commit frame with entries read in this segment: a second copy of it is damage (a writer never
         # writes one twice: two commits at one step hold different names; an empty commit may repeat)
         before = b""
-        # log_every > 1: (step, offset) of the commits read in the open window (its last ``keep`` at least: a file
-        # without "W" frames, from before them, keeps no more), and the damage count at its start
-        window: list[tuple[int, int]] | None = None
-        damaged, keep, cut = 0, 0, False
+        window: OpenWindow | None = None  # log_every > 1: the commits read in the open window
         phantoms: dict[int, list[int]] = {}
         tails: set[int] = set()
+
+        def reset(step: int) -> None:  # the commit read next (ordinal) drops the file's steps >= step
+            resets.append((ordinal, step))
+            rf.gaps = [g for g in (_clip(g, step) for g in rf.gaps) if g is not None]
         for at, span, k in FrameSource(file, size, reuse=True).frames(damage, runs=True):
             steps = _run_steps(span, k) if k > 1 else None
-            if steps is not None and int(steps[0]) == last and _print(split_run(at, span, k)[0][1]) == before != b"":
-                steps = None  # its first commit repeats the one before: frame by frame, where that is skipped
+            repeats = steps is not None and int(steps[0]) == last and before  # its first commit, the one before?
+            if repeats and _print(split_run(at, span, k)[0][1]) == before:  # frame by frame, where that is skipped
+                steps = None
             if steps is not None:  # a run of whole commits, steps increasing: only its first may reset the file
                 first = int(steps[0])
                 if last is not None and first <= last and (new_segment or first < last):
-                    resets.append((ordinal, first))
-                    rf.gaps = [g for g in (_clip(g, first) for g in rf.gaps) if g is not None]
-                ordinal, last, new_segment, prior = ordinal + k, int(steps[-1]), False, b""
+                    reset(first)
                 if window is not None:
                     stride = (len(span) + FRAME.size) // k
-                    window.extend((step, at + i * stride) for i, step in enumerate(steps.tolist()))
-                    if len(window) > 2 * keep:
-                        del window[:-keep]
-                        cut = True
-                tail = split_run(at, span, k)[-1][1]
-                before = _print(tail) if tail[9:13] != _NONE else b""
+                    window.add((step, at + i * stride) for i, step in enumerate(steps.tolist()))
+                ordinal, last, new_segment, prior = ordinal + k, int(steps[-1]), False, b""
+                before = _print(split_run(at, span, k)[-1][1])
                 continue
             for pos, payload in split_run(at, span, k):
                 if len(payload) > WHOLE:
@@ -317,7 +314,7 @@ def index_file(path: Path) -> FileIndex:
                         rf.headers.append(check_header(path, json.loads(bytes(payload[1:]))))
                         new_segment, before = True, b""
                         every = _log_every(rf.headers[-1])
-                        window, damaged, keep, cut = ([] if every > 1 else None), rf.damaged, 2 * every + 2, False
+                        window = OpenWindow(every=every, damaged=rf.damaged) if every > 1 else None
                     elif kind == b"N":
                         if payload != checked:  # a checkpoint repeating the table just checked is not decoded again
                             error = _names(payload[1:], {})[1]
@@ -326,51 +323,40 @@ def index_file(path: Path) -> FileIndex:
                             checked = bytes(payload)
                     elif kind in _COMMITS:
                         step = _commit_step(kind, payload[1:])
-                        if step == last and payload[9:13] != _NONE and _print(payload) == before:  # never written
+                        if step == last and before and _print(payload) == before:  # never written
                             bad.add(pos)
                             rf.damaged += 1
                             _warn(path, f"record at byte {pos} repeats the commit before it (step {step}); skipped")
                             continue
                         if last is not None and step <= last and (new_segment or step < last):  # drops steps >= step
-                            resets.append((ordinal, step))
-                            rf.gaps = [g for g in (_clip(g, step) for g in rf.gaps) if g is not None]
-                        ordinal, last, new_segment = ordinal + 1, step, False
-                        before = _print(payload) if payload[9:13] != _NONE else b""
+                            reset(step)
                         if window is not None:
-                            window.append((step, pos))
-                            if len(window) > 2 * keep:
-                                del window[:-keep]
-                                cut = True
+                            window.add(((step, pos),))
+                        ordinal, last, new_segment, before = ordinal + 1, step, False, _print(payload)
                     elif kind == b"L":  # commits whose write failed: each counts as an empty commit here
                         for step in lost_steps(payload[1:]):
                             if last is not None and step <= last and (new_segment or step < last):
-                                resets.append((ordinal, step))
-                                rf.gaps = [g for g in (_clip(g, step) for g in rf.gaps) if g is not None]
-                            ordinal, last, new_segment, before = ordinal + 1, step, False, b""
+                                reset(step)
                             if window is not None:
-                                window.append((step, pos))
-                        if window is not None and len(window) > 2 * keep:
-                            del window[:-keep]
-                            cut = True
+                                window.add(((step, pos),))
+                            ordinal, last, new_segment, before = ordinal + 1, step, False, b""
                     elif kind == b"W":  # the steps of the window just ended: what damage took is counted still
                         listed = window_steps(payload[1:])
-                        if window is not None and rf.damaged > damaged and not (cut and len(listed) >= len(window)):
-                            for where, lost in _window_losses(listed, window, pos).items():
+                        if window is not None:
+                            for where, lost in window.losses(listed, pos, rf.damaged).items():
                                 phantoms.setdefault(where, []).extend(lost)
                                 if where == pos:  # the window's last commits: the file's last step so far
                                     tails.add(pos)
                                     last = lost[-1] if last is None else max(last, lost[-1])
-                        if window is not None:
-                            window, damaged, cut = [], rf.damaged, False
+                            window = window.next(rf.damaged)
                     elif kind == b"K":  # a writer's first commit is at this step, read or not
                         (first,) = SEGMENT.unpack(payload[1:])
                         if last is not None and first <= last:  # drops steps >= first
-                            resets.append((ordinal, first))
-                            rf.gaps = [g for g in (_clip(g, first) for g in rf.gaps) if g is not None]
+                            reset(first)
                             last = first - 1  # so the segment's commits (at first, or later) reset nothing more
                         new_segment, before = False, b""
                         if window is not None:
-                            window, damaged, cut = [], rf.damaged, False
+                            window = window.next(rf.damaged)
                     elif kind == b"G":
                         first, final = GAP.unpack(payload[1:])
                         rank = int(rf.headers[-1].get("rank", -1)) if rf.headers else -1
@@ -398,31 +384,12 @@ def _log_every(header: Mapping[str, Any]) -> int:
     return every if isinstance(every, int) else 1
 
 
-def _window_losses(listed: list[int], read: list[tuple[int, int]], here: int) -> dict[int, list[int]]:
-    """The commits a "W" frame at offset ``here`` names (``listed`` steps) that were not read (``read``: (step,
-    offset) of the window's commits read, maybe after an earlier window whose "W" was lost): offset of the commit
-    read after each (``here`` for the last) -> their steps. Matched from the end, as the frame ends the window; {}
-    where the steps read and the missing ones would not be in order (a window this cannot tell)."""
-    out: dict[int, list[int]] = {}
-    j, after, floor = len(read) - 1, here, None
-    for step in reversed(listed):
-        if j >= 0 and read[j][0] == step:
-            after = read[j][1]
-            j -= 1
-        else:
-            out.setdefault(after, []).insert(0, step)
-        floor = step
-    merged = sorted(
-        [(offset, step) for offset, steps in out.items() for step in steps] + [(o, s) for s, o in read[j + 1 :]],
-        key=lambda pair: pair[0],
-    )
-    in_order = all(a[1] <= b[1] for a, b in itertools.pairwise(merged))
-    return out if in_order and (j < 0 or floor is None or read[j][0] <= floor) else {}
-
-
 def _print(payload: memoryview) -> bytes:
     """What tells a commit frame from the next one at its step: its bytes, or for a long one its length and the
-    bytes at both ends (two commits at one step hold different names, so their first entries already differ)."""
+    bytes at both ends (two commits at one step hold different names, so their first entries already differ); b""
+    for a commit without entries (an empty commit may repeat)."""
+    if payload[9:13] == _NONE:
+        return b""
     if len(payload) <= 2 * _PRINT_END:
         return bytes(payload)
     return b"".join((len(payload).to_bytes(8, "little"), payload[:_PRINT_END], payload[-_PRINT_END:]))
