@@ -2,8 +2,8 @@
 
 A commit is one ``os.write`` of its frames (name table additions first), so when ``commit()`` returns its bytes
 are in the operating system and survive SIGKILL. ``fsync`` decides what survives a power loss: ``"commit"``
-(fsync every commit), ``"interval"`` (the default: fsync at most every ``FSYNC_INTERVAL_S`` seconds, and at close),
-``"never"``.
+(fsync every commit), ``"interval"`` (the default: fsync at most every ``FSYNC_INTERVAL_S`` seconds, from the file's
+own thread so that no commit waits on the disk, :mod:`metricbus.journal.interval_sync`; and at close), ``"never"``.
 
 One writer per file: the writer holds an exclusive ``flock`` on its file for its whole life and leaves its PID in
 ``rank-NNNNN.mbj.lock``; a second writer (another bus, in this process or another) gets a ``JournalError`` naming
@@ -11,11 +11,12 @@ the file and that PID. The kernel releases the lock when its holder dies, so a c
 (A child forked while the lock is held shares it until the child exits.)
 
 Disk errors: a failed write or fsync raises ``JournalError`` (the file, the OS error and the step), never a raw
-``OSError``. Names count as written only once the write that carried them succeeded, so the next commit sends them
-again; what part of a failed write reached the file is cut again (under the file's lock; unlocked, the reader
-skips the torn frame, its CRC failing); and the next write that succeeds starts with a "G" frame naming the steps
-that are missing, which the reader reports in ``Journal.gaps``, and "L" frames listing them, which it counts as
-empty commits where they were (so ``log_every`` windows stay the live ones).
+``OSError``; an interval fsync's failure is raised by the next commit (or ``close()``), naming the steps it covered.
+Names count as written only once the write that carried them succeeded, so the next commit sends them again; what
+part of a failed write reached the file is cut again (under the file's lock; unlocked, the reader skips the torn
+frame, its CRC failing); and the next write that succeeds starts with a "G" frame naming the steps that are missing,
+which the reader reports in ``Journal.gaps``, and "L" frames listing them, which it counts as empty commits where
+they were (so ``log_every`` windows stay the live ones).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from metricbus.journal.format import (
     spec_to_json,
     window_frame,
 )
+from metricbus.journal.interval_sync import IntervalSync
 from metricbus.partial import Partial
 from metricbus.spec import Spec
 
@@ -131,7 +133,7 @@ class JournalWriter:
         self._window = int(header.get("log_every", 1))
         self._window_steps: list[int] = []
         self._locked = False
-        self._last_sync = time.monotonic()
+        self._syncer: IntervalSync | None = None  # fsync="interval": the file's fsync thread
         self._reserve = reserve.reserver()
         self._end = 0
         self._reserved = 0  # blocks are reserved up to this offset (reserve.py)
@@ -156,6 +158,8 @@ class JournalWriter:
             if self._fsync != "never":
                 os.fsync(fd)
             self._end = os.fstat(fd).st_size  # the file's size, kept as commits are written
+            if self._fsync == "interval":
+                self._syncer = IntervalSync(fd=fd, interval=FSYNC_INTERVAL_S, name=f"metricbus-journal-{rank}")
         except BaseException as exc:
             self._fd = None
             if self._locked:
@@ -345,8 +349,13 @@ class JournalWriter:
 
     def _send(self, step: int, data: bytes | bytearray, ids: Names) -> None:
         """Write a commit's ``data``, after a pending gap marker and, when one is due, the whole name table
-        (``ids``: the table once this commit is written); then fsync as the policy says."""
+        (``ids``: the table once this commit is written); then fsync as the policy says ("interval": the fsync
+        thread's failure since the last commit, if any, is marked as a gap with this write, then raised)."""
         checkpoint = self._unchecked >= CHECKPOINT_BYTES
+        syncer = self._syncer
+        unsynced = None if syncer is None else syncer.failure()
+        if unsynced is not None:
+            self._gap = _merged(self._gap, unsynced[1], unsynced[2])
         closing = b""
         if self._window > 1:  # counted whether or not the write succeeds: the live window counts it
             window = self._window_steps
@@ -394,17 +403,16 @@ class JournalWriter:
         if self._failed:
             self._lost, self._windows_due, self._failed = [], b"", False
         self._unchecked = 0 if checkpoint else self._unchecked + size
-        try:  # fsync as the policy says (inline: this runs at every commit)
-            if self._fsync == "interval":
-                now = time.monotonic()
-                if now - self._last_sync >= FSYNC_INTERVAL_S:
-                    os.fsync(fd)
-                    self._last_sync = now
-            elif self._fsync == "commit":
+        if syncer is not None:  # "interval": fsynced by its thread
+            syncer.wrote(step)
+            if unsynced is not None:
+                raise self._unsynced(unsynced)
+        elif self._fsync == "commit":
+            try:
                 os.fsync(fd)
-        except OSError as exc:  # the bytes may never reach the disk: say so, and send the names again
-            self._gap = (step, step)
-            raise self._error("fsync", exc, step) from exc
+            except OSError as exc:  # the bytes may never reach the disk: say so, and send the names again
+                self._gap = (step, step)
+                raise self._error("fsync", exc, step) from exc
 
     def _failures(self) -> bytes:
         """The pending failed commits' frames: each window that ended with one ("L", "W"), then the open one's."""
@@ -445,6 +453,16 @@ class JournalWriter:
             "(the journal records the gap with its next successful write)"
         )
 
+    def _unsynced(self, failed: tuple[OSError, int, int]) -> JournalError:
+        exc, first, last = failed
+        steps = f"step {first}" if first == last else f"steps {first} to {last}"
+        error = JournalError(
+            f"cannot fsync journal file {self.path}: {_os_error(exc)}; {steps} may not survive a power loss "
+            "(written, never known to be on disk: the journal records the gap)"
+        )
+        error.__cause__ = exc
+        return error
+
     def delivered(self, index: int, adapter: Any, step: int) -> None:
         """Advance ``adapter``'s cursor to ``step`` (called from its delivery thread once the step is durable)."""
         self.cursors.advance(adapter, step)
@@ -470,7 +488,13 @@ class JournalWriter:
         if self._fd is None:
             return
         fd = self._fd
+        unsynced = None
         try:
+            if self._syncer is not None:  # its thread ends first; the fsync below covers what it did not sync
+                self._syncer.stop()
+                unsynced = self._syncer.failure()
+                if unsynced is not None:
+                    self._gap = _merged(self._gap, unsynced[1], unsynced[2])
             tail = b"" if self._gap is None else gap_frame(*self._gap)
             if self._failed:  # the failed commits, counted where they were (after the segment's start)
                 if not self._segment_written and self._segment is not None:
@@ -498,6 +522,8 @@ class JournalWriter:
                 with contextlib.suppress(OSError):  # while locked: a next writer's PID is never removed
                     self._lock_path.unlink(missing_ok=True)
             os.close(fd)
+        if unsynced is not None:
+            raise self._unsynced(unsynced)
 
 
 def open_journal(
@@ -513,3 +539,8 @@ def open_journal(
     check_fsync(fsync)
     header = make_header(rank=rank, run=run, rules=rules, log_every=log_every)
     return JournalWriter(path=path, fsync=fsync, rank=int(rank), header=header)
+
+
+def _merged(gap: tuple[int, int] | None, first: int, last: int) -> tuple[int, int]:
+    """A pending gap marker's steps, widened to cover ``first .. last``."""
+    return (first, last) if gap is None else (min(gap[0], first), max(gap[1], last))
