@@ -14,7 +14,7 @@ import json
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, SupportsIndex
 
 from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT
@@ -43,6 +43,8 @@ from metricbus.shutdown import EXIT_TIMEOUT_S
 from metricbus.sink import Sink
 from metricbus.spec import NanPolicy, Spec, SpecLike, check_nan, parse_spec
 from metricbus.spec_table import SpecTable
+
+_NOT_STEPS = frozenset({"bool", "torch.bool"})  # numpy's and torch's booleans have an __index__ too (not a step)
 
 _NOTHING = Partial()
 CLOSE_TIMEOUT_S = 30.0  # how long close() (and the close at interpreter exit) gives the adapters to drain
@@ -233,7 +235,7 @@ class MetricBus:
         """The step of the last commit (None before the first)."""
         return self._last_step
 
-    def commit(self, step: int | None = None) -> dict[str, float]:
+    def commit(self, step: SupportsIndex | None = None) -> dict[str, float]:
         """End a step: reduce and (every ``log_every``-th commit) emit; returns what was emitted, else ``{}``.
 
         A metric whose records cannot be reduced (a negative tensor weight, a NaN under ``nan="error"`` found on
@@ -337,12 +339,18 @@ class MetricBus:
             self._sink.submit(step=step, metrics=out, repeat=repeat)
         return out
 
-    def _next_step(self, step: int | None) -> int:
+    def _next_step(self, step: SupportsIndex | None) -> int:
         if step is None:
             last = self._last_step if self._last_step is not None else self._resumed_after
             return 0 if last is None else last + 1
         if isinstance(step, bool) or not isinstance(step, int):
-            raise StepError(f"commit step must be an int, got {step!r}")
+            index = getattr(type(step), "__index__", None)  # numpy and torch integers: their int
+            if index is None or str(getattr(step, "dtype", "")) in _NOT_STEPS:
+                raise StepError(f"commit step must be an int (or a numpy or torch integer), got {step!r}")
+            try:
+                step = int(index(step))
+            except (TypeError, ValueError, RuntimeError) as exc:  # a tensor of several values, or not an integer
+                raise StepError(f"commit step must be an int (or a numpy or torch integer), got {step!r}") from exc
         if not -(2**63) <= step < 2**63:
             raise StepError(f"commit step {step} is out of range; steps are int64 (-2**63 <= step < 2**63)")
         if self._last_step is not None and step < self._last_step:

@@ -90,6 +90,23 @@ def test_commit_step_must_be_an_int() -> None:
         bus().commit(step=1.5)  # type: ignore[arg-type]
 
 
+def test_numpy_and_torch_integer_steps_are_their_int() -> None:
+    """A numpy or torch integer (a loop over ``np.arange``, a step counter tensor) is taken as its int; booleans,
+    non-integers and tensors of several values are a StepError naming the step, and the records stay buffered."""
+    torch = pytest.importorskip("torch")
+    b = bus()
+    for i, step in enumerate([np.int64(3), np.uint8(4), np.array(5), torch.tensor(6), np.int32(7)]):
+        b.log("a", float(i))
+        assert b.commit(step=step) == {"a": float(i)}
+        assert type(b._last_step) is int
+        assert b._last_step == 3 + i
+    for bad in [np.True_, np.array(True), torch.tensor(True), torch.tensor(8.0), np.float64(8), torch.tensor([8, 9])]:
+        b.log("a", 10.0)
+        with pytest.raises(StepError, match=r"commit step must be an int \(or a numpy or torch integer\), got "):
+            b.commit(step=bad)
+    assert b.commit(step=np.int64(8)) == {"a": 10.0}
+
+
 def test_log_every_emits_every_nth_commit_labelled_with_its_step() -> None:
     """With log_every=3, commits 1-2 return {} and the 3rd emits the window under its own step."""
     with capture(log_every=3) as (b, mem):
