@@ -134,8 +134,10 @@ class Collector:
                 elif type(values) is np.ndarray:
                     if values.size:
                         acc.add_array(values)
-                else:
-                    self._device_states().add(acc.name, values, weights, nan=acc.nan)
+                else:  # how many host records of this update came before it (first and last follow log order)
+                    if acc.pending:
+                        acc.fold()
+                    self._device_states().add(acc.name, values, weights, nan=acc.nan, host=acc.state.count)
 
     def _accumulator(self, name: Any, agg: SpecLike | None, introduced: list[str]) -> Accumulator:
         table = self.table
@@ -350,8 +352,8 @@ class Collector:
                 accs = self.accs
                 device, bad = self._device.take_all(nan_of=lambda name: accs[name].nan)
                 errors.update(bad)
-                for index, (names, fields) in device.items():
-                    updates[index] = _with_device(updates[index], names, fields)
+                for index, (names, fields, hosts) in device.items():
+                    updates[index] = _with_device(updates[index], names, fields, hosts)
                 for index, update in enumerate(updates):
                     if any(name in update for name in errors):
                         updates[index] = {n: s for n, s in update.items() if n not in errors}
@@ -432,9 +434,12 @@ class Collector:
         self.fast = {}
 
 
-def _with_device(host: Mapping[str, Summary], names: tuple[str, ...], fields: Any) -> Mapping[str, Summary]:
+def _with_device(
+    host: Mapping[str, Summary], names: tuple[str, ...], fields: Any, hosts: Mapping[str, Any]
+) -> Mapping[str, Summary]:
     """One update's host summaries and its device summaries (``names``, ``fields`` in columns): in columns when
-    the host update is in columns (or empty) and shares no name; else merged per name, host records first."""
+    the host update is in columns (or empty) and shares no name; else merged per name, the host's state first, with
+    ``first`` and ``last`` the records logged first and last (``hosts``: each such name's HostOrder)."""
     columns = MicroUpdate(names=names, fields=fields, others={})
     if not host:
         return columns
@@ -443,5 +448,14 @@ def _with_device(host: Mapping[str, Summary], names: tuple[str, ...], fields: An
     merged = dict(host)
     for name, held in columns.items():
         mine = merged.get(name)
-        merged[name] = held if mine is None else mine.merge(held)
+        if mine is None:
+            merged[name] = held
+            continue
+        both = mine.merge(held)  # first: the host's; last: the tensors'
+        order = hosts.get(name)  # (None: never, every device metric has one; as if host records came last)
+        if order is None or not order.first:  # no host record before the first tensor
+            both = both._replace(first=held.first)
+        if mine.count > (0 if order is None else order.before_last):  # host records after the last tensor
+            both = both._replace(last=mine.last)
+        merged[name] = both
     return merged

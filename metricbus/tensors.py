@@ -9,15 +9,17 @@ no ``.item()``, ``.cpu()``, ``float()`` or data-dependent branch. At commit/expo
 stacks every metric's state of every update and does ONE device-to-host copy. Negative/non-finite tensor weights and
 non-finite values under ``nan='error'`` are therefore detected at commit (after that copy); they are returned as
 errors per metric, so the other metrics still commit. Device sums are plain float64 (no double-double remainder), so
-tensor-logged sums are not bitwise split-invariant the way host-logged floats are. A metric logged with both floats
-and tensors merges its host state first, then its device state: first/last follow log order within each source.
+tensor-logged sums are not bitwise split-invariant the way host-logged floats are. A metric logged in one update
+with both floats and tensors: each tensor's ``add`` is told how many host records of its update came before it
+(``host``), so :meth:`DeviceStates.take_all` can say whether its ``first`` is a host record (some came before the
+first tensor) and its ``last`` one (more came after the last tensor): log order across both sources.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import compress
-from typing import Any
+from typing import Any, NamedTuple
 
 from metricbus.errors import MetricValueError
 from metricbus.signed_zero import NEGATIVE_ZERO_BITS
@@ -99,49 +101,63 @@ def _merge(a: Any, b: Any) -> Any:
     ])
 
 
+class HostOrder(NamedTuple):
+    """Where a metric's host records of one update came against its tensors: ``first``, some before its first
+    tensor; ``before_last``, how many before its last one (more at the end of the update: the last is a host
+    record)."""
+
+    first: bool
+    before_last: int
+
+
 class DeviceStates:
     """The device states of every tensor-logged metric of one bus, per optimizer update."""
 
     def __init__(self) -> None:
         self._states: dict[str, Any] = {}  # the current update
-        self._done: dict[int, dict[str, Any]] = {}  # finished updates of this commit, by update index
+        self._hosts: dict[str, HostOrder] = {}  # the current update's, per metric
+        self._done: dict[int, tuple[dict[str, Any], dict[str, HostOrder]]] = {}  # finished updates, by index
 
-    def add(self, name: str, value: Any, weight: Any, *, nan: str) -> None:
-        """Merge a tensor batch into ``name``'s device state (no host sync)."""
+    def add(self, name: str, value: Any, weight: Any, *, nan: str, host: int = 0) -> None:
+        """Merge a tensor batch into ``name``'s device state (no host sync); ``host``: how many of its host records
+        of this update came before it."""
         if value.numel() == 0:  # numel is host-known metadata
             return
         batch = _batch(value, weight, ignore=nan == "ignore")
         held = self._states.get(name)
         self._states[name] = batch if held is None else _merge(held, batch.to(held.device))
+        order = self._hosts.get(name)
+        self._hosts[name] = HostOrder(first=bool(host) if order is None else order.first, before_last=host)
 
     def end_update(self, index: int) -> None:
         """The current update (number ``index`` of this commit) is finished."""
         if self._states:
-            self._done[index] = self._states
-            self._states = {}
+            self._done[index] = (self._states, self._hosts)
+            self._states, self._hosts = {}, {}
 
     def shift(self, n: int) -> None:
         """``n`` updates were put back in front of this commit's finished ones: renumber."""
-        self._done = {index + n: states for index, states in self._done.items()}
+        self._done = {index + n: held for index, held in self._done.items()}
 
     def names(self) -> list[str]:
         """The metrics that hold device state."""
-        return sorted({n for states in (self._states, *self._done.values()) for n in states})
+        return sorted({n for states in (self._states, *(s for s, _ in self._done.values())) for n in states})
 
     def take_all(
         self, *, nan_of: Callable[[str], str]
-    ) -> tuple[dict[int, tuple[tuple[str, ...], Any]], dict[str, MetricValueError]]:
+    ) -> tuple[dict[int, tuple[tuple[str, ...], Any, dict[str, HostOrder]]], dict[str, MetricValueError]]:
         """Every finished update's micro summaries in columns, with ONE device-to-host copy: per update index,
-        ``(names, fields)`` where ``fields[:, i]`` is the ``Summary.as_tuple()`` of name ``i`` (float64, shape
-        ``(N_FIELDS, len(names))``); and per metric (``nan_of``: its nan policy) the error that rejects it (left
-        out of every update); reset. The caller ends the current update first."""
+        ``(names, fields, hosts)`` where ``fields[:, i]`` is the ``Summary.as_tuple()`` of name ``i`` (float64,
+        shape ``(N_FIELDS, len(names))``) and ``hosts`` says where the host records of its metrics logged with host
+        records too came (:class:`HostOrder`); and per metric (``nan_of``: its nan policy) the error that rejects it
+        (left out of every update); reset. The caller ends the current update first."""
         import numpy as np
         import torch
 
         done, self._done = self._done, {}
         order = sorted(done)
-        names_of = [tuple(done[u]) for u in order]
-        states = [state for u in order for state in done[u].values()]
+        names_of = [tuple(done[u][0]) for u in order]
+        states = [state for u in order for state in done[u][0].values()]
         if not states:
             return {}, {}
         device = states[0].device
@@ -164,15 +180,15 @@ class DeviceStates:
         fields[_TO_FIELDS] = rows[:, : len(_TO_FIELDS)].T
         for f, signed, logged in ((8, -0.0, _NEGATIVE_ZERO), (9, 0.0, _POSITIVE_ZERO)):  # -0.0 below +0.0
             fields[f] = np.where((fields[f] == 0.0) & (rows[:, logged] != 0), signed, fields[f])
-        out: dict[int, tuple[tuple[str, ...], Any]] = {}
+        out: dict[int, tuple[tuple[str, ...], Any, dict[str, HostOrder]]] = {}
         start = 0
         for u, names in zip(order, names_of, strict=True):
             stop = start + len(names)
             part = keep[start:stop]
             if part.all():
-                out[u] = (names, fields[:, start:stop])
+                out[u] = (names, fields[:, start:stop], done[u][1])
             elif part.any():
-                out[u] = (tuple(compress(names, part.tolist())), fields[:, start:stop][:, part])
+                out[u] = (tuple(compress(names, part.tolist())), fields[:, start:stop][:, part], done[u][1])
             start = stop
         return out, errors
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,46 @@ def test_device_metrics_join_the_host_columns_of_an_update() -> None:
     finally:
         Collector.take = real  # type: ignore[method-assign]
     assert joined[-1]
+
+
+
+def _logged(bus: MetricBus, source: str, value: float) -> list[float]:
+    """Log ``value`` to a first, a last and a mean metric as a tensor ("t"), a float ("h") or a list of two ("l");
+    the records that makes, in order."""
+    records = [value, value + 0.5] if source == "l" else [value]
+    raw: Any = torch.tensor(records) if source == "t" else value if source == "h" else records
+    for kind in ("first", "last", "mean"):
+        bus.log(kind, raw, agg=kind)
+    return records
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_first_and_last_follow_log_order_across_tensors_and_floats(seed: int, tmp_path: Path) -> None:
+    """A metric logged as tensors and as floats takes ``first`` and ``last`` from the records logged first and
+    last, whichever source, over one to three updates per commit (50 random orders per seed); a worker's export()
+    ingested on a driver and the journal's replay give the same values."""
+    from metricbus.journal import read_journal
+    from metricbus.replay import emitted
+
+    rng = random.Random(seed)
+    journal = tmp_path / "j"
+    bus, driver = MetricBus(dist=None, journal=str(journal)), MetricBus(dist=None)
+    live = {}
+    for step in range(50):
+        worker = MetricBus(dist=None)
+        records: list[float] = []
+        for update in range(rng.randint(1, 3)):
+            if update:
+                bus.end_update()
+                worker.end_update()
+            for _ in range(rng.randint(1, 5)):
+                source, value = rng.choice("htl"), float(rng.randint(-9, 9))
+                records += _logged(bus, source, value)
+                _logged(worker, source, value)
+        live[step] = bus.commit(step)
+        assert (live[step]["first"], live[step]["last"]) == (records[0], records[-1]), records
+        driver.ingest([worker.export()])
+        assert driver.commit(step) == live[step]
+        worker.close()
+    bus.close()
+    assert dict(emitted(read_journal(journal))) == live
