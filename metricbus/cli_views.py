@@ -212,7 +212,10 @@ def inspect(journal: Source, out: TextIO) -> None:
         lines.append(f"damaged     {damaged} records skipped")
     for gap in journal.gaps:
         steps_text = str(gap.first_step) if gap.first_step == gap.last_step else f"{gap.first_step}..{gap.last_step}"
-        lines.append(f"gap         rank {gap.rank}: step {steps_text} not journaled (a write failed)")
+        lines.append(
+            f"gap         rank {gap.rank}: step {steps_text} not journaled, or not known to be on disk "
+            "(a write or an fsync failed)"
+        )
     for path, why in journal.skipped:
         lines.append(f"skipped     {path.name}: {why}")
     if journal.rules:

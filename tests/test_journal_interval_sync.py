@@ -18,9 +18,9 @@ import pytest
 
 from metricbus import MetricBus
 from metricbus.errors import JournalError
-from metricbus.journal import Gap, writer
+from metricbus.journal import Gap, rank_file, writer
 from tests.journal_workers import fault_values
-from tests.test_journal_faults import commit_steps, expected, quietly_read, recovered
+from tests.test_journal_faults import commit_steps, expected, quietly_read, recovered, torn_then_full
 
 WAIT_S = 30.0  # a bound on waiting for the thread, never reached when the code is right
 
@@ -79,7 +79,6 @@ def test_a_commit_never_waits_for_the_fsync(tmp_path: Path, monkeypatch: pytest.
     assert callers[1:] == ["metricbus-journal-0"]  # none of the commits called fsync
     release.set()
     bus.close()
-    assert callers[-1] == "MainThread"  # close's own fsync, once the thread ended
     assert journal_threads() == []
     got, caught = quietly_read(journal)
     assert caught == []
@@ -159,3 +158,111 @@ def test_only_the_interval_policy_has_a_thread(tmp_path: Path, fsync: str) -> No
     with MetricBus(dist=None, journal=str(tmp_path / "j"), fsync=fsync) as bus:
         commit_steps(bus, range(3))
         assert journal_threads() == []
+
+
+def test_close_after_the_thread_synced_everything_does_not_fsync_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() waits for the thread's fsync under way, and fsyncs again only what was written after it began: here
+    nothing, so a slow fsync is waited for once, not twice."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(fd: int) -> None:
+        entered.set()
+        assert release.wait(WAIT_S)
+
+    callers = fake_fsync(monkeypatch, slow)
+    journal = tmp_path / "j"
+    bus = MetricBus(dist=None, journal=str(journal))
+    live = commit_steps(bus, range(3))
+    assert entered.wait(WAIT_S)  # began after the last write
+    release.set()
+    bus.close()
+    assert callers == ["MainThread", "metricbus-journal-0"]  # the header's at open, then the thread's only
+    got, _ = quietly_read(journal)
+    assert recovered(got) == live
+
+
+def test_a_failed_fsync_is_not_lost_to_a_failed_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread's fsync fails, then the next commit's write fails too (ENOSPC): that commit raises the write's
+    error, and the commit after it (whose write succeeds) the fsync's, naming its steps; each is marked as a gap."""
+    called = threading.Event()
+    failures = [OSError(errno.EIO, os.strerror(errno.EIO))]
+
+    def failing_once(fd: int) -> None:
+        if failures:
+            called.set()
+            raise failures.pop()
+
+    fake_fsync(monkeypatch, failing_once)
+    journal = tmp_path / "j"
+    bus = MetricBus(dist=None, journal=str(journal))
+    commit_steps(bus, range(2))
+    assert called.wait(WAIT_S)
+    failing = torn_then_full(monkeypatch, rank_file(journal, 0))
+    failing[:] = [False]
+    with pytest.raises(JournalError, match=r"No space left on device \(ENOSPC\); step 2 is not journaled"):
+        commit_steps(bus, range(2, 3))
+    failing.clear()
+    with pytest.raises(JournalError) as raised:
+        commit_steps(bus, range(3, 4))
+    first, last = steps_named(raised.value, journal)
+    assert first == 0
+    assert last <= 1
+    commit_steps(bus, range(4, 6))
+    bus.close()
+    got, caught = quietly_read(journal)
+    assert caught == []
+    assert got.gaps == [Gap(0, 0, last), Gap(0, 2, 2)]  # not known to be on disk; not journaled
+    assert recovered(got) == {s: expected(s) for s in range(6) if s != 2}
+
+
+def test_where_no_thread_can_start_the_fsync_runs_inline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread that cannot be started (Python 3.12+ at interpreter exit: RuntimeError) leaves the fsync inline,
+    at most once per interval as before: commits and close() work, and nothing is lost."""
+    callers = fake_fsync(monkeypatch, lambda fd: None)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    journal = tmp_path / "j"
+    bus = MetricBus(dist=None, journal=str(journal))
+    live = commit_steps(bus, range(3))
+    threading.Event().wait(0.05)  # past the interval: the next commit fsyncs
+    live |= commit_steps(bus, range(3, 5))
+    bus.close()
+    assert set(callers) == {"MainThread"}
+    assert len(callers) >= 3  # at open, inline, at close
+    got, caught = quietly_read(journal)
+    assert caught == []
+    assert got.gaps == []
+    assert recovered(got) == live == {s: expected(s) for s in range(5)}
+
+
+def test_a_forked_child_syncs_from_a_thread_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked while the journal's thread runs has none; its first write starts its own, which fsyncs."""
+    callers = fake_fsync(monkeypatch, lambda fd: None)
+    journal = tmp_path / "j"
+    bus = MetricBus(dist=None, journal=str(journal))
+    commit_steps(bus, range(1))
+    assert journal_threads() != []
+    pid = os.fork()
+    if pid == 0:  # the child: exits with 0 only if its own thread fsynced its commit
+        ok = False
+        try:
+            callers.clear()
+            commit_steps(bus, range(1, 2))
+            for _ in range(int(WAIT_S / 0.01)):
+                if "metricbus-journal-0" in callers:
+                    ok = True
+                    break
+                threading.Event().wait(0.01)
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    commit_steps(bus, range(2, 3))
+    bus.close()
+    got, _ = quietly_read(journal)
+    assert [s for s, _ in got.commits] == [0, 1, 2]

@@ -129,7 +129,8 @@ def names_frame(rows: Sequence[Sequence[Any]]) -> bytes:
 
 
 def gap_frame(first: int, last: int) -> bytes:
-    """A "G" frame: the commits of steps ``first..last`` (inclusive) were not journaled."""
+    """A "G" frame: the commits of steps ``first..last`` (inclusive) were not journaled, or not known to be on disk
+    (a write or an fsync failed)."""
     return frame(b"G", GAP.pack(first, last))
 
 

@@ -6,59 +6,135 @@ of commits (~30 MB at 10,000 commits/s) took ~20 ms on this machine's ext4, and 
 system, once a second inside the training loop. :class:`IntervalSync` runs it from a daemon thread, at most every
 ``interval`` seconds and only after something was written; the writer's thread only notes the steps it wrote.
 
-A failed fsync is kept, with the steps written since the last one that succeeded, until the writer takes it
-(:meth:`IntervalSync.failure`): the writer marks those steps as a gap and raises ``JournalError`` from the next
-``commit()`` or ``close()``. :meth:`IntervalSync.stop` ends the thread (waiting for an fsync under way) before the
-writer closes the file, so the thread never touches a closed descriptor.
+- The thread fsyncs a descriptor of its own (a ``dup`` of the writer's, closed by the thread), so the writer closes
+  its file without waiting for an fsync under way, and the thread never touches a closed or reused descriptor.
+- Where no thread can be started (at interpreter exit on Python 3.12+, a process out of threads), the writer's
+  thread fsyncs inline at most every ``interval``, as before the thread existed.
+- A failed fsync is kept, with the steps written since the fsync before it, until the writer takes it
+  (:meth:`IntervalSync.failure`, after a write that succeeded, or at close): it marks those steps as a gap and
+  raises ``JournalError``.
+- In a child forked while the thread runs there is no thread: the child's first write starts its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
+import weakref
+
+_LIVE: weakref.WeakSet[IntervalSync] = weakref.WeakSet()  # for the fork hook
+_HOOKED = False
 
 
 class IntervalSync:
-    """The fsync thread of one journal file (its descriptor ``fd``), started by the first :meth:`wrote`."""
+    """The fsync thread of one journal file (the writer's descriptor ``fd``), started by the first :meth:`wrote`."""
 
     def __init__(self, *, fd: int, interval: float, name: str) -> None:
         self._fd = fd
         self._interval = interval
         self._name = name
+        self._inline = False  # no thread could be started: :meth:`wrote` fsyncs every ``interval`` itself
+        self._last_sync = time.monotonic()  # (inline only)
+        self._reset()
+        _watch_forks(self)
+
+    def _reset(self) -> None:
+        """No thread, and fresh locks (at build, and in a forked child: a lock the parent's thread held stays held)."""
+        self._lock = threading.Lock()  # guards the two fields below
+        self._written: tuple[int, int] | None = None  # the steps written since the last fsync began
+        self._failed: tuple[OSError, int, int] | None = None  # the failure not taken yet, and the steps it covered
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # The steps written since the thread last took them: {0: (first, last)}. The writer updates it after each
-        # write; the thread takes it with one ``dict.pop`` (atomic), so no step is ever left out of an fsync's range.
-        self._written: dict[int, tuple[int, int]] = {}
-        self._failed: dict[int, tuple[OSError, int, int]] = {}  # {0: the first failure not taken, its steps}
+        self._thread_fd = -1  # the thread's descriptor (a child closes the one it inherited)
 
     def wrote(self, step: int) -> None:
         """The writer wrote a commit of ``step`` (its ``os.write`` returned)."""
-        written = self._written
-        held = written.get(0)
-        written[0] = (step, step) if held is None else (held[0], step)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
+        with self._lock:
+            held = self._written
+            self._written = (step, step) if held is None else (held[0], step)
+        if self._thread is None and not self._inline:
+            self._start()
+        if self._inline:
+            now = time.monotonic()
+            if now - self._last_sync >= self._interval:
+                self._last_sync = now
+                self._sync(self._fd)
+
+    @property
+    def failed(self) -> bool:
+        """True if an fsync failed since the last :meth:`failure` (read without the lock: a hint)."""
+        return self._failed is not None
+
+    @property
+    def dirty(self) -> bool:
+        """True if a commit was written since the last fsync began."""
+        return self._written is not None
 
     def failure(self) -> tuple[OSError, int, int] | None:
-        """The fsync failure not yet reported (the error, the first and the last step it covered), taken."""
-        return self._failed.pop(0, None)
+        """The fsync failure not yet taken (the error, the first and the last step it covered), taken."""
+        with self._lock:
+            failed, self._failed = self._failed, None
+        return failed
 
     def stop(self) -> None:
-        """End the thread, after the fsync under way (if any); what it did not sync is left to the caller."""
+        """Ask the thread to end (it ends once an fsync under way returned)."""
         self._stop.set()
+
+    def join(self) -> None:
+        """Wait for the thread to end (after :meth:`stop`)."""
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            steps = self._written.pop(0, None)
-            if steps is None:  # nothing written since the last fsync
-                continue
-            try:
-                os.fsync(self._fd)
-            except OSError as exc:  # kept for the writer, whose next commit raises it
-                held = self._failed.get(0)
-                self._failed[0] = (exc, steps[0], steps[1]) if held is None else (held[0], held[1], steps[1])
+    def _start(self) -> None:
+        try:
+            fd = os.dup(self._fd)
+        except OSError:
+            self._inline = True
+            return
+        thread = threading.Thread(target=self._run, args=(fd, self._stop), name=self._name, daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # "can't create new thread at interpreter shutdown", or none left
+            os.close(fd)
+            self._inline = True
+            return
+        self._thread, self._thread_fd = thread, fd
+
+    def _sync(self, fd: int) -> None:
+        with self._lock:
+            steps, self._written = self._written, None
+        if steps is None:  # nothing written since the last fsync
+            return
+        try:
+            os.fsync(fd)
+        except OSError as exc:  # kept for the writer
+            with self._lock:
+                held = self._failed
+                self._failed = (exc, steps[0], steps[1]) if held is None else (held[0], held[1], steps[1])
+
+    def _run(self, fd: int, stop: threading.Event) -> None:
+        try:
+            while not stop.wait(self._interval):
+                self._sync(fd)
+        finally:
+            os.close(fd)
+
+
+def _watch_forks(sync: IntervalSync) -> None:
+    global _HOOKED
+    _LIVE.add(sync)
+    if not _HOOKED and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_forked)
+        _HOOKED = True
+
+
+def _forked() -> None:
+    """In a forked child: no thread runs; each journal's next write starts its own."""
+    for sync in list(_LIVE):
+        if sync._thread_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(sync._thread_fd)
+        sync._reset()

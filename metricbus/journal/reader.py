@@ -2,7 +2,8 @@
 
 Every frame carries a CRC32: a torn or damaged frame is skipped with a :class:`JournalWarning`, and the reader
 resynchronises on the next valid frame. Of two identical adjacent headers (format 3 writes each twice) one is kept;
-"G" frames (commits a writer failed to journal) are collected in ``Journal.gaps`` and replay skips them.
+"G" frames (commits a writer failed to journal, or wrote without an fsync that succeeded) are collected in
+``Journal.gaps``; a commit the file holds is replayed either way.
 
 One timeline. Each header starts a *segment* (a writer: the first run, then each ``resume``). A segment's first
 commit at step ``S`` replaces everything the file held at steps ``>= S`` (a resume from a checkpoint at ``S``), and
@@ -280,8 +281,9 @@ class Journal(_Meta):
     """A whole journal directory in memory: header of the lowest rank, and every commit's partials in rank order.
 
     ``commits``: the timeline, in step order (a step may hold several commits); ``breaks``: the indexes in
-    ``commits`` where a segment (a resumed writer) starts; ``gaps``: the commits some writer failed to journal
-    (their step may still hold other ranks' partials); ``skipped``: the rank files that could not be read at all.
+    ``commits`` where a segment (a resumed writer) starts; ``gaps``: the commits some writer failed to journal,
+    or wrote without an fsync that succeeded (their step may still hold other ranks' partials, or this one's);
+    ``skipped``: the rank files that could not be read at all.
     """
 
     directory: Path

@@ -69,7 +69,8 @@ class UnreadableError(JournalError):
 
 @dataclass(frozen=True, slots=True)
 class Gap:
-    """Commits of writer rank ``rank`` with ``first_step <= step <= last_step`` that it failed to journal."""
+    """Commits of writer rank ``rank`` with ``first_step <= step <= last_step`` that it failed to journal, or wrote
+    without an fsync that succeeded (those are in the file and replayed, but were never known to be on disk)."""
 
     rank: int
     first_step: int

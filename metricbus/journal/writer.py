@@ -121,7 +121,7 @@ class JournalWriter:
         self._next_id = 0
         self._unchecked = 0  # bytes written since the whole name table was
         self._table: tuple[Names, bytes] | None = None  # a whole name table and its "N" frame, for the checkpoints
-        self._gap: tuple[int, int] | None = None  # steps not journaled, written with the next successful write
+        self._gap: tuple[int, int] | None = None  # steps not journaled or not fsynced, marked by the next write
         self._lost: list[tuple[int, int]] = []  # the same, as "L" ranges: one failed commit at each step of each
         # windows that ended with a failed commit: each one's "L" and "W" frames, in order (``_lost`` then holds
         # the failed commits of the open window only), so a reader counts each window's commits apart
@@ -202,8 +202,10 @@ class JournalWriter:
     def append(self, *, step: int, entries: list[tuple[int, Partial]]) -> None:
         """Write one commit (every entry of every partial, in order) in one ``os.write``, before commit() returns.
 
-        Raise JournalError if the write or its fsync fails: the step is then missing from the journal (a "G" frame
-        says so with the next write that succeeds), and every later commit is still readable.
+        Raise JournalError if the write or its fsync fails: the step is then missing from the journal, or not known
+        to be on disk (a "G" frame says so with the next write that succeeds), and every later commit is still
+        readable. With fsync="interval" the fsync runs on its own thread: a failure of it is raised by a later
+        commit (:mod:`metricbus.journal.interval_sync`).
         """
         if self._fd is None:
             return
@@ -349,13 +351,10 @@ class JournalWriter:
 
     def _send(self, step: int, data: bytes | bytearray, ids: Names) -> None:
         """Write a commit's ``data``, after a pending gap marker and, when one is due, the whole name table
-        (``ids``: the table once this commit is written); then fsync as the policy says ("interval": the fsync
-        thread's failure since the last commit, if any, is marked as a gap with this write, then raised)."""
+        (``ids``: the table once this commit is written); then fsync as the policy says ("interval": a failure of
+        the fsync thread's since the last commit is raised once this write succeeded, its steps marked as a gap
+        with the next write)."""
         checkpoint = self._unchecked >= CHECKPOINT_BYTES
-        syncer = self._syncer
-        unsynced = None if syncer is None else syncer.failure()
-        if unsynced is not None:
-            self._gap = _merged(self._gap, unsynced[1], unsynced[2])
         closing = b""
         if self._window > 1:  # counted whether or not the write succeeds: the live window counts it
             window = self._window_steps
@@ -403,10 +402,14 @@ class JournalWriter:
         if self._failed:
             self._lost, self._windows_due, self._failed = [], b"", False
         self._unchecked = 0 if checkpoint else self._unchecked + size
+        syncer = self._syncer
         if syncer is not None:  # "interval": fsynced by its thread
             syncer.wrote(step)
-            if unsynced is not None:
-                raise self._unsynced(unsynced)
+            if syncer.failed:
+                unsynced = syncer.failure()
+                if unsynced is not None:
+                    self._gap = _merged(self._gap, unsynced[1], unsynced[2])
+                    raise self._unsynced(unsynced)
         elif self._fsync == "commit":
             try:
                 os.fsync(fd)
@@ -458,7 +461,7 @@ class JournalWriter:
         steps = f"step {first}" if first == last else f"steps {first} to {last}"
         error = JournalError(
             f"cannot fsync journal file {self.path}: {_os_error(exc)}; {steps} may not survive a power loss "
-            "(written, never known to be on disk: the journal records the gap)"
+            "(written, never known to be on disk: the journal marks them as a gap)"
         )
         error.__cause__ = exc
         return error
@@ -488,11 +491,13 @@ class JournalWriter:
         if self._fd is None:
             return
         fd = self._fd
+        syncer = self._syncer
         unsynced = None
         try:
-            if self._syncer is not None:  # its thread ends first; the fsync below covers what it did not sync
-                self._syncer.stop()
-                unsynced = self._syncer.failure()
+            if syncer is not None:  # its thread ends first (after an fsync under way), so its failure is marked
+                syncer.stop()
+                syncer.join()
+                unsynced = syncer.failure()
                 if unsynced is not None:
                     self._gap = _merged(self._gap, unsynced[1], unsynced[2])
             tail = b"" if self._gap is None else gap_frame(*self._gap)
@@ -511,16 +516,20 @@ class JournalWriter:
                     pass  # already reported by the commit that failed; the file stays readable
             if self._reserve is not None and self._locked:  # (unlocked, another writer may be appending)
                 reserve.trim(fd)
-            if self._fsync != "never":
+            # fsync, unless the thread's last fsync began after the last write and succeeded
+            if self._fsync != "never" and (syncer is None or tail or syncer.dirty or unsynced is not None):
                 try:
                     os.fsync(fd)
                 except OSError as exc:
-                    raise JournalError(f"cannot fsync journal file {self.path}: {_os_error(exc)}") from exc
+                    also = "" if unsynced is None else f" (and before: {self._unsynced(unsynced)})"
+                    raise JournalError(f"cannot fsync journal file {self.path}: {_os_error(exc)}{also}") from exc
         finally:
             self._fd = None
             if self._locked:
                 with contextlib.suppress(OSError):  # while locked: a next writer's PID is never removed
                     self._lock_path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # (the thread's descriptor, if it still runs, shares the lock)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
         if unsynced is not None:
             raise self._unsynced(unsynced)
