@@ -19,7 +19,7 @@ import math
 import os
 import struct
 import warnings
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -426,6 +426,17 @@ def file_runs(index: FileIndex) -> Iterator[FileItem | RunItem]:
     return _items(index, decode=True, runs=True)
 
 
+def _empties(
+    timeline: _Timeline, steps: Iterable[int], names: Names, decode: bool, *, counted: bool = True, tail: bool = False
+) -> Iterator[FileItem]:
+    """Empty commits at ``steps`` (failed, or lost to damage: ``counted`` and ``tail`` as :meth:`_Timeline.take`),
+    where the timeline keeps them."""
+    for step in steps:
+        taken = timeline.take(step, counted=counted, tail=tail)
+        if taken is not None:
+            yield step, taken[0], taken[1], RawPart(_NO_ROWS, _NO_RESTS, names) if decode else None
+
+
 def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem | RunItem]:
     """The second pass. A run of commits of one shape (:func:`_alike`) is read as one array: its rows' names checked
     once, each commit's part a view of it (the run copied once, as one commit is: :meth:`FrameSource.keep`)."""
@@ -471,10 +482,7 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
                 continue
             for pos, payload in split_run(start, span, k):
                 if phantoms and pos in phantoms:  # commits lost to damage, counted (empty) where they were
-                    for step in phantoms[pos]:
-                        taken = timeline.take(step, counted=False, tail=pos in index.tails)
-                        if taken is not None:
-                            yield step, taken[0], taken[1], RawPart(_NO_ROWS, _NO_RESTS, names) if decode else None
+                    yield from _empties(timeline, phantoms[pos], names, decode, counted=False, tail=pos in index.tails)
                 kind = bytes(payload[:1])
                 header, prior = prior, (bytes(payload) if kind == b"H" else b"")
                 if kind == b"H":
@@ -485,10 +493,7 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
                         names = _names(payload[1:], names)[0]  # an error was reported by the first pass
                         table, body = names, bytes(payload)
                 elif kind == b"L" and pos not in bad:  # failed commits: empty ones, so windows count them
-                    for step in lost_steps(payload[1:]):
-                        taken = timeline.take(step)
-                        if taken is not None:
-                            yield step, taken[0], taken[1], RawPart(_NO_ROWS, _NO_RESTS, names) if decode else None
+                    yield from _empties(timeline, lost_steps(payload[1:]), names, decode)
                 elif kind in _COMMITS and pos not in bad:
                     step, n = STEP.unpack_from(payload, 1)
                     taken = timeline.take(step)
