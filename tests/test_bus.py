@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from metricbus import Agg, ClosedError, MetricBus, MetricValueError, StepError
+from metricbus import Agg, ClosedError, MetricBus, MetricTypeError, MetricValueError, StepError
 from metricbus.testing import MemoryAdapter, capture
 
 
@@ -296,3 +297,20 @@ def test_rejected_call_keeps_names_seen_before() -> None:
         b.log({"a": 2.0, "new": None})
     b.log("a", 2.0)
     assert b.commit() == {"a": 3.0}
+
+
+def test_a_name_that_is_not_utf8_is_refused_at_log(tmp_path: Path) -> None:
+    """A name with a lone surrogate (what 'surrogateescape' leaves) is a MetricTypeError naming it at log(), alone
+    or in a dict; nothing else logged is lost and the journal reads back."""
+    from metricbus.journal import read_journal
+    from metricbus.replay import emitted
+
+    b = MetricBus(dist=None, journal=str(tmp_path / "j"))
+    b.log("loss", 2.0)
+    for call in (lambda: b.log("bad\ud800", 1.5), lambda: b.log({"ok": 1.0, "bad\udcff": 2.0})):
+        with pytest.raises(MetricTypeError, match=r"metric name 'bad\\ud[8c][0f]{2}' cannot be encoded as UTF-8"):
+            call()
+    b.log("naïve/λ", 3.0)
+    assert b.commit(0) == {"loss": 2.0, "naïve/λ": 3.0}
+    b.close()
+    assert list(emitted(read_journal(tmp_path / "j"))) == [(0, {"loss": 2.0, "naïve/λ": 3.0})]
