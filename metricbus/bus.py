@@ -31,6 +31,7 @@ from metricbus.errors import (
     MetricBusWarning,
     MetricTypeError,
     MetricValueError,
+    SpecError,
     StepError,
 )
 from metricbus.options import BusOptions
@@ -128,11 +129,17 @@ class MetricBus:
     # -- declaring ---------------------------------------------------------------------------------------------
 
     def define(self, pattern: str, spec: SpecLike, *, nan: NanPolicy | None = None) -> None:
-        """Add a rule: metrics matching ``pattern`` (fnmatchcase) get ``spec``; the first matching rule wins."""
+        """Add a rule: metrics matching ``pattern`` (fnmatchcase) get ``spec``; the first matching rule wins.
+
+        Names already logged that it matches first take it too while they hold the default and were never
+        committed (their records so far included); one committed with the default, or declared otherwise (``agg=``,
+        a worker's spec), is a SpecError naming it, and the rule is not added."""
+        if not isinstance(pattern, str) or not pattern:
+            raise SpecError(f"rule pattern must be a non-empty string, got {pattern!r}")
         parsed = parse_spec(spec, metric=pattern)
         if nan is not None:
             parsed = Spec(parsed.chains, check_nan(nan, metric=pattern))
-        self._rules.add(pattern, parsed)
+        self._collector.define(pattern, parsed)
 
     def spec_of(self, name: str) -> Spec:
         """The spec ``name`` has (or would get if logged now without ``agg=``)."""

@@ -14,6 +14,7 @@ import contextlib
 import operator
 import struct
 from collections.abc import Callable, Iterable, Mapping
+from fnmatch import fnmatchcase
 from itertools import chain
 from typing import Any
 
@@ -25,8 +26,8 @@ from metricbus.errors import MetricTypeError, MetricValueError, SpecError
 from metricbus.micro_columns import COLUMNS_FROM, MicroUpdate, Segments, packed_update, summarize_joined
 from metricbus.partial import Packed, Partial, Updates, from_packed, with_fields
 from metricbus.sketch import unknown
-from metricbus.spec import NanPolicy, SpecLike, micro_sketch
-from metricbus.spec_table import DEFAULT, SpecTable
+from metricbus.spec import NanPolicy, Spec, SpecLike, micro_sketch
+from metricbus.spec_table import DEFAULT, RULE, Claim, SpecTable, decide
 from metricbus.summary import EMPTY, Summary, with_sketch
 from metricbus.values import check_finite, is_tensor, to_values, to_weights
 
@@ -170,6 +171,36 @@ class Collector:
             if name not in introduced and acc.nan == "propagate":
                 self.fast[name] = acc.plain
         return acc
+
+    def define(self, pattern: str, spec: Spec) -> None:
+        """Add the rule ``pattern`` -> ``spec`` to the table's rules, and give it to the names already logged whose
+        first matching rule it is: a default not committed yet gives way (the records so far take the new spec); a
+        committed default or another declaration that differs is a SpecError naming the metric, and nothing
+        changes (the rule is not added)."""
+        with self.lock:
+            table = self.table
+            rule = Claim(spec, RULE, f"this bus's rule {pattern!r}")
+            won: dict[str, Claim] = {}
+            outputs: dict[str, str] = {}
+            for name, held in table.claims():
+                if not fnmatchcase(name, pattern) or table.rules.find(name)[0] is not None:
+                    continue  # another rule comes first for it (or the rule does not match)
+                claim = decide(name, held, [rule], fixed=table.sealed(name))
+                if claim is held:
+                    continue
+                if claim.spec != held.spec:
+                    acc = self.accs.get(name)
+                    if acc is not None:
+                        self._check_distribution(acc, claim.spec)
+                    table.check_outputs(name, claim.spec, outputs)
+                won[name] = claim
+            table.rules.add(pattern, spec)
+            for name, claim in won.items():
+                respec = claim.spec != table.specs[name]
+                table.fix(name, claim)
+                acc = self.accs.get(name)
+                if respec and acc is not None:
+                    self._respec(acc)
 
     def _respec(self, acc: Accumulator) -> None:
         """``acc``'s name got another spec (adopted, or a declaration replaced the default): use its nan policy."""

@@ -134,6 +134,10 @@ class SpecTable:
         for name, claim in decided.items():
             self.fix(name, claim)
 
+    def claims(self) -> list[tuple[str, Claim]]:
+        """Every claimed name and its claim."""
+        return list(self._claims.items())
+
     def sealed(self, name: str) -> bool:
         """True once ``name`` was committed (its spec can no longer change)."""
         return name in self._sealed

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from metricbus import Agg, MetricBus, SpecError
+from metricbus.spec import parse_spec
 
 
 def bus(**options: object) -> MetricBus:
@@ -47,16 +48,35 @@ def test_explicit_agg_wins_over_rules() -> None:
     assert b.commit() == {"x": 1.0}
 
 
-def test_spec_is_fixed_the_first_time_a_name_is_seen() -> None:
-    """A rule defined after the name was logged does not change it."""
+def test_a_rule_defined_after_a_name_was_logged_replaces_its_default_until_its_first_commit() -> None:
+    """define() is a declaration: a name logged with the default takes it until its first commit (its records so
+    far included); once committed, a different rule is a SpecError naming it, and the rule is not added."""
     b = bus()
     b.log("x", 1.0)
     b.define("x", "sum")
     b.log("x", 2.0)
-    assert b.commit() == {"x": 1.5}
-    b.log("x", 2.0)
-    b.log("x", 4.0)
+    assert b.spec_of("x") == parse_spec("sum", metric="x")
     assert b.commit() == {"x": 3.0}
+    b.log("y", 1.0)
+    b.commit()
+    b.log("y", 3.0)
+    with pytest.raises(SpecError, match=r"'y' has spec mean from the default .* this bus's rule 'y\*' gives max"):
+        b.define("y*", "max")
+    b.define("y", "mean")  # the same spec: fine
+    b.log("y2", 5.0)  # the refused rule was not added
+    assert b.commit() == {"y": 3.0, "y2": 5.0}
+
+
+def test_a_rule_defined_after_a_different_declaration_is_a_spec_error() -> None:
+    """A name logged with agg= (or matched first by an earlier rule) keeps its spec: a later rule that differs and
+    comes first for it is a SpecError; one that an earlier rule shadows changes nothing."""
+    b = bus(rules={"a*": "min"})
+    b.log("x", [1.0, 5.0], agg="max")
+    b.log("ab", [1.0, 5.0])
+    with pytest.raises(SpecError, match=r"'x' has spec max from agg= in log\(\) on this bus"):
+        b.define("x", "sum")
+    b.define("ab", "sum")  # shadowed by "a*" for "ab": no change
+    assert b.commit() == {"ab": 1.0, "x": 5.0}
 
 
 def test_same_name_with_a_different_explicit_spec_names_both() -> None:
