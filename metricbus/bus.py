@@ -35,7 +35,7 @@ from metricbus.errors import (
     StepError,
 )
 from metricbus.options import BusOptions
-from metricbus.partial import Partial, Updates
+from metricbus.partial import Partial, Updates, joined_workers
 from metricbus.ranks import Commit, LocalRanks, RankTransport, make_transport
 from metricbus.reduce import StepReducer
 from metricbus.registry import resolve_adapter
@@ -98,6 +98,9 @@ class MetricBus:
         self._fast = self._collector.fast
         self._reducer = StepReducer(log_every=opts.log_every)
         self._ingested: list[Partial] = []
+        # the partials of a commit that failed before anything left this process, worker by worker (ingest order):
+        # the next commit joins worker i's with the i-th partial ingested for it (records stay buffered)
+        self._held: list[Partial] = []
         self._last_step: int | None = None
         self._resumed_after = None if previous is None else previous.last_step  # commit() without a step: next one
         self._step_names: set[str] = set()  # the metrics the last step's commits held
@@ -276,13 +279,15 @@ class MetricBus:
         journaled = self._sink.journaled
         steady = (
             self._collector.steady(updates)
-            if journaled and not self._ingested and type(self._ranks) is LocalRanks
+            if journaled and not self._ingested and not self._held and type(self._ranks) is LocalRanks
             else None
         )
         journaled = journaled and steady is None
         needed = journaled or self._ranks.collective  # else the reducer reads ``updates`` alone
         own = self._collector.partial(updates, undeclared=False) if needed else _NOTHING
         ingested, self._ingested = self._ingested, []
+        if self._held:
+            ingested, self._held = joined_workers(self._held, ingested), []
         try:
             commit = Commit(
                 own=own, own_updates=updates, ingested=ingested, table=self._table, reducer=self._reducer,
@@ -292,14 +297,14 @@ class MetricBus:
         except BaseException:
             if not self._ranks.collective:  # nothing left this process: put the records back
                 self._collector.restore(updates)
-                self._ingested = ingested + self._ingested
+                self._held = ingested
             raise
         names = exchange.names()
         if step == self._last_step:
             again = names & self._step_names
             if again:  # every rank sees the same states, so every rank raises here, and nothing is lost
                 self._collector.restore(updates)
-                self._ingested = ingested + self._ingested
+                self._held = ingested
                 shown = ", ".join(repr(n) for n in sorted(again)[:5]) + (" ..." if len(again) > 5 else "")
                 raise StepError(
                     f"step {step}: {shown} already committed at this step; a step may hold several commits "
@@ -416,7 +421,7 @@ class MetricBus:
         self._close(status=status, timeout_s=CLOSE_TIMEOUT_S, alone=alone)
 
     def _pending(self) -> bool:
-        return bool(self._ingested) or bool(self._collector.pending_names())
+        return bool(self._ingested) or bool(self._held) or bool(self._collector.pending_names())
 
     def _close(self, *, status: Status, timeout_s: float, alone: str | None) -> None:
         """Close; ``alone`` (why) set: without collectives, leaving this rank's pending records uncommitted."""

@@ -125,6 +125,22 @@ class Partial:
         return list(out) if out[0] else []
 
 
+def joined_workers(held: list[Partial], new: list[Partial]) -> list[Partial]:
+    """The partials of a commit that failed (``held``, one per worker in ingest order) joined worker by worker with
+    the ``new`` ones ingested since: worker i's held updates, then its new ones (as a bus puts its own records back
+    in front of what it logs next). Workers beyond either list come as they are."""
+    out = [_joined(old, fresh) for old, fresh in zip(held, new, strict=False)]
+    longer = held if len(held) > len(new) else new
+    return out + longer[len(out) :]
+
+
+def _joined(old: Partial, new: Partial) -> Partial:
+    """One worker's partial of two exports, ``old``'s entries first; a name is undeclared where it is in each."""
+    names_old, names_new = set(old.names()), set(new.names())
+    undeclared = (old.undeclared - names_new) | (new.undeclared - names_old) | (old.undeclared & new.undeclared)
+    return Partial(old.entries + new.entries, frozenset(undeclared))
+
+
 def from_packed(packed: Packed, undeclared: frozenset[str]) -> Partial:
     """A Partial of ``packed`` (its entries are built on first use)."""
     partial = _new_partial(Partial)  # a commit's own partial: its slots set directly, without __init__'s copies

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,3 +148,38 @@ def test_worker_list_spec_reaches_the_driver() -> None:
     d.ingest([w.export()])
     d.log("len", 4.0)
     assert d.commit() == {"len/max": 9.0, "len/mean": 4.0}
+
+
+def test_partials_kept_by_a_failed_commit_join_their_workers_next_ones(tmp_path: Path) -> None:
+    """A driver's commit that raises StepError keeps its ingested partials worker by worker: the next commit joins
+    worker i's with the i-th partial ingested after, as one process keeps its records (not two more workers at the
+    rank level); the journal replays what was emitted."""
+    from metricbus import StepError
+    from metricbus.journal import read_journal
+    from metricbus.replay import emitted
+
+    rules = {"x": Agg(micro="sum", rank="mean"), "y": "sum"}
+    ranks = [MetricBus(dist=None, rules=rules) for _ in range(2)]  # each rank one process: what the driver must give
+    workers = [MetricBus(dist=None, rules=rules) for _ in range(2)]
+    driver = MetricBus(dist=None, rules=rules, journal=str(tmp_path / "j"))
+    plan = [(1, [1.0, 10.0]), (1, [2.0, 20.0]), (2, [3.0, 30.0])]  # the second commit at step 1 is refused
+    live = []
+    for step, values in plan:
+        for bus in (*ranks, *workers):
+            bus.log("x", values[(ranks + workers).index(bus) % 2])
+        workers[1].log("y", 5.0)
+        ranks[1].log("y", 5.0)
+        driver.ingest([w.export() for w in workers])
+        try:
+            live.append((step, driver.commit(step)))
+        except StepError:
+            for bus in ranks:
+                with pytest.raises(StepError):
+                    bus.commit(step)
+            continue
+        alone = [bus.commit(step) for bus in ranks]
+        assert live[-1][1]["x"] == (alone[0]["x"] + alone[1]["x"]) / 2
+        assert live[-1][1]["y"] == alone[1]["y"]
+    assert live == [(1, {"x": 5.5, "y": 5.0}), (2, {"x": 27.5, "y": 10.0})]
+    driver.close()
+    assert list(emitted(read_journal(tmp_path / "j"))) == live
