@@ -291,7 +291,7 @@ class MetricBus:
         try:
             commit = Commit(
                 own=own, own_updates=updates, ingested=ingested, table=self._table, reducer=self._reducer,
-                journaled=journaled, rejected=sorted(errors),
+                journaled=journaled, rejected=sorted(errors), step=step,
             )
             exchange = self._ranks.exchange(commit)
         except BaseException:
@@ -299,6 +299,14 @@ class MetricBus:
                 self._collector.restore(updates)
                 self._held = ingested
             raise
+        if exchange.steps is not None:  # every rank sees the same steps: every rank raises here, keeping its records
+            self._collector.restore(updates)
+            lowest, highest = exchange.steps
+            raise DistributedError(
+                f"commit(step={step}) on rank {self._ranks.rank}: the ranks committed different steps (lowest "
+                f"{lowest}, highest {highest}); every rank must commit the same step, or call commit() without one "
+                "on every rank. The records stay buffered"
+            )
         names = exchange.names()
         if step == self._last_step:
             again = names & self._step_names

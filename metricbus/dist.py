@@ -7,7 +7,8 @@ update-level states (:meth:`metricbus.reduce.StepReducer.worker`) and lifts them
 
 1. one ``all_reduce(MAX)`` of float64 :func:`metricbus.rank_level.maxima` (``NM`` per column), led by one slot
    holding the byte length of this rank's pickled ``(new claims, partial, dropped names)`` when it has names the
-   table lacks or dropped a metric, else 0;
+   table lacks or dropped a metric, else 0, and the step's slots (:mod:`metricbus.step_check`: ranks that commit
+   different steps raise ``DistributedError`` on every rank, keeping their records);
 2. one ``all_reduce(SUM)`` of int64 :func:`metricbus.rank_level.sums` (``NS`` per column plus the fixed-point limbs
    of its exact sums), laid out by the agreed maxima.
 
@@ -38,10 +39,10 @@ GIL released. On the CPU (Gloo) that happens right after each collective (the wo
 once it can take the GIL); on CUDA (NCCL, whose watchdog polls) the tensors are kept and settled at ``close()``
 and at interpreter exit, so the hot path never waits for the watchdog.
 
-Cost per commit with K agreed columns: 8·(1 + NM·K) bytes all-reduced by MAX (none in a one-pass commit) and
+Cost per commit with K agreed columns: 8·(7 + NM·K) bytes all-reduced by MAX (none in a one-pass commit) and
 8·(NS·K + limbs) by SUM per rank (limbs: (E - Q)//32 + 3 per exact sum, 3-4 for typical data, about one more in a
-guessed window; see :mod:`metricbus.fixed`), plus 8·(1 + LENGTH_BITS + weighted columns) of checks in a one-pass
-commit, independent of R.
+guessed window; see :mod:`metricbus.fixed`), plus 8·(4 + LENGTH_BITS + weighted columns) of checks (the step's
+three slots among them) in a one-pass commit, independent of R.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from metricbus import one_pass, rank_level, sketch_level, speculate
+from metricbus import one_pass, rank_level, sketch_level, speculate, step_check
 from metricbus.column_states import ColumnStates
 from metricbus.errors import DistributedError, MetricBusWarning, SpecError
 from metricbus.partial import Partial
@@ -93,6 +94,7 @@ def make_torch_transport(*, required: bool, group: Any, writer_rank: int) -> Tor
         raise DistributedError(f"writer_rank={writer_rank} is not a rank of the group (size {size})")
     return TorchRanks(group=group, writer_rank=writer_rank)
 
+_AT = 1 + step_check.N_MAX  # where the maxima start in the MAX pass's vector (after the length and the step)
 
 class TorchRanks:
     """Every rank's Partial per commit, in rank order, through one packed all_gather in the steady state."""
@@ -124,6 +126,7 @@ class TorchRanks:
         self._guess: Any = None  # the next commit's guessed maxima (see metricbus.speculate); None: no guess
         self._one_pass = False  # whether a steady commit may take one collective (see metricbus.one_pass)
         self._hits = 0  # one-pass commits since the maxima were last agreed
+        self._step_base = 0  # the last step every rank committed (see metricbus.step_check)
         self._settled_names: tuple[Any, ...] = ()  # (names, table version) whose claims the agreed table holds
         backend = str(tdist.get_backend(group)).lower()
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
@@ -157,12 +160,15 @@ class TorchRanks:
         # this rank's sketches of the agreed sketched columns (one of a column its own rule alone sketches is not sent)
         mine = rank_level.sketch_rows(block, sketched).get(0, [None] * len(sketched)) if sketched else []
         maxima = rank_level.maxima(prep)
-        head = np.concatenate(([float(len(payload))], maxima.ravel(), sketch_level.bounds(mine).ravel()))
+        step = commit.step
+        head = np.concatenate((
+            [float(len(payload))], step_check.max_slots(step), maxima.ravel(), sketch_level.bounds(mine).ravel()
+        ))
         guess = None if sketched else self._guess
         one = guess is not None and self._one_pass and self._hits < one_pass.REFRESH
-        hit, paired = False, False
+        hit, paired, agree = False, False, True
         if one:  # the sums laid out by the guess, checked in the same all_reduce (see metricbus.one_pass)
-            hit, longest, summed = self._one_pass_sums(prep, maxima, guess, len(payload))
+            hit, longest, summed, agree = self._one_pass_sums(prep, maxima, guess, len(payload), step)
         elif guess is not None:  # the sums laid out by the guess travel with the maxima (see metricbus.speculate)
             mine_fit = one_pass.own_fit(
                 maxima=maxima, present=prep.present[0], weighted=prep.weighted[0], rank=self.rank, guess=guess
@@ -185,8 +191,8 @@ class TorchRanks:
             if one:  # the guess missed: the maxima pass after all (the length is known: the gather is done)
                 head[0] = 0.0
                 head = self._all_reduce(head, "max")
-            bounds = head[1 + maxima.size :].reshape(-1, sketch_level.NB)
-            agreed = head[1 : 1 + maxima.size].reshape(-1, rank_level.NM)
+            bounds = head[_AT + maxima.size :].reshape(-1, sketch_level.NB)
+            agreed = head[_AT : _AT + maxima.size].reshape(-1, rank_level.NM)
             if paired and speculate.fits(agreed, guess):
                 merged = rank_level.finish(speculate.within(agreed, guess), summed, prep.block.moments)
             else:  # the sums pass under the agreed maxima (again, if the guess missed: every rank sees the same)
@@ -198,12 +204,18 @@ class TorchRanks:
             if not longest:  # (an agreement changed the columns and dropped the guess)
                 self._guess = speculate.guess_of(agreed, guess, commits=self._hits + 1)
                 self._hits = 0
+        if hit:  # the step's slots travelled in the sums (no MAX pass): a second look only where they disagree
+            steps = None if agree else step_check.steps_of_max(self._all_reduce(step_check.max_slots(step), "max"))
+        else:
+            steps = step_check.steps_of_max(head[1:_AT])
+        if steps is None:
+            self._step_base = step
         ranked: RankedStates | None = None if longest or sketched else self._ranked_columns(merged)
         if ranked is None:
             ranked = _ranked(merged, names, columns, fresh, dropped)
         journal = [(self.rank, with_specs(own, self._specs, dropped))] if commit.journaled else []
         others = {name: where for name, where in dropped.items() if name not in rejected}
-        return Exchange([], self._specs, journal, others, ranked)
+        return Exchange([], self._specs, journal, others, ranked, steps=steps)
 
     def _ranked_columns(self, merged: Merged) -> RankedColumns | None:
         """``merged`` kept in columns (see :mod:`metricbus.ranked_columns`) where every metric has one column and
@@ -296,11 +308,16 @@ class TorchRanks:
         self._settled_names = () if claims else (names, table.version)
         return claims
 
-    def _one_pass_sums(self, prep: rank_level.Prepared, maxima: Any, guess: Any, length: int) -> tuple[bool, int, Any]:
-        """One all_reduce(SUM) of this rank's sums laid out by ``guess`` and the checks of it
-        (:mod:`metricbus.one_pass`): ``(hit, a bound on the longest claims payload, the reduced sums)``."""
+    def _one_pass_sums(
+        self, prep: rank_level.Prepared, maxima: Any, guess: Any, length: int, step: int
+    ) -> tuple[bool, int, Any, bool]:
+        """One all_reduce(SUM) of this rank's sums laid out by ``guess``, the checks of it (:mod:`metricbus.one_pass`)
+        and the step's slots (:mod:`metricbus.step_check`): ``(hit, a bound on the longest claims payload, the
+        reduced sums, whether every rank sent this step)``."""
         sent = one_pass.vector(prep, maxima=maxima, rank=self.rank, guess=guess, length=length)
-        return one_pass.read(self._all_reduce(sent, "sum"), guess)
+        summed = self._all_reduce(np.concatenate((sent, step_check.sum_slots(step, self._step_base))), "sum")
+        agree = step_check.sums_agree(summed[-step_check.N_SUM :], self._size)
+        return (*one_pass.read(summed[: -step_check.N_SUM], guess), agree)
 
     def _all_reduce_pair(self, maxima: Any, sums: Any) -> tuple[Any, Any]:
         """An all_reduce(MAX) of float64 ``maxima`` and an all_reduce(SUM) of int64 ``sums``, issued together; both

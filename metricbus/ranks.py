@@ -33,6 +33,7 @@ class Commit:
     journaled: bool
     rejected: Sequence[str]  # metrics whose records this process dropped; a collective transport drops them on
     # every rank
+    step: int = 0  # the step committed (a collective transport checks that every rank commits the same)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class Exchange:
     rejected: dict[str, str] = field(default_factory=dict)  # metric -> which other rank dropped its records
     ranked: RankedStates | None = None  # the rank level already merged (torch.distributed)
     version: int | None = None  # the spec table's version, where ``specs`` is its mapping (see StepReducer.commit)
+    steps: tuple[int, int] | None = None  # the lowest and highest step where the ranks committed different ones
 
     def names(self) -> set[str]:
         """The metrics this commit holds."""

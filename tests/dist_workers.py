@@ -358,3 +358,27 @@ def guess_worker(rank: int, size: int, port: int, plan: Any, out: Any) -> None:
         out.put((rank, (rows, calls)))
     finally:
         tdist.destroy_process_group()
+
+
+def step_mismatch_worker(rank: int, size: int, port: int, journal: str, out: Any) -> None:
+    """Commits where the ranks pass different steps (in one-pass commits, from a step far away, and with a MAX pass):
+    what each commit returned, or its DistributedError's message."""
+    init_gloo(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch", journal=journal)
+        plan = [(s, s) for s in range(6)]  # steady: the one-pass commits start
+        plan += [(6, 7), (7, 7), (10, 10 + 2**30), (2**31, 2**31)]
+        plan += [(2**31 + 1, 2**31 + 1), (2**31 + 2, 2**31 + 3), (2**31 + 3, 2**31 + 3)]  # these with a p50 metric
+        results: list[Any] = []
+        for i, steps in enumerate(plan):
+            bus.log("x", float(10 * rank + i))
+            if i >= 10:
+                bus.log("m", float(rank - i), agg="p50")  # sketched: a MAX pass every commit
+            try:
+                results.append((steps[rank], bus.commit(steps[rank])))
+            except DistributedError as exc:
+                results.append((steps[rank], str(exc)))
+        bus.close()
+        out.put((rank, results))
+    finally:
+        tdist.destroy_process_group()

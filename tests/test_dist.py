@@ -261,3 +261,27 @@ def test_a_ranks_distribution_rule_against_a_committed_default_raises_on_every_r
     results = _spawn(dist_workers.late_rule_worker, 2)
     for rank in range(2):
         assert "'x'" in results[rank], results
+
+
+def test_ranks_that_commit_different_steps_raise_on_every_rank(tmp_path: Path) -> None:
+    """A commit where the ranks pass different steps raises DistributedError on every rank naming the lowest and the
+    highest step (in a one-pass commit, from a step 2**30 away, and in a commit with a MAX pass); the records stay
+    buffered and the next agreed commit holds them; the journal replays what was delivered."""
+    journal = tmp_path / "j"
+    results = _spawn(dist_workers.step_mismatch_worker, 2, str(journal))
+    mismatched = {6: (6, 7), 8: (10, 10 + 2**30), 11: (2**31 + 2, 2**31 + 3)}
+    for rank in range(2):
+        for i, (step, got) in enumerate(results[rank]):
+            if i in mismatched:
+                lowest, highest = mismatched[i]
+                assert got == (
+                    f"commit(step={step}) on rank {rank}: the ranks committed different steps (lowest {lowest}, "
+                    f"highest {highest}); every rank must commit the same step, or call commit() without one on "
+                    "every rank. The records stay buffered"
+                )
+    live = [(step, got) for step, got in results[0] if isinstance(got, dict)]
+    assert [step for step, _ in live] == [0, 1, 2, 3, 4, 5, 7, 2**31, 2**31 + 1, 2**31 + 3]
+    assert live[6] == (7, {"x": (6 + 7 + 16 + 17) / 4})  # step 6's records kept, committed with step 7's
+    assert live[-1][1] == {"m": -10.0, "x": (11 + 12 + 21 + 22) / 4}
+    assert [s for s, _ in results[1] if isinstance(_, dict)] == [step for step, _ in live]
+    assert list(emitted(read_journal(journal))) == live
