@@ -282,6 +282,7 @@ def test_ranks_that_commit_different_steps_raise_on_every_rank(tmp_path: Path) -
     live = [(step, got) for step, got in results[0] if isinstance(got, dict)]
     assert [step for step, _ in live] == [0, 1, 2, 3, 4, 5, 7, 2**31, 2**31 + 1, 2**31 + 3]
     assert live[6] == (7, {"x": (6 + 7 + 16 + 17) / 4})  # step 6's records kept, committed with step 7's
-    assert live[-1][1] == {"m": -10.0, "x": (11 + 12 + 21 + 22) / 4}
+    assert live[-1][1]["x"] == (11 + 12 + 21 + 22) / 4
+    assert -12.0 <= live[-1][1]["m"] <= -10.0  # the p50 of -12, -11 (twice) and -10, as its sketch gives it
     assert [s for s, _ in results[1] if isinstance(_, dict)] == [step for step, _ in live]
     assert list(emitted(read_journal(journal))) == live
