@@ -238,7 +238,7 @@ class Collector:
                 check_finite(metric, flat.tolist())  # raises, naming the first non-finite value
             return flat, None
         if is_tensor(raw) and not raw.is_complex():
-            from metricbus.tensors import check_device
+            from metricbus.tensors import check_device, check_weight
 
             check_device(metric, raw)
             if acc.sketched:  # a distribution: its values are bucketed on the host (one copy)
@@ -250,6 +250,7 @@ class Collector:
                 # with weights: the host records path below
             elif is_tensor(weight):
                 check_device(metric, weight, "weight")
+                check_weight(metric, raw, weight)  # (shapes and dtypes only: no sync) before anything is recorded
                 return raw, weight  # device tensors: accumulated on device, no host sync
             elif weight is None or type(weight) in (int, float):
                 to_weights(metric, weight, 1, 0.0)  # a scalar weight: checked now

@@ -18,7 +18,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
@@ -29,10 +29,13 @@ from metricbus.errors import JournalError, SpecError
 from metricbus.journal import CursorStore, Journal
 from metricbus.journal.cursors import identity_of, resume_adapter
 from metricbus.journal.reader import Commit, CommitRun, JournalStream, stream_journal, timeline
+from metricbus.journal.scan import Names, RawPart, shape_bytes
 from metricbus.partial import Partial
 from metricbus.reduce import StepReducer
 from metricbus.replay_levels import Emitted, reduced
+from metricbus.rules import Rules
 from metricbus.spec import Spec, micro_sketch, parse_spec_text
+from metricbus.spec_table import SpecTable, output_keys
 
 Progress = Callable[[int, int], None]
 Source = Journal | JournalStream
@@ -75,23 +78,87 @@ class _Respec:
 
     def __init__(self, overrides: Sequence[tuple[str, Spec]]) -> None:
         self._overrides = list(overrides)
-        self._cache: dict[str, Spec | None] = {}
+        self._cache: dict[str, tuple[str, Spec] | None] = {}
+
+    def rule(self, name: str) -> tuple[str, Spec] | None:
+        """``(pattern, spec)`` of the first override matching ``name``, or None."""
+        if name not in self._cache:
+            self._cache[name] = next(((p, s) for p, s in self._overrides if fnmatchcase(name, p)), None)
+        return self._cache[name]
 
     def __call__(self, name: str, spec: Spec) -> Spec:
         if not self._overrides:
             return spec
-        if name not in self._cache:
-            self._cache[name] = next((s for p, s in self._overrides if fnmatchcase(name, p)), None)
-        found = self._cache[name]
+        found = self.rule(name)
         if found is None:
             return spec
-        if micro_sketch(found) and not micro_sketch(spec):
+        new = found[1]
+        if micro_sketch(new) and not micro_sketch(spec):
             raise SpecError(
-                f"the rule {found} for {name!r} reads the distribution of its records, but the journal has no sketch "
+                f"the rule {new} for {name!r} reads the distribution of its records, but the journal has no sketch "
                 f"of {name!r} (it was logged with spec {spec}); a quantile over a level's results works on any "
                 f"journal, e.g. {name}=micro:mean,step:p90"
             )
-        return found
+        return new
+
+    def check(self, metrics: Iterable[tuple[str, Spec]]) -> None:
+        """Raise SpecError, before anything is emitted, for an override the journal cannot serve (its ``metrics``:
+        every journaled ``(name, spec)``): one that reads a sketch the journal lacks, or one that makes a metric
+        emit a name another metric emits (the live bus's check, :meth:`SpecTable.check_outputs`: never a merge)."""
+        kept: dict[str, str] = {}  # output name -> the metric not overridden that emits it
+        replaced: dict[str, tuple[str, Spec]] = {}  # overridden name -> (pattern, spec)
+        for name, spec in sorted(metrics, key=lambda item: item[0]):
+            new = self(name, spec)  # raises for a sketch the journal lacks
+            found = self.rule(name)
+            if found is None:
+                for key in output_keys(name, spec):
+                    kept.setdefault(key, name)
+            else:
+                replaced[name] = (found[0], new)
+        table = SpecTable(Rules())
+        for name, (pattern, spec) in replaced.items():
+            try:
+                table.check_outputs(name, spec, kept)  # records what it checked: two overridden names clash too
+            except SpecError as exc:
+                why = f"replay rule {pattern!r} ({spec}) would merge two metrics into one series"
+                raise SpecError(f"{why}: {exc}") from None
+
+
+@dataclass(slots=True)
+class _Table:
+    """A name table met by :func:`_journaled`: the table (held, so its id stays its own), the ids met, and the
+    shape (:func:`~metricbus.journal.scan.shape_bytes`) of the last rows read with it."""
+
+    names: Names
+    met: set[int] = field(default_factory=set)
+    shape: bytes = b""
+
+
+def _journaled(commits: Iterable[Commit | CommitRun]) -> set[tuple[str, Spec]]:
+    """Every ``(name, spec)`` the rows of ``commits`` hold. A stream's row ids are read where rows differ in shape
+    from the last ones of their name table (each rank file's commits, mostly alike); held: each table and its ids."""
+    out: set[tuple[str, Spec]] = set()
+    tables: dict[int, _Table] = {}
+    for item in commits:
+        if isinstance(item, CommitRun):
+            parts: Iterable[RawPart] = (item.part._replace(rows=item.part.rows[0]),)  # one shape: the first commit's
+        elif item.parts:
+            parts = item.parts
+        else:  # a Journal's commit: its partials are decoded already
+            out.update((name, spec) for partial in item.partials for name, spec, _ in partial.entries)
+            continue
+        for part in parts:
+            table = tables.get(id(part.names))
+            if table is None:
+                table = tables[id(part.names)] = _Table(part.names)
+            shape = part.shape if part.shape is not None else shape_bytes(part.rows)
+            if shape == table.shape:
+                continue
+            table.shape = shape
+            new = set(part.rows["id"].tolist()) - table.met
+            table.met.update(new)
+            out.update(table.names[i] for i in new if i in table.names)  # an id without a name: skipped, as read
+    return out
 
 
 def emitted(
@@ -124,13 +191,12 @@ def emissions(
     ``until``: only the timeline before that step (what a resume at it keeps)."""
     reducer = StepReducer(log_every=journal.log_every)
     respec = _Respec(rules)
+    if rules:  # a pass over the rows' name ids: a rule that cannot be served fails before anything is emitted
+        respec.check(_journaled(_commits(journal, until)))
     total = len(journal) if progress is not None else 0  # a stream counts its commits in a pass decoding nothing
     last: int | None = None
     done = 0
-    commits = journal.runs() if isinstance(journal, JournalStream) else timeline(journal)
-    if until is not None:
-        commits = _before(commits, until)
-    for batch in reduced(commits, respec, reducer, log_every=journal.log_every):
+    for batch in reduced(_commits(journal, until), respec, reducer, log_every=journal.log_every):
         for commit, specs, ranked in batch:
             step = commit.step
             if commit.starts_segment:  # a resumed writer starts afresh: the open window ends with its segment
@@ -158,6 +224,12 @@ def emissions(
         tail = reducer.finish()
         if tail:
             yield last, nans(tail), True
+
+
+def _commits(journal: Source, until: int | None) -> Iterator[Commit | CommitRun]:
+    """The timeline (a stream's runs of one shape together), only before step ``until`` if given."""
+    commits = journal.runs() if isinstance(journal, JournalStream) else timeline(journal)
+    return commits if until is None else _before(commits, until)
 
 
 def _before(commits: Iterator[Commit | CommitRun], until: int) -> Iterator[Commit | CommitRun]:

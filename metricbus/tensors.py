@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from metricbus.errors import MetricValueError
 from metricbus.signed_zero import NEGATIVE_ZERO_BITS
 from metricbus.summary import N_FIELDS
+from metricbus.values import is_tensor
 
 FIELDS = (
     "count", "weight", "wsum", "total", "m2", "min", "max", "first", "last",
@@ -45,6 +46,29 @@ def check_device(metric: str, value: Any, what: str = "value") -> None:
             f"cannot log a {what} on the 'meta' device for {metric!r}: it holds no data; log a tensor on the CPU "
             "or an accelerator"
         )
+
+
+def check_weight(metric: str, value: Any, weight: Any) -> None:
+    """Reject a tensor weight the records of ``value`` (a tensor) cannot take, naming the metric: a complex one, or
+    one whose shape does not broadcast to the value's. Reads only dtypes and shapes, host-known metadata: no sync."""
+    if weight.is_complex():
+        raise MetricValueError(
+            f"weight of dtype {weight.dtype} for {metric!r} is complex; weights must be real (a real tensor, array, "
+            "list or number), finite and >= 0"
+        )
+    shape, target = tuple(weight.shape), tuple(value.shape)
+    if not _broadcasts(shape, target):
+        raise MetricValueError(
+            f"weight of shape {shape} for {metric!r} does not broadcast to the value's shape {target}; give a weight "
+            "of that shape, one that broadcasts to it (its trailing dimensions equal to the value's, or 1), or a scalar"
+        )
+
+
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """True if ``shape`` broadcasts to ``target`` (``torch.broadcast_to``'s rule, computed on the host)."""
+    if len(shape) > len(target):
+        return False
+    return all(n in (1, m) for n, m in zip(reversed(shape), reversed(target), strict=False))
 
 
 def _batch(value: Any, weight: Any, *, ignore: bool) -> Any:
@@ -120,7 +144,10 @@ class DeviceStates:
 
     def add(self, name: str, value: Any, weight: Any, *, nan: str, host: int = 0) -> None:
         """Merge a tensor batch into ``name``'s device state (no host sync); ``host``: how many of its host records
-        of this update came before it."""
+        of this update came before it. A weight it cannot take raises here (:func:`check_weight`), before any state
+        changes."""
+        if is_tensor(weight):
+            check_weight(name, value, weight)
         if value.numel() == 0:  # numel is host-known metadata
             return
         batch = _batch(value, weight, ignore=nan == "ignore")
