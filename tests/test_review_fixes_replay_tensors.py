@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -117,20 +116,6 @@ def test_cli_replay_rule_clash_exits_nonzero_and_writes_nothing(clashing_journal
 
 
 torch = pytest.importorskip("torch")
-SYNCS = ("item", "cpu", "tolist", "__float__", "__bool__", "__int__", "numpy")
-
-
-@pytest.fixture
-def no_host_sync(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Make every host-sync call on a tensor raise (as tests/test_tensors.py)."""
-
-    def fail(*_a: object, **_k: object) -> None:
-        raise AssertionError("host sync in log()")
-
-    for name in SYNCS:
-        monkeypatch.setattr(torch.Tensor, name, fail)
-    yield
-    monkeypatch.undo()
 
 
 @pytest.mark.parametrize(
