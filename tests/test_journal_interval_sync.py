@@ -266,3 +266,24 @@ def test_a_forked_child_syncs_from_a_thread_of_its_own(tmp_path: Path, monkeypat
     bus.close()
     got, _ = quietly_read(journal)
     assert [s for s, _ in got.commits] == [0, 1, 2]
+
+
+def test_a_child_forked_after_close_keeps_its_descriptors(tmp_path: Path) -> None:
+    """Once the bus is closed, a child forked later (a DataLoader worker) closes none of its descriptors: the fsync
+    thread's descriptor number, free again, is likely the next one opened (here a pipe)."""
+    with MetricBus(dist=None, journal=str(tmp_path / "j")) as bus:
+        commit_steps(bus, range(3))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.write(write, b"ok")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.read(read, 2) == b"ok"
+    os.close(read)

@@ -81,6 +81,7 @@ class IntervalSync:
     def stop(self) -> None:
         """Ask the thread to end (it ends once an fsync under way returned)."""
         self._stop.set()
+        _LIVE.discard(self)
 
     def join(self) -> None:
         """Wait for the thread to end (after :meth:`stop`)."""
@@ -120,6 +121,7 @@ class IntervalSync:
             while not stop.wait(self._interval):
                 self._sync(fd)
         finally:
+            self._thread_fd = -1  # first: a child forked from now on must not close the number (reused, maybe)
             os.close(fd)
 
 
