@@ -41,8 +41,8 @@ and at interpreter exit, so the hot path never waits for the watchdog.
 
 Cost per commit with K agreed columns: 8·(7 + NM·K) bytes all-reduced by MAX (none in a one-pass commit) and
 8·(NS·K + limbs) by SUM per rank (limbs: (E - Q)//32 + 3 per exact sum, 3-4 for typical data, about one more in a
-guessed window; see :mod:`metricbus.fixed`), plus 8·(4 + LENGTH_BITS + weighted columns) of checks (the step's
-three slots among them) in a one-pass commit, independent of R.
+guessed window; see :mod:`metricbus.fixed`), plus 8·(7 + LENGTH_BITS + weighted columns) of checks (the step's
+six slots among them) in a one-pass commit, independent of R.
 """
 
 from __future__ import annotations
@@ -126,7 +126,6 @@ class TorchRanks:
         self._guess: Any = None  # the next commit's guessed maxima (see metricbus.speculate); None: no guess
         self._one_pass = False  # whether a steady commit may take one collective (see metricbus.one_pass)
         self._hits = 0  # one-pass commits since the maxima were last agreed
-        self._step_base = 0  # the last step every rank committed (see metricbus.step_check)
         self._settled_names: tuple[Any, ...] = ()  # (names, table version) whose claims the agreed table holds
         backend = str(tdist.get_backend(group)).lower()
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
@@ -208,8 +207,6 @@ class TorchRanks:
             steps = None if agree else step_check.steps_of_max(self._all_reduce(step_check.max_slots(step), "max"))
         else:
             steps = step_check.steps_of_max(head[1:_AT])
-        if steps is None:
-            self._step_base = step
         ranked: RankedStates | None = None if longest or sketched else self._ranked_columns(merged)
         if ranked is None:
             ranked = _ranked(merged, names, columns, fresh, dropped)
@@ -315,7 +312,7 @@ class TorchRanks:
         and the step's slots (:mod:`metricbus.step_check`): ``(hit, a bound on the longest claims payload, the
         reduced sums, whether every rank sent this step)``."""
         sent = one_pass.vector(prep, maxima=maxima, rank=self.rank, guess=guess, length=length)
-        summed = self._all_reduce(np.concatenate((sent, step_check.sum_slots(step, self._step_base))), "sum")
+        summed = self._all_reduce(np.concatenate((sent, step_check.sum_slots(step))), "sum")
         agree = step_check.sums_agree(summed[-step_check.N_SUM :], self._size)
         return (*one_pass.read(summed[: -step_check.N_SUM], guess), agree)
 

@@ -6,11 +6,11 @@ deliver one timeline live and replay another. The check costs a few slots of the
 - in an ``all_reduce(MAX)`` of float64 (:func:`max_slots`): the step, its high and low 32 bits, and their
   negations, so the maxima say exactly whether all ranks sent one step, and which are the lowest and the highest
   (:func:`steps_of_max`);
-- in a one-pass commit's ``all_reduce(SUM)`` of int64 (:func:`sum_slots`): ``d = step - base`` (``base``: the last
-  step the ranks agreed on, the same on every rank), ``d²`` and a count of ranks whose ``|d|`` is too large for
-  that (where ``d`` and ``d²`` are sent as 0). The ranks agree exactly when ``R·Σd² = (Σd)²`` (Cauchy-Schwarz, in
-  exact integers: no sum can overflow) and no rank was too far; otherwise (:func:`sums_agree` False) every rank
-  runs one more small MAX collective to learn the two steps, so all of them raise the same error.
+- in a one-pass commit's ``all_reduce(SUM)`` of int64 (:func:`sum_slots`): the step as three limbs ``l`` of at most
+  22 bits (of ``step + 2**63``, so every int64 step is covered, any stride between commits) and their squares. The
+  ranks sent one step exactly when ``R·Σl² = (Σl)²`` for every limb (Cauchy-Schwarz, in exact integers: a sum of
+  squares stays below 2**63 for R < 2**19 ranks). Where that fails (:func:`sums_agree` False) every rank runs one
+  more small MAX collective to learn the two steps, so all of them raise the same error.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 N_MAX = 6  # float64 slots in a MAX collective
-N_SUM = 3  # int64 slots in a SUM collective
-_NEAR = 1 << 20  # |step - base| below this is sent as d and d² (R·d² stays far below 2**63 for R < 2**22)
+N_SUM = 6  # int64 slots in a SUM collective
+_LIMBS = ((0, 22), (22, 22), (44, 20))  # (shift, bits) of the three limbs of step + 2**63
 
 
 def max_slots(step: int) -> Any:
@@ -32,23 +32,25 @@ def max_slots(step: int) -> Any:
 
 
 def steps_of_max(slots: Any) -> tuple[int, int] | None:
-    """``(lowest, highest)`` step of the ranks from the reduced MAX ``slots`` where they differ (exact below 2**53,
-    the nearest doubles beyond), else None."""
+    """``(lowest, highest)`` step of the ranks from the reduced MAX ``slots`` where they differ (exact where the
+    steps share their high 32 bits, or are below 2**53), else None."""
     top, neg_bottom, high, low, neg_high, neg_low = (int(v) for v in slots)
     if top == -neg_bottom and high == -neg_high and low == -neg_low:
         return None
+    if high == -neg_high:
+        return (high << 32) + -neg_low, (high << 32) + low
     return -neg_bottom, top
 
 
-def sum_slots(step: int, base: int) -> Any:
-    """The int64 slots of ``step`` for an all_reduce(SUM), relative to the agreed ``base``."""
-    d = step - base
-    if -_NEAR < d < _NEAR:
-        return np.array([d, d * d, 0], dtype=np.int64)
-    return np.array([0, 0, 1], dtype=np.int64)
+def sum_slots(step: int) -> Any:
+    """The int64 slots of ``step`` for an all_reduce(SUM): each limb, then its square."""
+    unsigned = step + (1 << 63)
+    limbs = [(unsigned >> shift) & ((1 << bits) - 1) for shift, bits in _LIMBS]
+    return np.array([*limbs, *(limb * limb for limb in limbs)], dtype=np.int64)
 
 
 def sums_agree(slots: Any, ranks: int) -> bool:
     """True when the reduced SUM ``slots`` of ``ranks`` ranks show that all sent the same step."""
-    total, squares, far = (int(v) for v in slots)
-    return far == 0 and ranks * squares == total * total
+    values = [int(v) for v in slots]
+    n = len(_LIMBS)
+    return all(ranks * values[n + i] == values[i] * values[i] for i in range(n))

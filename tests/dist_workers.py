@@ -74,7 +74,8 @@ COUNT_STEPS = 20  # count_worker's commits: past one refresh of the one-pass gue
 
 def count_worker(rank: int, size: int, port: int, out: Any) -> None:
     """Count torch.distributed calls and bytes per commit for 10 and 1000 metrics (mean), and 10 metrics whose rank
-    level reads ``max``."""
+    level reads ``max``; the 10 metrics' steps 2**20 + 1 apart (a step counting tokens: the step check's limbs take
+    any stride)."""
     init_gloo(rank, size, port)
     try:
         names = (
@@ -113,7 +114,7 @@ def count_worker(rank: int, size: int, port: int, out: Any) -> None:
                     bus.log(f"m{i}", float(i + rank + step))
                 calls.clear()
                 sent.clear()
-                got = bus.commit(step=step)
+                got = bus.commit(step=step * (2**20 + 1) if label == 10 else step)
                 result[(label, step)] = (dict(calls), got[f"m{k - 1}"], dict(sent))
             bus.close()
         out.put((rank, result))

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 mp = torch.multiprocessing
 
-from metricbus import MetricBus, one_pass, rank_level  # noqa: E402
+from metricbus import MetricBus, one_pass, rank_level, step_check  # noqa: E402
 from metricbus.journal import read_journal  # noqa: E402
 from metricbus.replay import emitted  # noqa: E402
 from tests import dist_workers  # noqa: E402  (after the importorskip)
@@ -146,7 +146,7 @@ def test_a_steady_commit_is_one_collective_of_o_k_bytes_whatever_r(size: int) ->
         assert got[(1000, 2)][1] == 999 + (size - 1) / 2 + 2
         small, large = got[(10, 2)][2]["all_reduce"], got[(1000, 2)][2]["all_reduce"]
         # per metric: NS fixed sums and the limbs of its exact sums (a few each for these values); the checks
-        per_metric, checks = 8 * (rank_level.NS + 4 * 6), 8 * (1 + one_pass.LENGTH_BITS)
+        per_metric, checks = 8 * (rank_level.NS + 4 * 6), 8 * (1 + one_pass.LENGTH_BITS + step_check.N_SUM)
         assert 8 * rank_level.NS * 1000 < large <= per_metric * 1000 + checks
         assert small <= per_metric * 10 + checks
         paired = got[(1000, refresh)][2]["all_reduce"]  # both passes: NM maxima more per metric
