@@ -300,23 +300,23 @@ class MetricBus:
                 self._held = ingested
             raise
         if exchange.steps is not None:  # every rank sees the same steps: every rank raises here, keeping its records
-            self._collector.restore(updates)
+            dropped = self._put_back(updates, errors, exchange.rejected)
             lowest, highest = exchange.steps
             raise DistributedError(
                 f"commit(step={step}) on rank {self._ranks.rank}: the ranks committed different steps (lowest "
                 f"{lowest}, highest {highest}); every rank must commit the same step, or call commit() without one "
-                "on every rank. The records stay buffered"
+                f"on every rank. The records stay buffered{dropped}"
             )
         names = exchange.names()
         if step == self._last_step:
             again = names & self._step_names
             if again:  # every rank sees the same states, so every rank raises here, and nothing is lost
-                self._collector.restore(updates)
+                dropped = self._put_back(updates, errors, exchange.rejected)
                 self._held = ingested
                 shown = ", ".join(repr(n) for n in sorted(again)[:5]) + (" ..." if len(again) > 5 else "")
                 raise StepError(
                     f"step {step}: {shown} already committed at this step; a step may hold several commits "
-                    "(training, then evaluation) only with different metric names. The records stay buffered"
+                    f"(training, then evaluation) only with different metric names. The records stay buffered{dropped}"
                 )
             self._step_names = self._step_names | names
         else:
@@ -352,6 +352,20 @@ class MetricBus:
         for name, where in exchange.rejected.items():  # another rank's device records of these were bad
             rejected.setdefault(name, MetricValueError(f"{where} rejected the records of {name!r}"))
         return emitted, rejected
+
+    def _put_back(self, updates: Updates, errors: Mapping[str, MetricValueError], others: Mapping[str, str]) -> str:
+        """Put a commit's records back after every rank refused it, without those of metrics another rank rejected
+        (``others``: dropped on every rank, as a commit would; ``errors``: this rank's, already left out); what was
+        dropped, for the error's message."""
+        if others:
+            updates = [{n: s for n, s in update.items() if n not in others} for update in updates]
+        self._collector.restore(updates)
+        reasons = {name: str(error) for name, error in errors.items()}
+        reasons.update((name, f"{where} rejected the records of {name!r}") for name, where in others.items())
+        if not reasons:
+            return ""
+        names = ", ".join(repr(n) for n in sorted(reasons))
+        return f"; the records of {names} were dropped ({'; '.join(reasons[n] for n in sorted(reasons))})"
 
     def _emit(self, step: int, out: dict[str, float], *, repeat: bool = False) -> dict[str, float]:
         nans(out)  # one NaN's bits on every path (canonical.py)

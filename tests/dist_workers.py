@@ -383,3 +383,32 @@ def step_mismatch_worker(rank: int, size: int, port: int, journal: str, out: Any
         out.put((rank, results))
     finally:
         tdist.destroy_process_group()
+
+
+def step_mismatch_rejected_worker(rank: int, size: int, port: int, out: Any) -> None:
+    """A commit with different steps in which rank 0's tensor records of 'y' are bad (NaN under nan='error'): every
+    rank raises, 'y' is dropped on every rank (not kept for the next commit), 'z' is kept."""
+    import math
+
+    import torch
+
+    init_gloo(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch")
+        results: list[Any] = []
+        spec = Agg(micro="mean", nan="error")
+        bus.log("y", torch.tensor([1.0]), agg=spec)
+        bus.log("z", 1.0)
+        results.append(bus.commit(0))
+        bus.log("y", torch.tensor([math.nan if rank == 0 else 5.0]), agg=spec)
+        bus.log("z", 2.0)
+        try:
+            bus.commit(1 + rank)
+            results.append("no error")
+        except DistributedError as exc:
+            results.append(str(exc))
+        results.append(bus.commit(3))
+        bus.close()
+        out.put((rank, results))
+    finally:
+        tdist.destroy_process_group()

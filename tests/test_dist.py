@@ -286,3 +286,17 @@ def test_ranks_that_commit_different_steps_raise_on_every_rank(tmp_path: Path) -
     assert -12.0 <= live[-1][1]["m"] <= -10.0  # the p50 of -12, -11 (twice) and -10, as its sketch gives it
     assert [s for s, _ in results[1] if isinstance(_, dict)] == [step for step, _ in live]
     assert list(emitted(read_journal(journal))) == live
+
+
+def test_a_step_mismatch_drops_on_every_rank_what_one_rank_rejected() -> None:
+    """Ranks with different steps, and rank 0's tensor records of 'y' bad: both ranks raise naming the steps and the
+    dropped metric; the next commit holds 'z' kept from then, and no 'y' (dropped on every rank, never half-reduced)."""
+    results = _spawn(dist_workers.step_mismatch_rejected_worker, 2)
+    for rank in range(2):
+        first, error, after = results[rank]
+        assert first == {"y": 1.0, "z": 1.0}
+        assert f"commit(step={1 + rank}) on rank {rank}: the ranks committed different steps (lowest 1, highest 2)" in (
+            error
+        )
+        assert "The records stay buffered; the records of 'y' were dropped" in error
+        assert after == {"z": 2.0}
