@@ -135,8 +135,9 @@ class MetricBus:
         """Add a rule: metrics matching ``pattern`` (fnmatchcase) get ``spec``; the first matching rule wins.
 
         Names already logged that it matches first take it too while they hold the default and were never
-        committed (their records so far included); one committed with the default, or declared otherwise (``agg=``,
-        a worker's spec), is a SpecError naming it, and the rule is not added."""
+        committed (their records so far included; a different ``nan=`` policy for records already logged is
+        refused); a name logged with ``agg=`` keeps it. One committed with the default, or a worker's declaration
+        that differs, is a SpecError naming it, and the rule is not added."""
         if not isinstance(pattern, str) or not pattern:
             raise SpecError(f"rule pattern must be a non-empty string, got {pattern!r}")
         parsed = parse_spec(spec, metric=pattern)

@@ -27,7 +27,7 @@ from metricbus.micro_columns import COLUMNS_FROM, MicroUpdate, Segments, packed_
 from metricbus.partial import Packed, Partial, Updates, from_packed, with_fields
 from metricbus.sketch import unknown
 from metricbus.spec import NanPolicy, Spec, SpecLike, micro_sketch
-from metricbus.spec_table import DEFAULT, RULE, Claim, SpecTable, decide
+from metricbus.spec_table import DEFAULT, EXPLICIT, RULE, Claim, SpecTable, decide
 from metricbus.summary import EMPTY, Summary, with_sketch
 from metricbus.values import check_finite, is_tensor, to_values, to_weights
 
@@ -174,17 +174,18 @@ class Collector:
 
     def define(self, pattern: str, spec: Spec) -> None:
         """Add the rule ``pattern`` -> ``spec`` to the table's rules, and give it to the names already logged whose
-        first matching rule it is: a default not committed yet gives way (the records so far take the new spec); a
-        committed default or another declaration that differs is a SpecError naming the metric, and nothing
-        changes (the rule is not added)."""
+        first matching rule it is: a default not committed yet gives way (the records so far take the new spec; a
+        nan= policy other than the one they were logged under is refused); a name logged with ``agg=`` keeps it
+        (``agg=`` comes before rules). A committed default or a worker's declaration that differs is a SpecError
+        naming the metric, and nothing changes (the rule is not added)."""
         with self.lock:
             table = self.table
             rule = Claim(spec, RULE, f"this bus's rule {pattern!r}")
             won: dict[str, Claim] = {}
             outputs: dict[str, str] = {}
             for name, held in table.claims():
-                if not fnmatchcase(name, pattern) or table.rules.find(name)[0] is not None:
-                    continue  # another rule comes first for it (or the rule does not match)
+                if not fnmatchcase(name, pattern) or table.rules.find(name)[0] is not None or held.origin == EXPLICIT:
+                    continue  # another rule, or agg=, comes first for it (or the rule does not match)
                 claim = decide(name, held, [rule], fixed=table.sealed(name))
                 if claim is held:
                     continue
@@ -192,6 +193,7 @@ class Collector:
                     acc = self.accs.get(name)
                     if acc is not None:
                         self._check_distribution(acc, claim.spec)
+                        self._check_nan(acc, claim.spec, pattern)
                     table.check_outputs(name, claim.spec, outputs)
                 won[name] = claim
             table.rules.add(pattern, spec)
@@ -201,6 +203,16 @@ class Collector:
                 acc = self.accs.get(name)
                 if respec and acc is not None:
                     self._respec(acc)
+
+    def _check_nan(self, acc: Accumulator, spec: Spec, pattern: str) -> None:
+        """Refuse a rule whose nan= policy differs from the one ``acc``'s records were logged under (they were
+        checked or dropped at log() by it, and folded by it)."""
+        nan = spec.nan or self._nan
+        if nan != acc.nan and acc.pending:
+            raise SpecError(
+                f"the rule {pattern!r} gives {acc.name!r} nan={nan!r}, but its records were already logged under "
+                f"nan={acc.nan!r}; define the rule before logging {acc.name!r}, or give it the same nan= policy"
+            )
 
     def _respec(self, acc: Accumulator) -> None:
         """``acc``'s name got another spec (adopted, or a declaration replaced the default): use its nan policy."""

@@ -67,16 +67,32 @@ def test_a_rule_defined_after_a_name_was_logged_replaces_its_default_until_its_f
     assert b.commit() == {"y": 3.0, "y2": 5.0}
 
 
-def test_a_rule_defined_after_a_different_declaration_is_a_spec_error() -> None:
-    """A name logged with agg= (or matched first by an earlier rule) keeps its spec: a later rule that differs and
-    comes first for it is a SpecError; one that an earlier rule shadows changes nothing."""
-    b = bus(rules={"a*": "min"})
-    b.log("x", [1.0, 5.0], agg="max")
+def test_a_rule_defined_after_agg_or_an_earlier_rule_leaves_those_names_alone() -> None:
+    """A name logged with agg= keeps it (agg= comes before rules) and the rule still applies to the other names it
+    matches, whichever came first; a name an earlier rule matches keeps that rule's spec."""
+    b = bus(rules={"ab*": "min"})
+    b.log("actor/pg_loss", [1.0, 5.0], agg="max")
+    b.log("actor/kl", [2.0, 4.0])
     b.log("ab", [1.0, 5.0])
-    with pytest.raises(SpecError, match=r"'x' has spec max from agg= in log\(\) on this bus"):
-        b.define("x", "sum")
-    b.define("ab", "sum")  # shadowed by "a*" for "ab": no change
-    assert b.commit() == {"ab": 1.0, "x": 5.0}
+    b.define("actor/*", "sum")
+    b.define("ab", "sum")  # shadowed by "ab*" for "ab": no change
+    assert b.commit() == {"ab": 1.0, "actor/kl": 6.0, "actor/pg_loss": 5.0}
+
+
+def test_a_rule_that_changes_the_nan_policy_of_records_already_logged_is_refused() -> None:
+    """The records logged so far were checked (nan='error') or dropped (nan='ignore') at log() under the policy they
+    had: a rule giving another nan= policy is a SpecError naming the metric and both policies, and is not added;
+    the same policy is fine."""
+    b = bus()
+    b.log("x", [math.nan, 1.0])
+    with pytest.raises(SpecError, match=r"the rule 'x' gives 'x' nan='ignore', but its records were already logged "
+                                        r"under nan='propagate'"):
+        b.define("x", Agg(micro="mean", nan="ignore"))
+    b.define("x", "sum")
+    assert math.isnan(b.commit()["x"])
+    b.log("y", 2.0)
+    b.define("y*", Agg(micro="sum", nan="propagate"))
+    assert b.commit() == {"y": 2.0}
 
 
 def test_same_name_with_a_different_explicit_spec_names_both() -> None:
