@@ -1,9 +1,9 @@
 """Device-side accumulation of torch tensors: ``log()`` never synchronizes with the device.
 
 Per metric and optimizer update, one running float64 state vector on the tensor's device, laid out as ``FIELDS``
-(``count, weight, wsum, total, m2, min, max, first, last``, then flags: ``bad_weight, nonfinite`` and whether a
--0.0 or a +0.0 was logged, which give a zero min or max its sign at commit, as :mod:`metricbus.signed_zero` orders
-them). Each ``log()`` summarises its
+(``count, weight, wsum, total, m2, min, max, first, last``, the host records before the first and before the last
+record, then flags: ``bad_weight, nonfinite`` and whether a -0.0 or a +0.0 was logged, which give a zero min or max
+its sign at commit, as :mod:`metricbus.signed_zero` orders them). Each ``log()`` summarises its
 batch with torch ops and merges it in (Chan's update for m2, NaN propagated by ``torch.minimum``/``maximum``), with
 no ``.item()``, ``.cpu()``, ``float()`` or data-dependent branch. At commit/export :meth:`DeviceStates.take_all`
 stacks every metric's state of every update and does ONE device-to-host copy. Negative/non-finite tensor weights and
@@ -11,8 +11,9 @@ non-finite values under ``nan='error'`` are therefore detected at commit (after 
 errors per metric, so the other metrics still commit. Device sums are plain float64 (no double-double remainder), so
 tensor-logged sums are not bitwise split-invariant the way host-logged floats are. A metric logged in one update
 with both floats and tensors: each tensor's ``add`` is told how many host records of its update came before it
-(``host``), so :meth:`DeviceStates.take_all` can say whether its ``first`` is a host record (some came before the
-first tensor) and its ``last`` one (more came after the last tensor): log order across both sources.
+(``host``), kept on the device as ``first``/``last`` are (a batch whose records ``nan='ignore'`` all dropped counts
+for neither), so :meth:`DeviceStates.take_all` can say whether the update's ``first`` is a host record (some came
+before the first tensor record) and its ``last`` one (more came after the last): log order across both sources.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from metricbus.summary import N_FIELDS
 from metricbus.values import is_tensor
 
 FIELDS = (
-    "count", "weight", "wsum", "total", "m2", "min", "max", "first", "last",
+    "count", "weight", "wsum", "total", "m2", "min", "max", "first", "last", "host_first", "host_last",
     "bad_weight", "nonfinite", "negative_zero", "positive_zero",
 )  # fmt: skip
 _BAD_WEIGHT = FIELDS.index("bad_weight")
@@ -37,6 +38,7 @@ _FLAGS = _BAD_WEIGHT  # from here on, flags merged by max
 _NEGATIVE_ZERO, _POSITIVE_ZERO = FIELDS.index("negative_zero"), FIELDS.index("positive_zero")
 # where each of FIELDS up to "last" goes in Summary.as_tuple() (count, weight, wsum, total, m2, min, max, first, last)
 _TO_FIELDS = [0, 1, 3, 5, 7, 8, 9, 10, 11]
+_HOST_FIRST, _HOST_LAST = FIELDS.index("host_first"), FIELDS.index("host_last")
 
 
 def check_device(metric: str, value: Any, what: str = "value") -> None:
@@ -71,7 +73,7 @@ def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     return all(n in (1, m) for n, m in zip(reversed(shape), reversed(target), strict=False))
 
 
-def _batch(value: Any, weight: Any, *, ignore: bool) -> Any:
+def _batch(value: Any, weight: Any, *, ignore: bool, host: int) -> Any:
     import torch
 
     x = value.detach().reshape(-1).to(torch.float64)
@@ -103,7 +105,10 @@ def _batch(value: Any, weight: Any, *, ignore: bool) -> Any:
     wsum = (w * x).sum()
     mean = torch.where(weight_sum > 0, wsum / weight_sum, torch.zeros_like(wsum))
     m2 = (w * (x - mean) ** 2).sum()
-    return torch.stack([count, weight_sum, wsum, x.sum(), m2, lo, hi, first, last, bad_w, nonfinite, *zeros])
+    before = torch.full((), float(host), dtype=torch.float64, device=x.device)
+    return torch.stack([
+        count, weight_sum, wsum, x.sum(), m2, lo, hi, first, last, before, before, bad_w, nonfinite, *zeros
+    ])
 
 
 def _merge(a: Any, b: Any) -> Any:
@@ -120,6 +125,7 @@ def _merge(a: Any, b: Any) -> Any:
             a[0] + b[0], wa + wb, a[2] + b[2], a[3] + b[3], m2,
             torch.minimum(a[5], b[5]), torch.maximum(a[6], b[6]),
             torch.where(has_a, a[7], b[7]), torch.where(has_b, b[8], a[8]),
+            torch.where(has_a, a[9], b[9]), torch.where(has_b, b[10], a[10]),  # as first and last
         ]),
         torch.maximum(a[_FLAGS:], b[_FLAGS:]),
     ])
@@ -139,8 +145,7 @@ class DeviceStates:
 
     def __init__(self) -> None:
         self._states: dict[str, Any] = {}  # the current update
-        self._hosts: dict[str, HostOrder] = {}  # the current update's, per metric
-        self._done: dict[int, tuple[dict[str, Any], dict[str, HostOrder]]] = {}  # finished updates, by index
+        self._done: dict[int, dict[str, Any]] = {}  # finished updates of this commit, by update index
 
     def add(self, name: str, value: Any, weight: Any, *, nan: str, host: int = 0) -> None:
         """Merge a tensor batch into ``name``'s device state (no host sync); ``host``: how many of its host records
@@ -150,17 +155,15 @@ class DeviceStates:
             check_weight(name, value, weight)
         if value.numel() == 0:  # numel is host-known metadata
             return
-        batch = _batch(value, weight, ignore=nan == "ignore")
+        batch = _batch(value, weight, ignore=nan == "ignore", host=host)
         held = self._states.get(name)
         self._states[name] = batch if held is None else _merge(held, batch.to(held.device))
-        order = self._hosts.get(name)
-        self._hosts[name] = HostOrder(first=bool(host) if order is None else order.first, before_last=host)
 
     def end_update(self, index: int) -> None:
         """The current update (number ``index`` of this commit) is finished."""
         if self._states:
-            self._done[index] = (self._states, self._hosts)
-            self._states, self._hosts = {}, {}
+            self._done[index] = self._states
+            self._states = {}
 
     def shift(self, n: int) -> None:
         """``n`` updates were put back in front of this commit's finished ones: renumber."""
@@ -168,7 +171,7 @@ class DeviceStates:
 
     def names(self) -> list[str]:
         """The metrics that hold device state."""
-        return sorted({n for states in (self._states, *(s for s, _ in self._done.values())) for n in states})
+        return sorted({n for states in (self._states, *self._done.values()) for n in states})
 
     def take_all(
         self, *, nan_of: Callable[[str], str]
@@ -183,8 +186,8 @@ class DeviceStates:
 
         done, self._done = self._done, {}
         order = sorted(done)
-        names_of = [tuple(done[u][0]) for u in order]
-        states = [state for u in order for state in done[u][0].values()]
+        names_of = [tuple(done[u]) for u in order]
+        states = [state for u in order for state in done[u].values()]
         if not states:
             return {}, {}
         device = states[0].device
@@ -207,15 +210,17 @@ class DeviceStates:
         fields[_TO_FIELDS] = rows[:, : len(_TO_FIELDS)].T
         for f, signed, logged in ((8, -0.0, _NEGATIVE_ZERO), (9, 0.0, _POSITIVE_ZERO)):  # -0.0 below +0.0
             fields[f] = np.where((fields[f] == 0.0) & (rows[:, logged] != 0), signed, fields[f])
+        firsts, lasts = (rows[:, _HOST_FIRST] > 0).tolist(), rows[:, _HOST_LAST].astype(np.int64).tolist()
         out: dict[int, tuple[tuple[str, ...], Any, dict[str, HostOrder]]] = {}
         start = 0
         for u, names in zip(order, names_of, strict=True):
             stop = start + len(names)
             part = keep[start:stop]
+            hosts = dict(zip(names, map(HostOrder, firsts[start:stop], lasts[start:stop]), strict=True))
             if part.all():
-                out[u] = (names, fields[:, start:stop], done[u][1])
+                out[u] = (names, fields[:, start:stop], hosts)
             elif part.any():
-                out[u] = (tuple(compress(names, part.tolist())), fields[:, start:stop][:, part], done[u][1])
+                out[u] = (tuple(compress(names, part.tolist())), fields[:, start:stop][:, part], hosts)
             start = stop
         return out, errors
 

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from metricbus import MetricBus  # noqa: E402
+from metricbus import Agg, MetricBus  # noqa: E402
 from metricbus.errors import MetricValueError  # noqa: E402
 from metricbus.testing import MemoryAdapter  # noqa: E402
 
@@ -221,3 +221,23 @@ def test_first_and_last_follow_log_order_across_tensors_and_floats(seed: int, tm
         worker.close()
     bus.close()
     assert dict(emitted(read_journal(journal))) == live
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_first_and_last_under_nan_ignore_skip_what_was_dropped(seed: int) -> None:
+    """Under nan='ignore', NaN records (as floats, or tensors whose every value is NaN) count for neither first nor
+    last, whichever source logged what around them (100 random orders per seed)."""
+    rng = random.Random(seed)
+    ignore = {"first": Agg(micro="first", nan="ignore"), "last": Agg(micro="last", nan="ignore")}
+    for _ in range(100):
+        bus = MetricBus(dist=None)
+        kept: list[float] = []
+        for _ in range(rng.randint(1, 6)):
+            value = rng.choice([math.nan, float(rng.randint(-9, 9))])
+            raw: Any = torch.tensor([value]) if rng.random() < 0.5 else value
+            for kind, spec in ignore.items():
+                bus.log(kind, raw, agg=spec)
+            if not math.isnan(value):
+                kept.append(value)
+        out = bus.commit()
+        assert out == ({"first": kept[0], "last": kept[-1]} if kept else {}), kept
