@@ -96,13 +96,15 @@ class IntervalSync:
             self._inline = True
             return
         thread = threading.Thread(target=self._run, args=(fd, self._stop), name=self._name, daemon=True)
+        self._thread_fd = fd  # (before the thread runs: it forgets the number when it ends)
         try:
             thread.start()
         except RuntimeError:  # "can't create new thread at interpreter shutdown", or none left
+            self._thread_fd = -1
             os.close(fd)
             self._inline = True
             return
-        self._thread, self._thread_fd = thread, fd
+        self._thread = thread
 
     def _sync(self, fd: int) -> None:
         with self._lock:
