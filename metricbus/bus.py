@@ -31,7 +31,6 @@ from metricbus.errors import (
     MetricBusWarning,
     MetricTypeError,
     MetricValueError,
-    SpecError,
     StepError,
 )
 from metricbus.options import BusOptions
@@ -39,7 +38,7 @@ from metricbus.partial import Partial, Updates, joined_workers
 from metricbus.ranks import Commit, LocalRanks, RankTransport, make_transport
 from metricbus.reduce import StepReducer
 from metricbus.registry import resolve_adapter
-from metricbus.rules import Rules
+from metricbus.rules import Rules, check_pattern
 from metricbus.shutdown import EXIT_TIMEOUT_S
 from metricbus.sink import Sink
 from metricbus.spec import NanPolicy, Spec, SpecLike, check_nan, parse_spec
@@ -138,8 +137,7 @@ class MetricBus:
         committed (their records so far included; a different ``nan=`` policy for records already logged is
         refused); a name logged with ``agg=`` keeps it. One committed with the default, or a worker's declaration
         that differs, is a SpecError naming it, and the rule is not added."""
-        if not isinstance(pattern, str) or not pattern:
-            raise SpecError(f"rule pattern must be a non-empty string, got {pattern!r}")
+        check_pattern(pattern)
         parsed = parse_spec(spec, metric=pattern)
         if nan is not None:
             parsed = Spec(parsed.chains, check_nan(nan, metric=pattern))

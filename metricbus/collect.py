@@ -478,28 +478,27 @@ class Collector:
         self.fast = {}
 
 
-def _with_device(
-    host: Mapping[str, Summary], names: tuple[str, ...], fields: Any, hosts: Mapping[str, Any]
-) -> Mapping[str, Summary]:
+def _with_device(host: Mapping[str, Summary], names: tuple[str, ...], fields: Any, hosts: Any) -> Mapping[str, Summary]:
     """One update's host summaries and its device summaries (``names``, ``fields`` in columns): in columns when
     the host update is in columns (or empty) and shares no name; else merged per name, the host's state first, with
-    ``first`` and ``last`` the records logged first and last (``hosts``: each such name's HostOrder)."""
+    ``first`` and ``last`` the records logged first and last (``hosts[:, i]``: how many host records of name ``i``
+    came before its first and before its last tensor record)."""
     columns = MicroUpdate(names=names, fields=fields, others={})
     if not host:
         return columns
     if type(host) is MicroUpdate and not host.others and not any(map(host.__contains__, names)):
         return MicroUpdate(names=host.names + names, fields=np.concatenate((host.fields, fields), axis=1), others={})
     merged = dict(host)
-    for name, held in columns.items():
+    for i, name in enumerate(names):
+        held = columns[name]
         mine = merged.get(name)
         if mine is None:
             merged[name] = held
             continue
         both = mine.merge(held)  # first: the host's; last: the tensors'
-        order = hosts.get(name)  # (None: never, every device metric has one; as if host records came last)
-        if order is None or not order.first:  # no host record before the first tensor
+        if hosts[0, i] == 0:  # no host record before the first tensor record
             both = both._replace(first=held.first)
-        if mine.count > (0 if order is None else order.before_last):  # host records after the last tensor
+        if mine.count > hosts[1, i]:  # host records after the last tensor record
             both = both._replace(last=mine.last)
         merged[name] = both
     return merged

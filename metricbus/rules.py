@@ -22,8 +22,7 @@ class Rules:
 
     def add(self, pattern: str, spec: SpecLike) -> Spec:
         """Append a rule (after the existing ones) and return its parsed spec."""
-        if not isinstance(pattern, str) or not pattern:
-            raise SpecError(f"rule pattern must be a non-empty string, got {pattern!r}")
+        check_pattern(pattern)
         parsed = parse_spec(spec, metric=pattern)
         self._rules.append((pattern, parsed))
         return parsed
@@ -42,3 +41,9 @@ class Rules:
     def items(self) -> list[tuple[str, Spec]]:
         """The rules in order."""
         return list(self._rules)
+
+
+def check_pattern(pattern: object) -> None:
+    """Raise SpecError unless ``pattern`` is a non-empty string (an fnmatchcase pattern)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise SpecError(f"rule pattern must be a non-empty string, got {pattern!r}")

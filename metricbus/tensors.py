@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import compress
-from typing import Any, NamedTuple
+from typing import Any
 
 from metricbus.errors import MetricValueError
 from metricbus.signed_zero import NEGATIVE_ZERO_BITS
 from metricbus.summary import N_FIELDS
-from metricbus.values import is_tensor
 
 FIELDS = (
     "count", "weight", "wsum", "total", "m2", "min", "max", "first", "last", "host_first", "host_last",
@@ -131,15 +130,6 @@ def _merge(a: Any, b: Any) -> Any:
     ])
 
 
-class HostOrder(NamedTuple):
-    """Where a metric's host records of one update came against its tensors: ``first``, some before its first
-    tensor; ``before_last``, how many before its last one (more at the end of the update: the last is a host
-    record)."""
-
-    first: bool
-    before_last: int
-
-
 class DeviceStates:
     """The device states of every tensor-logged metric of one bus, per optimizer update."""
 
@@ -148,11 +138,8 @@ class DeviceStates:
         self._done: dict[int, dict[str, Any]] = {}  # finished updates of this commit, by update index
 
     def add(self, name: str, value: Any, weight: Any, *, nan: str, host: int = 0) -> None:
-        """Merge a tensor batch into ``name``'s device state (no host sync); ``host``: how many of its host records
-        of this update came before it. A weight it cannot take raises here (:func:`check_weight`), before any state
-        changes."""
-        if is_tensor(weight):
-            check_weight(name, value, weight)
+        """Merge a tensor batch into ``name``'s device state (no host sync; the caller checked the weight with
+        :func:`check_weight`); ``host``: how many of its host records of this update came before it."""
         if value.numel() == 0:  # numel is host-known metadata
             return
         batch = _batch(value, weight, ignore=nan == "ignore", host=host)
@@ -167,7 +154,7 @@ class DeviceStates:
 
     def shift(self, n: int) -> None:
         """``n`` updates were put back in front of this commit's finished ones: renumber."""
-        self._done = {index + n: held for index, held in self._done.items()}
+        self._done = {index + n: states for index, states in self._done.items()}
 
     def names(self) -> list[str]:
         """The metrics that hold device state."""
@@ -175,12 +162,13 @@ class DeviceStates:
 
     def take_all(
         self, *, nan_of: Callable[[str], str]
-    ) -> tuple[dict[int, tuple[tuple[str, ...], Any, dict[str, HostOrder]]], dict[str, MetricValueError]]:
+    ) -> tuple[dict[int, tuple[tuple[str, ...], Any, Any]], dict[str, MetricValueError]]:
         """Every finished update's micro summaries in columns, with ONE device-to-host copy: per update index,
         ``(names, fields, hosts)`` where ``fields[:, i]`` is the ``Summary.as_tuple()`` of name ``i`` (float64,
-        shape ``(N_FIELDS, len(names))``) and ``hosts`` says where the host records of its metrics logged with host
-        records too came (:class:`HostOrder`); and per metric (``nan_of``: its nan policy) the error that rejects it
-        (left out of every update); reset. The caller ends the current update first."""
+        shape ``(N_FIELDS, len(names))``) and ``hosts[:, i]`` how many of its host records of that update came
+        before its first and before its last tensor record (float64, shape ``(2, len(names))``); and per metric
+        (``nan_of``: its nan policy) the error that rejects it (left out of every update); reset. The caller ends
+        the current update first."""
         import numpy as np
         import torch
 
@@ -210,17 +198,17 @@ class DeviceStates:
         fields[_TO_FIELDS] = rows[:, : len(_TO_FIELDS)].T
         for f, signed, logged in ((8, -0.0, _NEGATIVE_ZERO), (9, 0.0, _POSITIVE_ZERO)):  # -0.0 below +0.0
             fields[f] = np.where((fields[f] == 0.0) & (rows[:, logged] != 0), signed, fields[f])
-        firsts, lasts = (rows[:, _HOST_FIRST] > 0).tolist(), rows[:, _HOST_LAST].astype(np.int64).tolist()
-        out: dict[int, tuple[tuple[str, ...], Any, dict[str, HostOrder]]] = {}
+        hosts = rows[:, [_HOST_FIRST, _HOST_LAST]].T
+        out: dict[int, tuple[tuple[str, ...], Any, Any]] = {}
         start = 0
         for u, names in zip(order, names_of, strict=True):
             stop = start + len(names)
             part = keep[start:stop]
-            hosts = dict(zip(names, map(HostOrder, firsts[start:stop], lasts[start:stop]), strict=True))
             if part.all():
-                out[u] = (names, fields[:, start:stop], hosts)
+                out[u] = (names, fields[:, start:stop], hosts[:, start:stop])
             elif part.any():
-                out[u] = (tuple(compress(names, part.tolist())), fields[:, start:stop][:, part], hosts)
+                kept = tuple(compress(names, part.tolist()))
+                out[u] = (kept, fields[:, start:stop][:, part], hosts[:, start:stop][:, part])
             start = stop
         return out, errors
 
