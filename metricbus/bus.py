@@ -375,11 +375,19 @@ class MetricBus:
     def _next_step(self, step: SupportsIndex | None) -> int:
         if step is None:
             last = self._last_step if self._last_step is not None else self._resumed_after
-            return 0 if last is None else last + 1
+            if last is None:
+                return 0
+            if last + 1 >= 2**63:
+                raise StepError(
+                    f"commit() after step {last}: the next step, {last + 1}, is out of range; steps are int64 "
+                    "(-2**63 <= step < 2**63)"
+                )
+            return last + 1
         if isinstance(step, bool) or not isinstance(step, int):
             index = getattr(type(step), "__index__", None)  # numpy and torch integers: their int
-            if index is None or str(getattr(step, "dtype", "")) in _NOT_STEPS:
-                raise StepError(f"commit step must be an int (or a numpy or torch integer), got {step!r}")
+            if isinstance(step, bool) or index is None or str(getattr(step, "dtype", "")) in _NOT_STEPS:
+                why = " (a bool is not a step)" if isinstance(step, bool) else ""
+                raise StepError(f"commit step must be an int (or a numpy or torch integer), got {step!r}{why}")
             try:
                 step = int(index(step))
             except (TypeError, ValueError, RuntimeError) as exc:  # a tensor of several values, or not an integer

@@ -29,7 +29,7 @@ from metricbus.sketch import unknown
 from metricbus.spec import NanPolicy, Spec, SpecLike, micro_sketch
 from metricbus.spec_table import DEFAULT, EXPLICIT, RULE, Claim, SpecTable, decide
 from metricbus.summary import EMPTY, Summary, with_sketch
-from metricbus.values import check_finite, is_tensor, to_values, to_weights
+from metricbus.values import check_finite, check_tensor, is_tensor, to_values, to_weights
 
 _NONE: frozenset[str] = frozenset()
 _MAX_SHAPES = 256  # dict shapes the log(dict) fast path keeps; others take the validated path
@@ -99,8 +99,8 @@ class Collector:
 
     def log(self, name: Any, value: Any, *, weight: Any, agg: SpecLike | None) -> None:
         """Validate every record of the call, then buffer them all (or raise and record nothing)."""
-        if type(value) is np.ndarray and weight is None and agg is None:  # an array of a known name: no staging
-            acc = self.accs.get(name)
+        if type(value) is np.ndarray and type(name) is str and weight is None and agg is None:  # a known name's
+            acc = self.accs.get(name)  # array: no staging
             if acc is not None and value.dtype.kind in _REAL_KINDS and (acc.nan != "error" or value.size == 0):
                 flat = np.array(value, dtype=np.float64, order="C").reshape(-1)
                 if flat.size:
@@ -116,13 +116,18 @@ class Collector:
             items = [(name, value)]
         with self.lock:
             introduced: list[str] = []
+            replaced: list[tuple[str, Claim]] = []
             staged = []
             try:
                 for metric, raw in items:  # validate everything before recording anything
-                    acc = self._accumulator(metric, agg, introduced)
+                    acc = self._accumulator(metric, agg, introduced, replaced)
                     staged.append((acc, *self._records(acc, raw, weight)))
             except Exception:
-                self._forget(introduced)  # a rejected call must not fix the spec of a name it introduced
+                # a rejected call changes no spec: names it introduced are forgotten, defaults it replaced put back
+                for metric, held in reversed(replaced):
+                    self.table.fix(metric, held)
+                    self._respec(self.accs[metric])
+                self._forget(introduced)
                 raise
             for new in introduced:  # only now may the lock-free fast path see the new buffers
                 fresh = self.accs[new]
@@ -140,8 +145,14 @@ class Collector:
                         acc.fold()
                     self._device_states().add(acc.name, values, weights, nan=acc.nan, host=acc.state.count)
 
-    def _accumulator(self, name: Any, agg: SpecLike | None, introduced: list[str]) -> Accumulator:
+    def _accumulator(
+        self, name: Any, agg: SpecLike | None, introduced: list[str], replaced: list[tuple[str, Claim]]
+    ) -> Accumulator:
+        """The accumulator of ``name`` logged with ``agg``; a name this call adds is put in ``introduced``, and a
+        default this call's ``agg=`` replaced in ``replaced`` (with the claim replaced), for the caller to undo."""
         table = self.table
+        if not isinstance(name, str):
+            table.own(name, agg)  # raises: names are strings
         acc = self.accs.get(name)
         if acc is not None and agg is None:
             return acc
@@ -157,8 +168,10 @@ class Collector:
             if claim.spec != held.spec:
                 if acc is not None:
                     self._check_distribution(acc, claim.spec)
+                    self._check_nan(acc, claim.spec, "agg= in this log()")
                 table.check_outputs(name, claim.spec)
                 table.fix(name, claim)
+                replaced.append((name, held))
                 if acc is not None:
                     self._respec(acc)
             spec = claim.spec
@@ -193,7 +206,7 @@ class Collector:
                     acc = self.accs.get(name)
                     if acc is not None:
                         self._check_distribution(acc, claim.spec)
-                        self._check_nan(acc, claim.spec, pattern)
+                        self._check_nan(acc, claim.spec, f"the rule {pattern!r}")
                     table.check_outputs(name, claim.spec, outputs)
                 won[name] = claim
             table.rules.add(pattern, spec)
@@ -204,14 +217,23 @@ class Collector:
                 if respec and acc is not None:
                     self._respec(acc)
 
-    def _check_nan(self, acc: Accumulator, spec: Spec, pattern: str) -> None:
-        """Refuse a rule whose nan= policy differs from the one ``acc``'s records were logged under (they were
-        checked or dropped at log() by it, and folded by it)."""
+    def _check_nan(self, acc: Accumulator, spec: Spec, what: str) -> None:
+        """Refuse a spec (from ``what``) whose nan= policy differs from the one ``acc``'s records not yet committed
+        were logged under (they were checked or dropped at log() by it, and reduced by it): buffered, in an update
+        already ended, or on the device."""
         nan = spec.nan or self._nan
-        if nan != acc.nan and acc.pending:
+        if nan == acc.nan:
+            return
+        name = acc.name
+        logged = (
+            acc.pending
+            or any(name in update for update in self._done)
+            or (self._device is not None and name in self._device.names())
+        )
+        if logged:
             raise SpecError(
-                f"the rule {pattern!r} gives {acc.name!r} nan={nan!r}, but its records were already logged under "
-                f"nan={acc.nan!r}; define the rule before logging {acc.name!r}, or give it the same nan= policy"
+                f"{what} gives {name!r} nan={nan!r}, but its records were already logged under nan={acc.nan!r}; "
+                f"declare its spec before logging {name!r}, or give it the same nan= policy"
             )
 
     def _respec(self, acc: Accumulator) -> None:
@@ -252,6 +274,7 @@ class Collector:
         if is_tensor(raw) and not raw.is_complex():
             from metricbus.tensors import check_device, check_weight
 
+            check_tensor(metric, raw)
             check_device(metric, raw)
             if acc.sketched:  # a distribution: its values are bucketed on the host (one copy)
                 if weight is None:
@@ -263,6 +286,7 @@ class Collector:
             elif is_tensor(weight):
                 check_device(metric, weight, "weight")
                 check_weight(metric, raw, weight)  # (shapes and dtypes only: no sync) before anything is recorded
+                check_tensor(metric, weight, "weight")
                 return raw, weight  # device tensors: accumulated on device, no host sync
             elif weight is None or type(weight) in (int, float):
                 to_weights(metric, weight, 1, 0.0)  # a scalar weight: checked now

@@ -23,28 +23,66 @@ def is_tensor(value: object) -> bool:
     return cls.__module__.startswith("torch") and hasattr(value, "detach") and hasattr(value, "dtype")
 
 
+def _shown(value: object) -> str:
+    """``repr(value)`` on one line, cut to 60 characters."""
+    shown = " ".join(repr(value).split())
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
 def _type_error(metric: str, value: object, why: str = "") -> MetricTypeError:
-    shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
     return MetricTypeError(
-        f"cannot log {shown} ({type(value).__name__}) as {metric!r}{why}; log a real number, a bool, "
+        f"cannot log {_shown(value)} ({type(value).__name__}) as {metric!r}{why}; log a real number, a bool, "
         "or a numpy array / torch tensor / list of real numbers"
     )
 
 
+# the torch dtypes whose elements are real numbers (besides the floating ones): each element one record
+_TENSOR_INTEGERS = frozenset(
+    f"torch.{kind}{bits}" for kind in ("int", "uint") for bits in (8, 16, 32, 64)
+) | {"torch.bool"}
+
+
+def check_tensor(metric: str, value: Any, what: str = "value") -> None:
+    """Reject a tensor whose elements are not plain real numbers, naming the metric: complex, sparse or other
+    non-strided layouts, nested, quantized, or of a dtype that is neither a float, an integer nor a bool (``bits8``).
+    Reads only the tensor's metadata (no device sync). A value is a MetricTypeError, a weight a MetricValueError."""
+    layout = str(value.layout)
+    if value.is_complex():
+        why = "complex; log a real tensor"
+    elif layout != "torch.strided":
+        why = f"a {layout} tensor; log value.to_dense()"
+    elif getattr(value, "is_nested", False):
+        why = "a nested tensor; log each of its tensors"
+    elif value.is_quantized:
+        why = "quantized; log value.dequantize()"
+    elif not value.is_floating_point() and str(value.dtype) not in _TENSOR_INTEGERS:
+        why = "not of a real dtype; log a tensor of floats, integers or bools"
+    else:
+        return
+    error = MetricTypeError if what == "value" else MetricValueError
+    raise error(f"the {what} tensor logged for {metric!r} (dtype {value.dtype}) is {why}")
+
+
 def _array(metric: str, value: Any) -> np.ndarray[Any, Any]:
-    if isinstance(value, np.ndarray):
+    if type(value) is np.ndarray:
         array = value
+    elif isinstance(value, np.ndarray):  # a subclass: np.matrix as its plain array; a masked array refused
+        if isinstance(value, np.ma.MaskedArray):
+            raise _type_error(
+                metric, value, " (a masked array: log value.compressed() for its unmasked records, or value.filled(x))"
+            )
+        array = np.asarray(value)
     elif is_tensor(value):
-        if value.is_complex():
-            raise _type_error(metric, value, " (complex tensor)")
+        check_tensor(metric, value)
         array = value.detach().to(device="cpu").double().numpy()
     else:
         try:
             array = np.asarray(value)
         except ValueError as exc:  # numpy 2 refuses ragged nesting
             raise _type_error(metric, value, " (ragged nested lists)") from exc
+    if array.dtype.kind == "O" and all(type(x) in (int, float, bool) for x in array.flat):
+        # Python ints beyond int64 (or mixed with floats) in a list: each one as a float, as a scalar would be
+        return np.array([_real(metric, x, "value") for x in array.flat], dtype=np.float64).reshape(array.shape)
     if array.dtype.kind not in _REAL_DTYPE_KINDS:
         raise _type_error(metric, value, f" (dtype {array.dtype})")
     return array
@@ -85,13 +123,15 @@ def to_weights(metric: str, weight: object, n: int, value: Any) -> list[float] |
     if weight is None:
         return None
     if isinstance(weight, (int, float, np.generic)) and not isinstance(weight, complex):
+        if isinstance(weight, np.generic) and weight.dtype.kind not in _REAL_DTYPE_KINDS:
+            raise MetricValueError(f"weight {weight!r} for {metric!r} is not a real number (dtype {weight.dtype})")
         w = _real(metric, weight, "weight")
         _check_weight(metric, w)
         return [w] * n
     try:
         array = _array(metric, weight)
     except MetricTypeError as exc:
-        raise MetricValueError(f"weight {weight!r} for {metric!r} is not a real number or array") from exc
+        raise MetricValueError(f"weight {_shown(weight)} for {metric!r} is not a real number or array") from exc
     shape = tuple(value.shape) if is_tensor(value) else np.shape(value)
     try:
         flat = np.broadcast_to(array, shape).astype(np.float64).ravel()
