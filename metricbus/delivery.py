@@ -236,6 +236,23 @@ class Delivery:
                     why, worker.released)
         self.keep(AdapterError(f"adapter {worker.label!r} stopped: {why}"), cause)
 
+    def label(self, index: int) -> str:
+        """The label of adapter ``index`` (its name, numbered where two share it)."""
+        return self._workers[index].label
+
+    def give_up(self, index: int, *, why: str, cause: BaseException | None) -> None:
+        """Stop adapter ``index`` for this run: it gets no more steps (the journal keeps them for ``metricbus sync``)
+        and is closed as failed at close. Its thread is alive and idle, unlike :meth:`stop`'s."""
+        worker = self._workers[index]
+        with self._lock:
+            if worker.stopped is not None:
+                return
+            worker.stopped = why
+        worker.released += worker.release()
+        self.report(logging.ERROR, worker.label, "stopped", "adapter %r stopped for this run: %s; the journal keeps "
+                    "its steps for `metricbus sync`", worker.label, why)
+        self.keep(AdapterError(f"adapter {worker.label!r} stopped: {why}"), cause)
+
     def _watch(self, worker: Worker, now: float) -> None:
         """Stop ``worker`` if its running call is past the write deadline."""
         if worker.overdue(now):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from metricbus import shutdown
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.delivery import Delivery
+from metricbus.errors import JournalError
 from metricbus.partial import Partial
 from metricbus.spec import Spec
 
@@ -104,24 +105,57 @@ class Sink:
         The first commit of a resumed run first tells each adapter what it missed (see :mod:`metricbus.resume`);
         cursors move back before the commit is journaled, so a crash in between sends steps again, never skips them.
         """
+        failure = None
         if self._previous is not None:
             previous, self._previous = self._previous, None
             self.columns = self._journal.append_columns
-            self._catch_up(previous, step)
+            failure = self._catch_up(previous, step)
         if self._journal is not None:
             self._journal.append(step=step, entries=entries)
+        if failure is not None:
+            raise failure
 
-    def _catch_up(self, previous: Journal | JournalStream, step: int) -> None:
+    def _catch_up(self, previous: Journal | JournalStream, step: int) -> JournalError | None:
+        """Tell each adapter what it missed. Where that fails (the old journal unreadable, a cursor not
+        writable), the adapters not caught up yet are stopped for this run, their cursors moved below ``step``
+        where they can be (so ``metricbus sync`` sends the new timeline from there): the commit is journaled, and
+        the returned error is raised after it."""
         from metricbus.resume import catch_up
 
         store = self._journal.cursors
         adapters = self.delivery.adapters
-        plans = catch_up(previous, step=step, cursors=[store.get(a) for a in adapters])
-        for index, (adapter, plan) in enumerate(zip(adapters, plans, strict=True)):
-            if plan.rewind is not None:
-                store.rewind(adapter, plan.cursor)
-            if plan.rewind is not None or plan.steps:
-                self.delivery.resume(index, rewind=plan.rewind, steps=plan.steps)
+        done = 0
+        try:
+            plans = catch_up(previous, step=step, cursors=[store.get(a) for a in adapters])
+            for index, (adapter, plan) in enumerate(zip(adapters, plans, strict=True)):
+                if plan.rewind is not None:
+                    store.rewind(adapter, plan.cursor)
+                if plan.rewind is not None or plan.steps:
+                    self.delivery.resume(index, rewind=plan.rewind, steps=plan.steps)
+                done = index + 1
+        except Exception as exc:
+            stuck = []
+            for index in range(done, len(adapters)):
+                try:
+                    store.rewind(adapters[index], step - 1)
+                except Exception:
+                    stuck.append(self.delivery.label(index))
+                why = f"could not catch it up with the resumed journal ({type(exc).__name__}: {exc})"
+                self.delivery.give_up(index, why=why, cause=exc)
+            also = (
+                f"; the delivery cursors of {', '.join(stuck)} could not be moved below step {step} either"
+                if stuck
+                else ""
+            )
+            error = JournalError(
+                f"resumed run, commit at step {step}: could not catch the adapters up with the journal "
+                f"({type(exc).__name__}: {exc}); the step is journaled, and the adapters not caught up are stopped "
+                f"for this run: once the cause is fixed, `metricbus sync {self._journal.directory}` sends them what "
+                f"they miss{also}"
+            )
+            error.__cause__ = exc
+            return error
+        return None
 
     def submit(self, *, step: int, metrics: Mapping[str, float], repeat: bool = False) -> None:
         """Hand an emitted step to the adapters (enqueue only); ``repeat``: the commit :meth:`hold` was for."""

@@ -101,7 +101,8 @@ class IntervalSync:
             thread.start()
         except RuntimeError:  # "can't create new thread at interpreter shutdown", or none left
             self._thread_fd = -1
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
             self._inline = True
             return
         self._thread = thread
@@ -124,7 +125,8 @@ class IntervalSync:
                 self._sync(fd)
         finally:
             self._thread_fd = -1  # first: a child forked from now on must not close the number (reused, maybe)
-            os.close(fd)
+            with contextlib.suppress(OSError):  # (a write-back error it reports, the writer's fsync and close do too)
+                os.close(fd)
 
 
 def _watch_forks(sync: IntervalSync) -> None:

@@ -137,6 +137,7 @@ class JournalWriter:
         self._reserve = reserve.reserver()
         self._end = 0
         self._reserved = 0  # blocks are reserved up to this offset (reserve.py)
+        self._torn = 0  # how many bytes of a failed write reached the file (cut again by _cut)
         self.cursors = CursorStore(self.directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -162,10 +163,13 @@ class JournalWriter:
                 self._syncer = IntervalSync(fd=fd, interval=FSYNC_INTERVAL_S, name=f"metricbus-journal-{rank}")
         except BaseException as exc:
             self._fd = None
+            if isinstance(exc, OSError):  # what part of the header reached the file is cut again (locked only)
+                self._cut(fd)
             if self._locked:
                 with contextlib.suppress(OSError):
                     self._lock_path.unlink(missing_ok=True)
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
             if isinstance(exc, OSError):
                 raise JournalError(f"cannot write journal file {self.path}: {_os_error(exc)}") from exc
             raise
@@ -193,11 +197,21 @@ class JournalWriter:
             pass  # only the message a second writer gets is poorer; the lock itself holds
 
     def _write(self, data: bytes | bytearray, written: int = 0) -> None:
-        """Write ``data`` from byte ``written`` on."""
+        """Write ``data`` from byte ``written`` on (the bytes before it were written); where it fails, ``_torn`` says
+        how many of ``data``'s bytes reached the file (for :meth:`_cut`). A write that makes no progress (0 bytes,
+        as some FUSE file systems answer) is an OSError, not a loop."""
         assert self._fd is not None
         view = memoryview(data)[written:]
-        while view:  # more than one write only when one was short (a signal, a nearly full disk)
-            view = view[os.write(self._fd, view) :]
+        try:
+            while view:  # more than one write only when one was short (a signal, a nearly full disk)
+                done = os.write(self._fd, view)
+                if done <= 0:
+                    raise OSError(errno.EIO, f"write made no progress ({done} bytes)")
+                written += done
+                view = view[done:]
+        except OSError:
+            self._torn = written
+            raise
 
     def append(self, *, step: int, entries: list[tuple[int, Partial]]) -> None:
         """Write one commit (every entry of every partial, in order) in one ``os.write``, before commit() returns.
@@ -379,6 +393,7 @@ class JournalWriter:
         end = self._end + size
         if end > self._reserved:
             self._reserve_ahead(fd, end)
+        self._torn = 0
         try:
             written = os.write(fd, data)
             if written < size:
@@ -415,21 +430,24 @@ class JournalWriter:
                 os.fsync(fd)
             except OSError as exc:  # the bytes may never reach the disk: say so, and send the names again
                 self._gap = (step, step)
-                raise self._error("fsync", exc, step) from exc
+                raise self._unsynced((exc, step, step)) from exc
 
     def _failures(self) -> bytes:
         """The pending failed commits' frames: each window that ended with one ("L", "W"), then the open one's."""
         return self._windows_due + (lost_frame(self._lost) if self._lost else b"")
 
     def _cut(self, fd: int) -> None:
-        """After a failed write: remove what part of it reached the file (a short write before the error), so
-        none of its frames is read and counted again with the next write, which carries them whole; unlocked
-        (another writer may be appending), or where that fails, the file's size is taken as it is (the reader
-        skips a torn frame)."""
+        """After a failed write: remove what part of it reached the file (``_torn`` bytes, a short write before the
+        error: the file's last bytes, as it is appended to), so none of its frames is read and counted again with
+        the next write, which carries them whole. Only those bytes: a child forked from this process shares the
+        file and its lock, and what it appended stays. Unlocked (another writer may be appending), or where that
+        fails, the file's size is taken as it is (the reader skips a torn frame)."""
+        torn, self._torn = self._torn, 0
         with contextlib.suppress(OSError):
-            if self._locked and os.fstat(fd).st_size > self._end:
-                os.ftruncate(fd, self._end)  # (frees the blocks reserved past it too: reserved again)
-                self._reserved = self._end
+            size = os.fstat(fd).st_size
+            if self._locked and 0 < torn <= size:
+                os.ftruncate(fd, size - torn)  # (frees the blocks reserved past it too: reserved again)
+                self._reserved = size - torn
         with contextlib.suppress(OSError):
             self._end = os.fstat(fd).st_size
 
@@ -493,6 +511,7 @@ class JournalWriter:
         fd = self._fd
         syncer = self._syncer
         unsynced = None
+        closing: OSError | None = None
         try:
             if syncer is not None:  # its thread ends first (after an fsync under way), so its failure is marked
                 syncer.stop()
@@ -512,8 +531,8 @@ class JournalWriter:
                     self._write(tail)
                     self._gap, self._lost, self._windows_due, self._window_steps = None, [], b"", []
                     self._failed = False
-                except OSError:
-                    pass  # already reported by the commit that failed; the file stays readable
+                except OSError:  # already reported by the commit that failed; what part reached the file is cut
+                    self._cut(fd)
             if self._reserve is not None and self._locked:  # (unlocked, another writer may be appending)
                 reserve.trim(fd)
             # fsync, unless the thread's last fsync began after the last write and succeeded
@@ -530,9 +549,17 @@ class JournalWriter:
                     self._lock_path.unlink(missing_ok=True)
                 with contextlib.suppress(OSError):  # (the thread's descriptor, if it still runs, shares the lock)
                     fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError as exc:  # (a network file system reports a failed write-back here)
+                closing = exc
         if unsynced is not None:
             raise self._unsynced(unsynced)
+        if closing is not None:
+            raise JournalError(
+                f"cannot close journal file {self.path}: {_os_error(closing)}; what was written since its last "
+                "fsync may not be on disk"
+            ) from closing
 
 
 def open_journal(
