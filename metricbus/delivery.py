@@ -65,8 +65,11 @@ def check_queue_options(*, queue_size: object, queue_policy: object, queue_timeo
         raise ValueError(f"queue_size must be an int >= 1, got {queue_size!r}")
     if queue_policy not in QUEUE_POLICIES:
         raise ValueError(f"unknown queue_policy {queue_policy!r}; use one of {', '.join(QUEUE_POLICIES)}")
-    if isinstance(queue_timeout_s, bool) or not isinstance(queue_timeout_s, (int, float)) or queue_timeout_s < 0:
-        raise ValueError(f"queue_timeout_s must be a number >= 0, got {queue_timeout_s!r}")
+    if _seconds(queue_timeout_s) is None or not queue_timeout_s >= 0:  # type: ignore[operator]
+        raise ValueError(
+            f"queue_timeout_s must be a number of seconds >= 0 (at most {threading.TIMEOUT_MAX:g}), got "
+            f"{queue_timeout_s!r}"
+        )
 
 
 def check_open_error(value: object) -> str:
@@ -81,9 +84,22 @@ def check_open_error(value: object) -> str:
 
 def check_seconds(option: str, value: object) -> float:
     """``value`` as a float number of seconds > 0; else a ValueError naming ``option``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{option} must be a number > 0, got {value!r}")
-    return float(value)
+    seconds = _seconds(value)
+    if seconds is None or not seconds > 0:
+        raise ValueError(f"{option} must be a number of seconds > 0 (at most {threading.TIMEOUT_MAX:g}), got {value!r}")
+    return seconds
+
+
+def _seconds(value: object) -> float | None:
+    """``value`` as a float a thread can wait (not NaN, at most ``threading.TIMEOUT_MAX``; negative stays), else
+    None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond the double range
+        return None
+    return seconds if seconds <= threading.TIMEOUT_MAX else None
 
 
 @dataclass(frozen=True, slots=True)

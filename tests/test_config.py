@@ -242,7 +242,7 @@ MISTAKES = [
     ({"strict": "yes"}, "strict: must be a bool (True or False), got 'yes'"),
     ({"queue_policy": "wait"}, "queue_policy: unknown queue_policy 'wait'; use one of block, drop"),
     ({"queue_size": 0}, "queue_size: must be an int >= 1"),
-    ({"queue_timeout_s": -1}, "queue_timeout_s: must be a number >= 0"),
+    ({"queue_timeout_s": -1}, "queue_timeout_s: must be a number of seconds >= 0"),
     ({"dist": "mpi"}, "dist: must be 'auto', 'torch' or None, got 'mpi'; in a file, null or \"none\" (TOML has no"),
     ({"writer_rank": -1}, "writer_rank: must be an int >= 0"),
     ({"journal": 5}, "journal: must be a path (a non-empty str or os.PathLike) or None, got 5"),

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from metricbus import Agg, MetricBus, MetricTypeError, MetricValueError, SpecError, StepError
+from metricbus import Agg, ConfigError, MetricBus, MetricTypeError, MetricValueError, SpecError, StepError
 
 
 def bus() -> MetricBus:
@@ -160,3 +160,14 @@ def test_the_step_after_the_last_int64_is_refused_and_keeps_the_records() -> Non
         b.commit()
     assert b.commit(step=2**63 - 1) == {"b": 2.0}
     b.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"exit_timeout_s": 10**400}, {"write_timeout_s": math.inf}, {"queue_timeout_s": math.nan}],
+)
+def test_timeouts_a_thread_cannot_wait_are_config_errors(options: dict[str, object]) -> None:
+    """Before, a raw OverflowError (10**400), or accepted (NaN; inf made a thread wait raise OverflowError)."""
+    name = next(iter(options))
+    with pytest.raises(ConfigError, match=rf"{name}: must be a number of seconds"):
+        MetricBus(dist=None, **options)  # type: ignore[arg-type]

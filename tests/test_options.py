@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,11 @@ BAD: dict[str, tuple[Any, type[ValueError], str]] = {
     "fsync": ("always", ConfigError, "fsync: unknown fsync mode 'always'; use one of commit, interval, never"),
     "queue_size": (0, ConfigError, "queue_size: must be an int >= 1, got 0"),
     "queue_policy": ("wait", ConfigError, "queue_policy: unknown queue_policy 'wait'; use one of block, drop"),
-    "queue_timeout_s": (-1, ConfigError, "queue_timeout_s: must be a number >= 0, got -1"),
+    "queue_timeout_s": (
+        -1,
+        ConfigError,
+        f"queue_timeout_s: must be a number of seconds >= 0 (at most {threading.TIMEOUT_MAX:g}), got -1",
+    ),
 }  # fmt: skip
 
 
