@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from metricbus import MetricBus
-from metricbus.errors import JournalError
+from metricbus.errors import JournalError, JournalWarning
 from metricbus.journal import cursors, read_journal, writer
 from metricbus.testing import MemoryAdapter
 
@@ -216,3 +216,25 @@ def test_a_resume_whose_catch_up_fails_journals_the_commit_and_stops_the_adapter
     assert memory.rows == []  # stopped for the run ...
     assert cursors.CursorStore(directory).get(memory) is None  # ... and `metricbus sync` sends it every step
 
+
+
+@pytest.mark.parametrize("text", ['{"step": 1e400}', '{"step": 2.5}', "garbage", "[1]", '{"step": "3"}'])
+def test_a_damaged_cursor_is_warned_about_and_every_step_is_sent_again(tmp_path: Path, text: str) -> None:
+    """Before, 1e400 stopped sync with an OverflowError reported as a backend failure, and the others were read
+    as absent without a word."""
+    from metricbus.replay import sync
+
+    directory = tmp_path / "j"
+    memory = MemoryAdapter()
+    bus = MetricBus(dist=None, journal=str(directory), adapters=[memory])
+    for step in range(3):
+        bus.log("x", float(step))
+        bus.commit(step)
+    bus.close()
+    (cursor,) = (directory / "cursors").glob("*.json")
+    cursor.write_text(text, encoding="utf-8")
+    again = MemoryAdapter()
+    with pytest.warns(JournalWarning, match=r"delivery cursor .* is damaged: .*every journaled step is sent"):
+        sent = sync(directory, [again])
+    assert sent == {"memory": 3}
+    assert [step for step, _ in again.rows] == [0, 1, 2]

@@ -12,10 +12,13 @@ import inspect
 import json
 import os
 import threading
+import warnings
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from metricbus.errors import JournalWarning
 
 
 def adapter_key(adapter: Any) -> str:
@@ -79,6 +82,17 @@ def identity_of(adapter: Any) -> dict[str, str] | None:
     return {str(k): str(v) for k, v in value.items()}
 
 
+def _damaged(path: Path, why: str) -> dict[str, Any]:
+    """A damaged cursor record: warned about, and read as none (every step is sent again, never skipped)."""
+    warnings.warn(
+        f"delivery cursor {path} is damaged: {why}; read as nothing acknowledged, so every journaled step is sent "
+        "to that adapter again",
+        JournalWarning,
+        stacklevel=4,
+    )
+    return {}
+
+
 class CursorStore:
     """Per adapter, the last step its backend acknowledged and its backend run, in ``<journal>/cursors/<key>.json``.
 
@@ -93,19 +107,29 @@ class CursorStore:
         return self.directory / f"{key}.json"
 
     def _record(self, adapter: Any) -> dict[str, Any]:
+        """``adapter``'s record; {} where there is none, or (with a JournalWarning) where it is damaged."""
+        path = self._path(adapter_key(adapter))
         try:
-            data = json.loads(self._path(adapter_key(adapter)).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
             return {}
-        return data if isinstance(data, dict) else {}
+        except (OSError, ValueError) as exc:
+            return _damaged(path, f"unreadable ({exc})")
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return _damaged(path, "not JSON")
+        if not isinstance(data, dict):
+            return _damaged(path, "not a JSON object")
+        step = data.get("step")
+        if step is not None and (type(step) is not int or not -(2**63) <= step < 2**63):
+            return _damaged(path, f"its step {step!r} is not an int64")
+        return data
 
     def get(self, adapter: Any) -> int | None:
         """The last acknowledged step of ``adapter`` (None: nothing yet)."""
-        try:
-            step = self._record(adapter).get("step")
-            return None if step is None else int(step)
-        except (ValueError, TypeError):
-            return None
+        step = self._record(adapter).get("step")
+        return None if step is None else int(step)
 
     def identity(self, adapter: Any) -> dict[str, str] | None:
         """What ``adapter``'s ``identity`` said after its last open (None: never recorded)."""
