@@ -138,7 +138,10 @@ def _agg(value: Mapping[str, Any], *, pattern: str, where: str, origin: str) -> 
 
 
 def _spec(value: Any, *, pattern: str, where: str, origin: str, nested: bool = False) -> Any:
-    """The SpecLike a file's spec stands for: a kind, a mapping of levels (-> Agg) or a list of those."""
+    """The SpecLike a file's spec stands for: a kind, a mapping of levels (-> Agg) or a list of those; an ``Agg`` or
+    ``Spec`` object (an override given in code) as it is."""
+    if isinstance(value, (Agg, Spec)):
+        return value
     if isinstance(value, str):
         return _located(where, origin, check_kind, value, metric=pattern, level="every")
     if isinstance(value, Mapping):

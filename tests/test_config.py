@@ -13,7 +13,7 @@ from metricbus.adapters.mlflow import MlflowAdapter
 from metricbus.adapters.tensorboard import TensorBoardAdapter
 from omegaconf import OmegaConf
 
-from metricbus import ConfigError, MetricBus
+from metricbus import Agg, ConfigError, MetricBus
 from metricbus.config import bus_options
 from metricbus.testing import MemoryAdapter
 
@@ -340,3 +340,13 @@ def test_validation_happens_before_any_adapter_opens(tmp_path: Path) -> None:
         with pytest.raises(ConfigError):
             MetricBus.from_config(source)
     assert not out.exists()
+
+
+def test_an_override_in_code_may_give_agg_objects() -> None:
+    """``metrics=`` given in code takes ``Agg`` objects as a file's mappings (review: it was a ConfigError)."""
+    bus = MetricBus.from_config({"dist": None}, metrics={"x": Agg(micro="sum"), "y": [Agg(micro="sum"), "max"]})
+    bus.log("x", 1.0)
+    bus.log("x", 2.0)
+    assert bus.commit(0) == {"x": 3.0}
+    assert str(bus.spec_of("y")) == "[sum, max]"
+    bus.close()
