@@ -253,8 +253,17 @@ class MetricBus:
         """
         with self._lock:
             self._check_open("commit")
-            step = self._next_step(step)
             ranks = self._ranks
+            invalid = None
+            try:
+                step = self._next_step(step)
+            except StepError as exc:
+                if not ranks.collective:
+                    raise
+                # the other ranks may have passed a valid step: this one enters the commit's collectives all the
+                # same, with a step none of them can have (or, at a first commit, the least likely), so that every
+                # rank raises and keeps its records instead of waiting on this one (_commit)
+                invalid, step = exc, -(2**63) if self._last_step is None else self._last_step - 1
             if ranks.collective and not ranks.usable():
                 raise DistributedError(
                     f"commit(step={step}) on rank {ranks.rank}: the torch.distributed process group was destroyed "
@@ -262,7 +271,7 @@ class MetricBus:
                     "torch.distributed.destroy_process_group()"
                 )
             updates, errors = self._collector.take()
-            out, rejected = self._commit(step, updates, errors)
+            out, rejected = self._commit(step, updates, errors, invalid=invalid)
             if rejected:
                 raise _rejected(rejected, what=f"step {step}", kept="committed without them")
             # A strict bus's adapter failure is raised only now, after the step: raising before the collective
@@ -271,7 +280,7 @@ class MetricBus:
             return out
 
     def _commit(
-        self, step: int, updates: Updates, errors: dict[str, MetricValueError]
+        self, step: int, updates: Updates, errors: dict[str, MetricValueError], *, invalid: StepError | None = None
     ) -> tuple[dict[str, float], dict[str, MetricValueError]]:
         # One worker's usual commit (LocalRanks, nothing ingested: this process is worker 0) is journaled from its
         # update's columns as they are, without a Partial; any other from the partials the transport hands back
@@ -293,18 +302,29 @@ class MetricBus:
                 journaled=journaled, rejected=sorted(errors), step=step,
             )
             exchange = self._ranks.exchange(commit)
-        except BaseException:
+        except BaseException as exc:
             if not self._ranks.collective:  # nothing left this process: put the records back
                 self._collector.restore(updates)
                 self._held = ingested
+            elif isinstance(exc, DistributedError) and exc.refused:  # every rank refused it alike
+                dropped = self._put_back(updates, errors, {}, refused=exc.refused)
+                raise DistributedError(f"{exc}. The other records stay buffered{dropped}") from None
             raise
-        if exchange.steps is not None:  # every rank sees the same steps: every rank raises here, keeping its records
-            dropped = self._put_back(updates, errors, exchange.rejected)
+        if exchange.steps is not None or invalid is not None:  # every rank sees the same steps: every rank raises
+            dropped = self._put_back(updates, errors, exchange.rejected)  # here, keeping its records
+            if invalid is not None:
+                raise StepError(
+                    f"{invalid}; on rank {self._ranks.rank} of a torch.distributed group, whose other ranks raised too "
+                    f"(this rank's commit went through the step check as step {step}). The records stay "
+                    f"buffered{dropped}"
+                ) from None
+            assert exchange.steps is not None
             lowest, highest = exchange.steps
             raise DistributedError(
                 f"commit(step={step}) on rank {self._ranks.rank}: the ranks committed different steps (lowest "
                 f"{lowest}, highest {highest}); every rank must commit the same step, or call commit() without one "
-                f"on every rank. The records stay buffered{dropped}"
+                f"on every rank (a rank whose step was invalid raised a StepError, and shows here as step "
+                f"{'-2**63' if self._last_step is None else self._last_step - 1}). The records stay buffered{dropped}"
             )
         names = exchange.names()
         if step == self._last_step:
@@ -352,15 +372,24 @@ class MetricBus:
             rejected.setdefault(name, MetricValueError(f"{where} rejected the records of {name!r}"))
         return emitted, rejected
 
-    def _put_back(self, updates: Updates, errors: Mapping[str, MetricValueError], others: Mapping[str, str]) -> str:
+    def _put_back(
+        self,
+        updates: Updates,
+        errors: Mapping[str, MetricValueError],
+        others: Mapping[str, str],
+        *,
+        refused: Mapping[str, str] | None = None,
+    ) -> str:
         """Put a commit's records back after every rank refused it, without those of metrics another rank rejected
-        (``others``: dropped on every rank, as a commit would; ``errors``: this rank's, already left out); what was
-        dropped, for the error's message."""
-        if others:
-            updates = [{n: s for n, s in update.items() if n not in others} for update in updates]
+        (``others``: dropped on every rank, as a commit would; ``errors``: this rank's, already left out) or every
+        rank refused (``refused``: why); what was dropped, for the error's message."""
+        left_out = {**others, **(refused or {})}
+        if left_out:
+            updates = [{n: s for n, s in update.items() if n not in left_out} for update in updates]
         self._collector.restore(updates)
         reasons = {name: str(error) for name, error in errors.items()}
         reasons.update((name, f"{where} rejected the records of {name!r}") for name, where in others.items())
+        reasons.update(refused or {})
         if not reasons:
             return ""
         names = ", ".join(repr(n) for n in sorted(reasons))

@@ -405,6 +405,7 @@ class TorchRanks:
                 offers.setdefault(name, []).append(Claim(claim.spec, claim.origin, f"rank {rank} ({claim.where})"))
         decided: dict[str, Claim] = {}
         outputs = {key: name for name, claim in self._agreed.items() for key in output_keys(name, claim.spec)}
+        name = ""
         try:
             for name in sorted(offers):
                 held = self._agreed.get(name)
@@ -417,8 +418,8 @@ class TorchRanks:
                             f"{name!r} with spec {claim.spec} would emit {key!r}, which {owner!r} also emits "
                             "(on another rank, or earlier); rename one of them or change its spec"
                         )
-        except SpecError as exc:
-            raise DistributedError(f"rank {self.rank}: the ranks disagree: {exc}") from None
+        except SpecError as exc:  # raised on every rank alike: each keeps its records but those of ``name``
+            raise DistributedError(f"rank {self.rank}: the ranks disagree: {exc}", refused={name: str(exc)}) from None
         new = {name for name in decided if name not in self._agreed}
         for name, claim in decided.items():
             self._agreed[name] = claim

@@ -43,7 +43,15 @@ class AdapterNotFoundError(MetricBusError, LookupError):
 
 
 class DistributedError(MetricBusError, RuntimeError):
-    """Ranks disagree (different specs for one name) or the process group cannot be used."""
+    """Ranks disagree (different specs for one name) or the process group cannot be used.
+
+    ``refused``: where every rank refused a commit because of some metrics (their specs disagree), those metrics and
+    why; the commit's other records stay buffered.
+    """
+
+    def __init__(self, message: str, *, refused: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.refused: dict[str, str] = dict(refused or {})
 
 
 class JournalError(MetricBusError, ValueError):

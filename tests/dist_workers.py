@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as tdist
 
 from metricbus import Agg, MetricBus
-from metricbus.errors import DistributedError
+from metricbus.errors import DistributedError, StepError
 
 
 def init_gloo(rank: int, size: int, port: int) -> None:
@@ -408,6 +408,49 @@ def step_mismatch_rejected_worker(rank: int, size: int, port: int, out: Any) -> 
         except DistributedError as exc:
             results.append(str(exc))
         results.append(bus.commit(3))
+        bus.close()
+        out.put((rank, results))
+    finally:
+        tdist.destroy_process_group()
+
+
+def invalid_step_worker(rank: int, size: int, port: int, out: Any) -> None:
+    """Step 5; then rank 1's step below its last (rank 0's valid); rank 0's a bool; both ranks the same invalid step;
+    then step 6: what each returned or raised ("Type: message")."""
+    init_gloo(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch")
+        results: list[Any] = []
+        bus.log("x", float(rank))
+        results.append(bus.commit(5))
+        for i, step in enumerate([(6, 4)[rank], (True, 6)[rank], 2], start=1):
+            bus.log("x", float(10 * rank + i))
+            try:
+                results.append(bus.commit(step))
+            except (StepError, DistributedError) as exc:
+                results.append(f"{type(exc).__name__}: {exc}")
+        bus.log("x", float(10 * rank + 4))
+        results.append(bus.commit(6))
+        bus.close()
+        out.put((rank, results))
+    finally:
+        tdist.destroy_process_group()
+
+
+def spec_disagreement_worker(rank: int, size: int, port: int, out: Any) -> None:
+    """'x' declared mean on rank 0 and sum on rank 1, 'y' sum on both: the commit's error, then the next commit."""
+    init_gloo(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch")
+        results: list[Any] = []
+        bus.log("x", 1.0, agg=("mean", "sum")[rank])
+        bus.log("y", 1.0 + 10 * rank, agg="sum")
+        try:
+            bus.commit(0)
+            results.append("no error")
+        except DistributedError as exc:
+            results.append(str(exc))
+        results.append(bus.commit(1))
         bus.close()
         out.put((rank, results))
     finally:

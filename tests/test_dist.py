@@ -277,7 +277,8 @@ def test_ranks_that_commit_different_steps_raise_on_every_rank(tmp_path: Path) -
                 assert got == (
                     f"commit(step={step}) on rank {rank}: the ranks committed different steps (lowest {lowest}, "
                     f"highest {highest}); every rank must commit the same step, or call commit() without one on "
-                    "every rank. The records stay buffered"
+                    f"every rank (a rank whose step was invalid raised a StepError, and shows here as step "
+                    f"{results[rank][i - 1][0] - 1}). The records stay buffered"
                 )
     live = [(step, got) for step, got in results[0] if isinstance(got, dict)]
     assert [step for step, _ in live] == [0, 1, 2, 3, 4, 5, 7, 2**31, 2**31 + 1, 2**31 + 3]
@@ -300,3 +301,34 @@ def test_a_step_mismatch_drops_on_every_rank_what_one_rank_rejected() -> None:
         )
         assert "The records stay buffered; the records of 'y' were dropped" in error
         assert after == {"z": 2.0}
+
+
+def test_an_invalid_step_on_one_rank_raises_on_every_rank_and_keeps_the_records() -> None:
+    """One rank's step below its last (or a bool) while the other's is valid: before, that rank raised alone and the
+    other waited in the collective until the process group's timeout, then lost its records. Now every rank raises
+    (the invalid one its StepError) and keeps its records; so does every rank passing the same invalid step."""
+    results = _spawn(dist_workers.invalid_step_worker, 2)
+    for rank in range(2):
+        first, below, boolean, both, last = results[rank]
+        assert first == {"x": 0.5}
+        if rank == 1:
+            assert below.startswith("StepError: commit step 4 is less than the last step 5")
+            assert "on rank 1 of a torch.distributed group, whose other ranks raised too" in below
+            assert "The records stay buffered" in below
+        else:
+            assert below.startswith("DistributedError: commit(step=6) on rank 0: the ranks committed different steps")
+            assert "shows here as step 4" in below
+        assert boolean.startswith("StepError: commit step must be an int" if rank == 0 else "DistributedError")
+        assert both.startswith("StepError: commit step 2 is less than the last step 5")
+        assert last == {"x": (1 + 11 + 2 + 12 + 3 + 13 + 4 + 14) / 8}  # every record since step 5, once
+
+
+def test_a_spec_disagreement_keeps_the_other_records_on_every_rank() -> None:
+    """'x' declared mean on rank 0 and sum on rank 1: before, every record of every rank was lost, 'y' included. Now
+    both raise naming 'x' as dropped, and the next commit holds 'y'."""
+    results = _spawn(dist_workers.spec_disagreement_worker, 2)
+    for rank in range(2):
+        error, after = results[rank]
+        assert error.startswith(f"rank {rank}: the ranks disagree: 'x' has spec mean from rank 0")
+        assert "The other records stay buffered; the records of 'x' were dropped" in error
+        assert after == {"y": 1.0 + 11.0}
