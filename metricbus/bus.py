@@ -414,7 +414,12 @@ class MetricBus:
             return last + 1
         if isinstance(step, bool) or not isinstance(step, int):
             index = getattr(type(step), "__index__", None)  # numpy and torch integers: their int
-            if isinstance(step, bool) or index is None or str(getattr(step, "dtype", "")) in _NOT_STEPS:
+            if (
+                isinstance(step, bool)
+                or index is None
+                or str(getattr(step, "dtype", "")) in _NOT_STEPS
+                or getattr(step, "ndim", 0) != 0  # a one-element tensor or array is not a step: a 0-d one is
+            ):
                 why = " (a bool is not a step)" if isinstance(step, bool) else ""
                 raise StepError(f"commit step must be an int (or a numpy or torch integer), got {step!r}{why}")
             try:

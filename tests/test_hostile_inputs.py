@@ -171,3 +171,15 @@ def test_timeouts_a_thread_cannot_wait_are_config_errors(options: dict[str, obje
     name = next(iter(options))
     with pytest.raises(ConfigError, match=rf"{name}: must be a number of seconds"):
         MetricBus(dist=None, **options)  # type: ignore[arg-type]
+
+
+def test_a_one_element_tensor_is_not_a_step_as_a_one_element_array_is_not() -> None:
+    """Before, commit(torch.tensor([7])) was step 7 while commit(np.array([9])) was a StepError."""
+    torch = pytest.importorskip("torch")
+    b = bus()
+    b.log("a", 1.0)
+    for step in (torch.tensor([7]), np.array([9])):
+        with pytest.raises(StepError, match="commit step must be an int"):
+            b.commit(step)
+    assert b.commit(torch.tensor(3)) == {"a": 1.0}
+    b.close()
