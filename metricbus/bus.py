@@ -299,7 +299,7 @@ class MetricBus:
         try:
             commit = Commit(
                 own=own, own_updates=updates, ingested=ingested, table=self._table, reducer=self._reducer,
-                journaled=journaled, rejected=sorted(errors), step=step,
+                journaled=journaled, rejected=sorted(errors), step=step, invalid=invalid is not None,
             )
             exchange = self._ranks.exchange(commit)
         except BaseException as exc:

@@ -285,8 +285,9 @@ class Collector:
                 # with weights: the host records path below
             elif is_tensor(weight):
                 check_device(metric, weight, "weight")
+                if not weight.is_complex():  # (check_weight says what a complex weight should be)
+                    check_tensor(metric, weight, "weight")
                 check_weight(metric, raw, weight)  # (shapes and dtypes only: no sync) before anything is recorded
-                check_tensor(metric, weight, "weight")
                 return raw, weight  # device tensors: accumulated on device, no host sync
             elif weight is None or type(weight) in (int, float):
                 to_weights(metric, weight, 1, 0.0)  # a scalar weight: checked now

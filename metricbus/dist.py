@@ -182,7 +182,10 @@ class TorchRanks:
         dropped: dict[str, str] = {}
         fresh: Ranked = {}
         if longest:
-            fresh, dropped = self._agree(payload, longest, table, reducer)
+            # a commit every rank aborts (steps that differ, or every rank's step invalid) agrees on no spec: its
+            # records come back, and a refused commit changes nothing (the gather still runs on every rank)
+            aborted = commit.invalid or (not agree if one else step_check.steps_of_max(head[1:_AT]) is not None)
+            fresh, dropped = self._agree(payload, longest, table, reducer, apply=not aborted)
         if hit:  # the guess's layout; its extrema are NaN (no chain reads them)
             merged = rank_level.finish(guess, summed, prep.block.moments)
             self._hits += 0 if longest else 1  # (an agreement changed the columns and dropped the guess)
@@ -388,7 +391,7 @@ class TorchRanks:
         return [block[_LENGTH.size : _LENGTH.size + _LENGTH.unpack_from(block)[0]] for block in blocks]
 
     def _agree(
-        self, payload: bytes, longest: int, table: SpecTable, reducer: StepReducer
+        self, payload: bytes, longest: int, table: SpecTable, reducer: StepReducer, *, apply: bool = True
     ) -> tuple[Ranked, dict[str, str]]:
         """Gather the new claims and partials of the ranks that have them; extend the agreed table identically on
         every rank (or raise on every rank: all ranks see the same claims); return the rank-level results of the
@@ -405,21 +408,31 @@ class TorchRanks:
                 offers.setdefault(name, []).append(Claim(claim.spec, claim.origin, f"rank {rank} ({claim.where})"))
         decided: dict[str, Claim] = {}
         outputs = {key: name for name, claim in self._agreed.items() for key in output_keys(name, claim.spec)}
-        name = ""
-        try:
-            for name in sorted(offers):
-                held = self._agreed.get(name)
+        refused: dict[str, str] = {}  # the metrics whose specs the ranks disagree on, and why
+        for name in sorted(offers):
+            held = self._agreed.get(name)
+            try:
                 decided[name] = decide(name, held, offers[name], fixed=held is not None)
-            for name, claim in decided.items():
-                for key in output_keys(name, claim.spec):
-                    owner = outputs.setdefault(key, name)
-                    if owner != name:
-                        raise SpecError(
-                            f"{name!r} with spec {claim.spec} would emit {key!r}, which {owner!r} also emits "
-                            "(on another rank, or earlier); rename one of them or change its spec"
-                        )
-        except SpecError as exc:  # raised on every rank alike: each keeps its records but those of ``name``
-            raise DistributedError(f"rank {self.rank}: the ranks disagree: {exc}", refused={name: str(exc)}) from None
+            except SpecError as exc:
+                refused[name] = str(exc)
+        for name, claim in decided.items():
+            for key in output_keys(name, claim.spec):
+                owner = outputs.setdefault(key, name)
+                if owner != name and name not in refused:
+                    refused[name] = (
+                        f"{name!r} with spec {claim.spec} would emit {key!r}, which {owner!r} also emits "
+                        "(on another rank, or earlier); rename one of them or change its spec"
+                    )
+        if refused:  # seen alike on every rank: each keeps its records but those of the refused metrics and of
+            # the metrics some rank dropped (dropped on every rank, as a commit would)
+            first = next(iter(refused.values()))
+            more = f" (and {len(refused) - 1} more metrics)" if len(refused) > 1 else ""
+            reasons = {name: f"{where} rejected the records of {name!r}" for name, where in dropped.items()}
+            raise DistributedError(
+                f"rank {self.rank}: the ranks disagree: {first}{more}", refused={**reasons, **refused}
+            ) from None
+        if not apply:
+            return {}, dropped
         new = {name for name in decided if name not in self._agreed}
         for name, claim in decided.items():
             self._agreed[name] = claim

@@ -34,6 +34,7 @@ class Commit:
     rejected: Sequence[str]  # metrics whose records this process dropped; a collective transport drops them on
     # every rank
     step: int = 0  # the step committed (a collective transport checks that every rank commits the same)
+    invalid: bool = False  # this rank's step was invalid: the commit is aborted after its collectives
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,9 +109,15 @@ class Sink:
         if self._previous is not None:
             previous, self._previous = self._previous, None
             self.columns = self._journal.append_columns
-            failure = self._catch_up(previous, step)
+            if self.delivery.adapters:  # (without adapters there is no one to catch up)
+                failure = self._catch_up(previous, step)
         if self._journal is not None:
-            self._journal.append(step=step, entries=entries)
+            try:
+                self._journal.append(step=step, entries=entries)
+            except JournalError as exc:
+                if failure is None:
+                    raise
+                raise JournalError(f"{exc}; before it, {failure}") from exc
         if failure is not None:
             raise failure
 

@@ -47,7 +47,9 @@ def check_tensor(metric: str, value: Any, what: str = "value") -> None:
     non-strided layouts, nested, quantized, or of a dtype that is neither a float, an integer nor a bool (``bits8``).
     Reads only the tensor's metadata (no device sync). A value is a MetricTypeError, a weight a MetricValueError."""
     layout = str(value.layout)
-    if value.is_complex():
+    if type(value).__module__.startswith("torch.masked"):  # a MaskedTensor (strided, but no plain elements)
+        why = "a masked tensor; log value.get_data()[value.get_mask()], its unmasked elements"
+    elif value.is_complex():
         why = "complex; log a real tensor"
     elif layout != "torch.strided":
         why = f"a {layout} tensor; log value.to_dense()"
@@ -63,7 +65,7 @@ def check_tensor(metric: str, value: Any, what: str = "value") -> None:
     raise error(f"the {what} tensor logged for {metric!r} (dtype {value.dtype}) is {why}")
 
 
-def _array(metric: str, value: Any) -> np.ndarray[Any, Any]:
+def _array(metric: str, value: Any, what: str = "value") -> np.ndarray[Any, Any]:
     if type(value) is np.ndarray:
         array = value
     elif isinstance(value, np.ndarray):  # a subclass: np.matrix as its plain array; a masked array refused
@@ -82,7 +84,7 @@ def _array(metric: str, value: Any) -> np.ndarray[Any, Any]:
             raise _type_error(metric, value, " (ragged nested lists)") from exc
     if array.dtype.kind == "O" and all(type(x) in (int, float, bool) for x in array.flat):
         # Python ints beyond int64 (or mixed with floats) in a list: each one as a float, as a scalar would be
-        return np.array([_real(metric, x, "value") for x in array.flat], dtype=np.float64).reshape(array.shape)
+        return np.array([_real(metric, x, what) for x in array.flat], dtype=np.float64).reshape(array.shape)
     if array.dtype.kind not in _REAL_DTYPE_KINDS:
         raise _type_error(metric, value, f" (dtype {array.dtype})")
     return array
@@ -129,7 +131,7 @@ def to_weights(metric: str, weight: object, n: int, value: Any) -> list[float] |
         _check_weight(metric, w)
         return [w] * n
     try:
-        array = _array(metric, weight)
+        array = _array(metric, weight, "weight")
     except MetricTypeError as exc:
         raise MetricValueError(f"weight {_shown(weight)} for {metric!r} is not a real number or array") from exc
     shape = tuple(value.shape) if is_tensor(value) else np.shape(value)

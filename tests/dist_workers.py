@@ -438,19 +438,46 @@ def invalid_step_worker(rank: int, size: int, port: int, out: Any) -> None:
 
 
 def spec_disagreement_worker(rank: int, size: int, port: int, out: Any) -> None:
-    """'x' declared mean on rank 0 and sum on rank 1, 'y' sum on both: the commit's error, then the next commit."""
+    """'x' declared mean on rank 0 and sum on rank 1, 'y' sum on both, 'z' whose tensor records rank 1 must drop
+    (NaN under nan='error'): the commit's error, then the next commit."""
+    import math
+
+    import torch
+
     init_gloo(rank, size, port)
     try:
-        bus = MetricBus(dist="torch")
+        bus = MetricBus(dist="torch", nan="error")
         results: list[Any] = []
         bus.log("x", 1.0, agg=("mean", "sum")[rank])
         bus.log("y", 1.0 + 10 * rank, agg="sum")
+        bus.log("z", torch.tensor([(2.0, math.nan)[rank]]))
         try:
             bus.commit(0)
             results.append("no error")
         except DistributedError as exc:
             results.append(str(exc))
         results.append(bus.commit(1))
+        bus.close()
+        out.put((rank, results))
+    finally:
+        tdist.destroy_process_group()
+
+
+def all_invalid_step_worker(rank: int, size: int, port: int, out: Any) -> None:
+    """Every rank's first commit step invalid (a bool), then 'f' (logged under the default) declared max: a refused
+    commit seals no spec, so the declaration still replaces the default, as in one process."""
+    init_gloo(rank, size, port)
+    try:
+        bus = MetricBus(dist="torch")
+        results: list[Any] = []
+        bus.log("f", float(rank))
+        try:
+            bus.commit(True)  # type: ignore[arg-type]
+            results.append("no error")
+        except StepError as exc:
+            results.append(str(exc))
+        bus.log("f", 7.0, agg="max")
+        results.append(bus.commit(0))
         bus.close()
         out.put((rank, results))
     finally:

@@ -325,10 +325,21 @@ def test_an_invalid_step_on_one_rank_raises_on_every_rank_and_keeps_the_records(
 
 def test_a_spec_disagreement_keeps_the_other_records_on_every_rank() -> None:
     """'x' declared mean on rank 0 and sum on rank 1: before, every record of every rank was lost, 'y' included. Now
-    both raise naming 'x' as dropped, and the next commit holds 'y'."""
+    both raise naming 'x' as dropped, and 'z' (which rank 1 had to drop: dropped on every rank, never
+    half-reduced); the next commit holds 'y'."""
     results = _spawn(dist_workers.spec_disagreement_worker, 2)
     for rank in range(2):
         error, after = results[rank]
         assert error.startswith(f"rank {rank}: the ranks disagree: 'x' has spec mean from rank 0")
-        assert "The other records stay buffered; the records of 'x' were dropped" in error
+        assert "The other records stay buffered; the records of 'x', 'z' were dropped" in error
         assert after == {"y": 1.0 + 11.0}
+
+
+def test_a_commit_every_rank_refused_seals_no_spec() -> None:
+    """Every rank's step invalid: the commit is aborted after its collectives, without agreeing any spec, so a
+    declaration may still replace the default of a name it held (before, a SpecError: the default was sealed)."""
+    results = _spawn(dist_workers.all_invalid_step_worker, 2)
+    for rank in range(2):
+        error, after = results[rank]
+        assert error.startswith("commit step must be an int (or a numpy or torch integer), got True")
+        assert after == {"f": 7.0}

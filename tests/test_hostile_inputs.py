@@ -183,3 +183,26 @@ def test_a_one_element_tensor_is_not_a_step_as_a_one_element_array_is_not() -> N
             b.commit(step)
     assert b.commit(torch.tensor(3)) == {"a": 1.0}
     b.close()
+
+
+def test_a_masked_tensor_is_refused_and_the_dict_records_nothing() -> None:
+    """Before, a raw torch TypeError from the recording phase, with 'a' and 't' of the same call kept."""
+    torch = pytest.importorskip("torch")
+    from torch.masked import masked_tensor
+
+    masked = masked_tensor(torch.tensor([1.0, 2.0]), torch.tensor([True, False]))
+    b = bus()
+    with pytest.raises(MetricTypeError, match=r"tensor logged for 'm' .* is a masked tensor"):
+        b.log({"a": 1.0, "t": torch.tensor([2.0]), "m": masked, "z": 3.0})
+    assert b.commit(0) == {}
+    b.close()
+
+
+def test_a_nested_tensor_weight_and_a_big_int_weight_name_the_metric() -> None:
+    torch = pytest.importorskip("torch")
+    b = bus()
+    with pytest.raises(MetricValueError, match=r"the weight tensor logged for 'w' .* is a nested tensor"):
+        b.log("w", torch.ones(2), weight=torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
+    with pytest.raises(MetricValueError, match=r"weight for 'bw' is an integer of 1329 bits"):
+        b.log("bw", [1.0, 2.0], weight=[2**1328, 1])
+    b.close()

@@ -238,3 +238,25 @@ def test_a_damaged_cursor_is_warned_about_and_every_step_is_sent_again(tmp_path:
         sent = sync(directory, [again])
     assert sent == {"memory": 3}
     assert [step for step, _ in again.rows] == [0, 1, 2]
+
+
+def test_a_resume_without_adapters_does_not_read_the_old_journal_at_its_first_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """There is no one to catch up: before, an unreadable old journal made that commit raise about adapters."""
+    directory = tmp_path / "j"
+    bus = MetricBus(dist=None, journal=str(directory))
+    bus.log("x", 0.0)
+    bus.commit(0)
+    bus.close()
+    bus = MetricBus(dist=None, journal=str(directory), resume=True)
+
+    def unreadable(self: Path, *args: object, **kwargs: object) -> object:
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
+
+    monkeypatch.setattr(Path, "open", unreadable)
+    bus.log("x", 1.0)
+    assert bus.commit(1) == {"x": 1.0}
+    monkeypatch.undo()
+    bus.close()
+    assert _read(directory)[:3] == ([0, 1], [0, 1], [])

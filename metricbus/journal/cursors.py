@@ -82,8 +82,14 @@ def identity_of(adapter: Any) -> dict[str, str] | None:
     return {str(k): str(v) for k, v in value.items()}
 
 
+_WARNED: set[tuple[Path, str]] = set()  # the damaged records warned about in this process, once each
+
+
 def _damaged(path: Path, why: str) -> dict[str, Any]:
-    """A damaged cursor record: warned about, and read as none (every step is sent again, never skipped)."""
+    """A damaged cursor record: warned about (once), and read as none (every step is sent again, never skipped)."""
+    if (path, why) in _WARNED:
+        return {}
+    _WARNED.add((path, why))
     warnings.warn(
         f"delivery cursor {path} is damaged: {why}; read as nothing acknowledged, so every journaled step is sent "
         "to that adapter again",
