@@ -29,6 +29,7 @@ def test_a_masked_array_is_refused_at_log(value: object) -> None:
     b.close()
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
 def test_a_numpy_matrix_is_its_elements() -> None:
     b = bus()
     b.log("m", np.matrix([[1.0, 2.0], [3.0, 6.0]]))
@@ -119,6 +120,7 @@ def test_define_changing_the_nan_policy_of_tensor_records_is_refused() -> None:
     b.close()
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_tensors_of_no_plain_real_elements_are_refused_and_the_dict_records_nothing() -> None:
     """Before, a raw torch error naming no metric, and the dict's other values were kept."""
     torch = pytest.importorskip("torch")
@@ -185,6 +187,7 @@ def test_a_one_element_tensor_is_not_a_step_as_a_one_element_array_is_not() -> N
     b.close()
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_masked_tensor_is_refused_and_the_dict_records_nothing() -> None:
     """Before, a raw torch TypeError from the recording phase, with 'a' and 't' of the same call kept."""
     torch = pytest.importorskip("torch")
@@ -198,6 +201,7 @@ def test_a_masked_tensor_is_refused_and_the_dict_records_nothing() -> None:
     b.close()
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_nested_tensor_weight_and_a_big_int_weight_name_the_metric() -> None:
     torch = pytest.importorskip("torch")
     b = bus()
