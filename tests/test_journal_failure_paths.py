@@ -33,6 +33,11 @@ def _read(directory: Path) -> tuple[list[int], list[int], list[tuple[int, int]],
     return steps, full, gaps, [str(w.message) for w in caught]
 
 
+def _unreadable(self: Path, *args: object, **kwargs: object) -> object:
+    """``Path.open`` of a disk that fails reads for a moment."""
+    raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
+
+
 class _Os:
     """The ``os`` module as :mod:`metricbus.journal.writer` sees it, with ``write`` (or ``close``) replaced."""
 
@@ -201,10 +206,7 @@ def test_a_resume_whose_catch_up_fails_journals_the_commit_and_stops_the_adapter
     memory = MemoryAdapter()
     bus = MetricBus(dist=None, journal=str(directory), adapters=[memory], resume=True)
 
-    def unreadable(self: Path, *args: object, **kwargs: object) -> object:
-        raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
-
-    monkeypatch.setattr(Path, "open", unreadable)  # (the reader's scan of the old journal, as a failing disk)
+    monkeypatch.setattr(Path, "open", _unreadable)  # (the reader's scan of the old journal, as a failing disk)
     bus.log("x", 5.0)
     with pytest.raises(JournalError, match=r"step 5: could not catch the adapters up .*metricbus sync"):
         bus.commit(5)
@@ -251,10 +253,7 @@ def test_a_resume_without_adapters_does_not_read_the_old_journal_at_its_first_co
     bus.close()
     bus = MetricBus(dist=None, journal=str(directory), resume=True)
 
-    def unreadable(self: Path, *args: object, **kwargs: object) -> object:
-        raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
-
-    monkeypatch.setattr(Path, "open", unreadable)
+    monkeypatch.setattr(Path, "open", _unreadable)
     bus.log("x", 1.0)
     assert bus.commit(1) == {"x": 1.0}
     monkeypatch.undo()
