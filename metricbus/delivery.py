@@ -65,7 +65,8 @@ def check_queue_options(*, queue_size: object, queue_policy: object, queue_timeo
         raise ValueError(f"queue_size must be an int >= 1, got {queue_size!r}")
     if queue_policy not in QUEUE_POLICIES:
         raise ValueError(f"unknown queue_policy {queue_policy!r}; use one of {', '.join(QUEUE_POLICIES)}")
-    if _seconds(queue_timeout_s) is None or not queue_timeout_s >= 0:  # type: ignore[operator]
+    seconds = _seconds(queue_timeout_s)
+    if seconds is None or not seconds >= 0:
         raise ValueError(
             f"queue_timeout_s must be a number of seconds >= 0 (at most {threading.TIMEOUT_MAX:g}), got "
             f"{queue_timeout_s!r}"
@@ -240,12 +241,13 @@ class Delivery:
             except Exception:
                 logger.exception("on_gap failed for adapter %r at step %d", worker.label, step)
 
-    def stop(self, worker: Worker, why: str, cause: BaseException | None) -> None:
-        """Give up on ``worker`` (a call hung, its thread died): release its backlog, never wait for it again."""
+    def stop(self, worker: Worker, why: str, cause: BaseException | None, *, dead: bool = True) -> None:
+        """Give up on ``worker``: release its backlog, never wait for it again. ``dead``: a call hung or its thread
+        died (else its thread is alive and idle, and closes the adapter as failed at close)."""
         with self._lock:
             if worker.stopped is not None:
                 return
-            worker.stopped, worker.dead = why, True
+            worker.stopped, worker.dead = why, dead
         worker.released += worker.release()
         self.report(logging.ERROR, worker.label, "stopped", "adapter %r degraded: %s; %d queued steps released "
                     "(the journal keeps them for `metricbus sync`); commits no longer wait for it", worker.label,
@@ -257,17 +259,9 @@ class Delivery:
         return self._workers[index].label
 
     def give_up(self, index: int, *, why: str, cause: BaseException | None) -> None:
-        """Stop adapter ``index`` for this run: it gets no more steps (the journal keeps them for ``metricbus sync``)
-        and is closed as failed at close. Its thread is alive and idle, unlike :meth:`stop`'s."""
-        worker = self._workers[index]
-        with self._lock:
-            if worker.stopped is not None:
-                return
-            worker.stopped = why
-        worker.released += worker.release()
-        self.report(logging.ERROR, worker.label, "stopped", "adapter %r stopped for this run: %s; the journal keeps "
-                    "its steps for `metricbus sync`", worker.label, why)
-        self.keep(AdapterError(f"adapter {worker.label!r} stopped: {why}"), cause)
+        """Stop adapter ``index`` for this run (:meth:`stop`, its thread alive): it gets no more steps (the journal
+        keeps them for ``metricbus sync``) and is closed as failed at close."""
+        self.stop(self._workers[index], why, cause, dead=False)
 
     def _watch(self, worker: Worker, now: float) -> None:
         """Stop ``worker`` if its running call is past the write deadline."""
