@@ -153,14 +153,24 @@ def parse_spec_text(text: str, *, metric: str) -> Spec:
     if not parts:
         raise SpecError(f"empty spec for {metric!r}; use e.g. 'sum', 'mean,max' or 'micro:sum,rank:mean'")
     if all(":" in p for p in parts):
-        levels: dict[str, str] = {}
+        kinds: dict[str, str] = {}
+        nan: NanPolicy | None = None
+        given: set[str] = set()
         for part in parts:
-            level, _, kind = part.partition(":")
+            level, _, kind = (piece.strip() for piece in part.partition(":"))
             if level not in (*LEVELS, "nan"):
                 raise SpecError(f"unknown level {level!r} in spec for {metric!r}; use micro, update, rank, step or nan")
-            levels[level] = kind
-        nan = check_nan(levels.pop("nan"), metric=metric) if "nan" in levels else None
-        return parse_spec(Agg(nan=nan, **levels), metric=metric)
+            if level in given:
+                raise SpecError(f"the {level} level is given twice in spec for {metric!r} ({text!r}); give it once")
+            if not kind:
+                raise SpecError(f"no kind for the {level} level in spec for {metric!r}; use e.g. 'micro:sum'")
+            given.add(level)
+            # checked here, naming the metric (Agg() can only name itself)
+            if level == "nan":
+                nan = check_nan(kind, metric=metric)
+            else:
+                kinds[level] = check_kind(kind, metric=metric, level=level)
+        return parse_spec(Agg(nan=nan, **kinds), metric=metric)
     if any(":" in p for p in parts):
         raise SpecError(f"spec {text!r} for {metric!r} mixes level pairs and kinds; use one form")
     return parse_spec(parts[0] if len(parts) == 1 else parts, metric=metric)

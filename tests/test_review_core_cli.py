@@ -1,0 +1,51 @@
+"""Review of the CLI, config and core API: each test a contract break found by running the real code."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from metricbus.cli import main
+from metricbus.replay import parse_rule
+from tests.test_replay import single_controller_run
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Path:
+    """A single-controller journal (11 commits, log_every 3; metrics grad/norm, loss, pg_loss, tokens)."""
+    single_controller_run(tmp_path / "journal")
+    return tmp_path / "journal"
+
+
+# -- --rule: the level form -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ("loss=micro:mean,rank:avg", r"unknown aggregation 'avg' for 'loss' \(rank level\); use one of mean, sum"),
+        ("loss=micro:", r"no kind for the micro level in spec for 'loss'; use e\.g\. 'micro:sum'"),
+        ("loss=micro:sum,micro:mean", r"the micro level is given twice in spec for 'loss'"),
+        ("loss=nan:ignore,nan:error", r"the nan level is given twice in spec for 'loss'"),
+    ],
+)
+def test_a_bad_level_rule_names_the_metric_and_exits_2(
+    journal: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], rule: str, message: str
+) -> None:
+    """A wrong kind, an empty kind or a level given twice in a --rule is one line naming the metric (it named 'Agg',
+    or the last of two kinds silently won), and nothing is written."""
+    out = tmp_path / "out.jsonl"
+    assert main(["replay", str(journal), "--to", f"jsonl:{out}", "--rule", rule]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "'Agg'" not in err
+    assert re.search(message, err), err
+    assert not out.exists()
+
+
+def test_spaces_after_a_level_colon_are_allowed() -> None:
+    """``micro: sum, rank: mean`` is ``micro:sum,rank:mean`` (spaces around commas were already allowed; around the
+    colon they made the kind ' sum', an unknown aggregation)."""
+    assert parse_rule("pg_loss=micro: sum, rank :mean") == parse_rule("pg_loss=micro:sum,rank:mean")
