@@ -107,7 +107,13 @@ class _Respec:
         emit a name another metric emits (the live bus's check, :meth:`SpecTable.check_outputs`: never a merge)."""
         kept: dict[str, str] = {}  # output name -> the metric not overridden that emits it
         replaced: dict[str, tuple[str, Spec]] = {}  # overridden name -> (pattern, spec)
-        for name, spec in sorted(metrics, key=lambda item: item[0]):
+        journaled = sorted(metrics, key=lambda item: item[0])
+        names = sorted({name for name, _ in journaled})
+        for pattern, _ in self._overrides:  # a rule that re-aggregates nothing is a typo, never a silent no-op
+            if not any(fnmatchcase(name, pattern) for name in names):
+                few = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "") or "none"
+                raise SpecError(f"replay rule {pattern!r} matches no metric of the journal; it has {few}")
+        for name, spec in journaled:
             new = self(name, spec)  # raises for a sketch the journal lacks
             found = self.rule(name)
             if found is None:

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from metricbus import SpecError
 from metricbus.cli import main
-from metricbus.replay import parse_rule
+from metricbus.replay import parse_rule, replay
+from metricbus.testing import MemoryAdapter
 from tests.test_replay import single_controller_run
 
 
@@ -49,3 +51,26 @@ def test_spaces_after_a_level_colon_are_allowed() -> None:
     """``micro: sum, rank: mean`` is ``micro:sum,rank:mean`` (spaces around commas were already allowed; around the
     colon they made the kind ' sum', an unknown aggregation)."""
     assert parse_rule("pg_loss=micro: sum, rank :mean") == parse_rule("pg_loss=micro:sum,rank:mean")
+
+
+# -- --rule: a pattern that matches nothing -----------------------------------------------------------------------
+
+
+def test_a_rule_matching_no_metric_is_an_error(
+    journal: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --rule whose pattern matches no journaled metric (a typo: 'los') re-aggregated nothing and exited 0; it is
+    an error naming the rule and the journal's metrics, as ``show --metric`` does, and nothing is written."""
+    out = tmp_path / "out.jsonl"
+    assert main(["replay", str(journal), "--to", f"jsonl:{out}", "--rule", "los=sum"]) == 2
+    err = capsys.readouterr().err
+    assert "replay rule 'los' matches no metric of the journal; it has grad/norm, loss, pg_loss, tokens" in err
+    assert not out.exists()
+
+
+def test_a_rule_matching_some_metric_still_replays(journal: Path) -> None:
+    """Of two rules, one matching nothing is refused; each matching one alone replays."""
+    mem = MemoryAdapter()
+    assert replay(journal, [mem], rules=[parse_rule("grad/*=max")]) == 4
+    with pytest.raises(SpecError, match="replay rule 'nosuch' matches no metric"):
+        replay(journal, [MemoryAdapter()], rules=[parse_rule("grad/*=max"), parse_rule("nosuch=sum")])
