@@ -162,7 +162,7 @@ def _check_placeholders(config: str | None) -> None:
                 )
 
 
-def _adapters(config: str | None, to: Sequence[str]) -> list[Any]:
+def _adapters(config: str | None, to: Sequence[str], *, command: str) -> list[Any]:
     from metricbus.config import bus_options
     from metricbus.registry import make_adapter
 
@@ -176,6 +176,9 @@ def _adapters(config: str | None, to: Sequence[str]) -> list[Any]:
         except (MetricBusError, TypeError, ValueError) as exc:
             raise _UsageError(f"--to {spec!r}: {exc}") from exc
     if not out:
+        if command == "sync":  # it has no --to
+            raise _UsageError("no adapters: give --config FILE with adapters, or set $METRICBUS_CONFIG or "
+                              "$METRICBUS_ADAPTERS")
         raise _UsageError("no adapters: give --to ADAPTER or a --config with adapters")
     return out
 
@@ -219,7 +222,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     has = f"the journal has steps {outline.first_step}..{outline.last_step}"
     if steps is not None and not any(c.step in steps for c in journal.commits(decode=False)):  # before any adapter
         raise _UsageError(f"no emitted steps{where} ({has})")
-    adapters = _adapters(args.config, args.to)
+    adapters = _adapters(args.config, args.to, command="replay")
     tally = _Tally()
     try:
         replay(journal, [*adapters, tally], rules=rules, steps=steps, progress=_progress(err))
@@ -236,7 +239,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
 
 def _sync(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     journal = stream_journal(args.journal)
-    adapters = _adapters(args.config, ())
+    adapters = _adapters(args.config, (), command="sync")
     progress = _sync_progress(err)
     stop = threading.Event()
     try:

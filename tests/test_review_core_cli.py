@@ -74,3 +74,18 @@ def test_a_rule_matching_some_metric_still_replays(journal: Path) -> None:
     assert replay(journal, [mem], rules=[parse_rule("grad/*=max")]) == 4
     with pytest.raises(SpecError, match="replay rule 'nosuch' matches no metric"):
         replay(journal, [MemoryAdapter()], rules=[parse_rule("grad/*=max"), parse_rule("nosuch=sum")])
+
+
+# -- sync without adapters ------------------------------------------------------------------------------------
+
+
+def test_sync_without_adapters_says_how_to_give_them(
+    journal: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sync`` has no --to: with no adapters it said "give --to ADAPTER"; it names --config and the variables."""
+    monkeypatch.delenv("METRICBUS_CONFIG", raising=False)
+    monkeypatch.delenv("METRICBUS_ADAPTERS", raising=False)
+    assert main(["sync", str(journal)]) == 2
+    err = capsys.readouterr().err
+    assert "--to" not in err
+    assert "give --config FILE with adapters, or set $METRICBUS_CONFIG or $METRICBUS_ADAPTERS" in err
