@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any
 
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.canonical import nans
@@ -281,21 +280,39 @@ def replay(
     info = run or journal.run
     stream = emitted(journal, rules=items, steps=steps, progress=progress)
     first = next(stream, None)  # a rule the journal cannot serve (its first commit's names) fails before any open
-    for adapter in adapters:
-        adapter.open(run=info)
+    opened: list[Adapter] = []
     sent = 0
-    status: Any = "failed"
     try:
+        for adapter in adapters:
+            adapter.open(run=info)
+            opened.append(adapter)
         for step, metrics in itertools.chain([first] if first is not None else [], stream):
             for adapter in adapters:
                 adapter.write(step=step, metrics=metrics)
             sent += 1
-        status = "finished"
-    finally:
-        for adapter in adapters:
-            adapter.flush()
-            adapter.close(status=status)
+    except BaseException:
+        _close_all(opened, status="failed", raise_error=False)  # the error that stopped the replay is the one raised
+        raise
+    _close_all(opened, status="finished", raise_error=True)
     return sent
+
+
+def _close_all(adapters: Sequence[Adapter], *, status: Status, raise_error: bool) -> None:
+    """Flush and close every adapter, each even where another's flush or close raised (one whose flush raised is
+    closed as failed, so no backend run is left open); then raise the first error if ``raise_error``."""
+    error: Exception | None = None
+    for adapter in adapters:
+        final = status
+        try:
+            adapter.flush()
+        except Exception as exc:
+            error, final = error or exc, "failed"
+        try:
+            adapter.close(status=final)
+        except Exception as exc:
+            error = error or exc
+    if error is not None and raise_error:
+        raise error
 
 
 FLUSH_EVERY = 1000  # sync flushes (and then acknowledges) at least every this many steps per adapter ...

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from metricbus import SpecError
+from metricbus.adapter import RunInfo, Status
 from metricbus.cli import main
 from metricbus.replay import parse_rule, replay
 from metricbus.testing import MemoryAdapter
@@ -89,3 +90,45 @@ def test_sync_without_adapters_says_how_to_give_them(
     err = capsys.readouterr().err
     assert "--to" not in err
     assert "give --config FILE with adapters, or set $METRICBUS_CONFIG or $METRICBUS_ADAPTERS" in err
+
+
+# -- replay closes every adapter it opened ----------------------------------------------------------------------
+
+
+class _Refuses(MemoryAdapter):
+    """An adapter whose ``open`` (or ``flush``) raises, as a backend that is down does."""
+
+    name = "refuses"
+
+    def __init__(self, *, at: str) -> None:
+        super().__init__()
+        self.at = at
+
+    def open(self, *, run: RunInfo) -> None:
+        if self.at == "open":
+            raise ConnectionError("backend down")
+        super().open(run=run)
+
+    def flush(self) -> None:
+        if self.at == "flush":
+            raise ConnectionError("backend down")
+
+
+def test_replay_closes_the_adapters_it_opened_when_a_later_one_cannot_open(journal: Path) -> None:
+    """An adapter that cannot open left the ones opened before it open (an MLflow run RUNNING for ever); they are
+    closed as failed, and the error is raised."""
+    first = MemoryAdapter()
+    with pytest.raises(ConnectionError, match="backend down"):
+        replay(journal, [first, _Refuses(at="open"), MemoryAdapter()])
+    assert first.status == "failed"
+
+
+def test_replay_closes_every_adapter_when_one_flush_fails(journal: Path) -> None:
+    """A flush that raises at the end left the adapters after it unflushed and unclosed; each is flushed and closed
+    (the one that failed as failed), and the error is raised."""
+    failing, after = _Refuses(at="flush"), MemoryAdapter()
+    with pytest.raises(ConnectionError, match="backend down"):
+        replay(journal, [failing, after])
+    statuses: list[Status | None] = [failing.status, after.status]
+    assert statuses == ["failed", "finished"]
+    assert [step for step, _ in after.rows] == [2, 5, 8, 10]
