@@ -59,8 +59,9 @@ def quantile(q: float) -> str:
 
 
 def _percent(percent: Decimal) -> str:
-    """``p`` and the percentage with every digit it has, no exponent and no trailing zero (``p99.99999``)."""
-    return "p" + format(percent.normalize(), "f")
+    """``p`` and the percentage with every digit it has, no exponent and no trailing zero (``p99.99999``); -0 is
+    ``p0`` (its sign would make ``p-0``, a second name for p0 that canonical() does not read back)."""
+    return "p" + format(percent.normalize().copy_abs(), "f")
 
 
 def canonical(kind: object) -> str | None:

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from metricbus import SpecError
+from metricbus import MetricBus, SpecError, quantile
 from metricbus.adapter import RunInfo, Status
 from metricbus.cli import main
+from metricbus.kinds import canonical
 from metricbus.replay import parse_rule, replay
+from metricbus.spec import parse_spec
 from metricbus.testing import MemoryAdapter
 from tests.test_replay import single_controller_run
 
@@ -132,3 +134,19 @@ def test_replay_closes_every_adapter_when_one_flush_fails(journal: Path) -> None
     statuses: list[Status | None] = [failing.status, after.status]
     assert statuses == ["failed", "finished"]
     assert [step for step, _ in after.rows] == [2, 5, 8, 10]
+
+
+# -- quantile(-0.0) ----------------------------------------------------------------------------------------------
+
+
+def test_quantile_of_negative_zero_is_p0() -> None:
+    """``quantile(-0.0)`` returned 'p-0', a kind the library itself refused; ``quantile(-0)`` in a spec emitted
+    'x/p-0' next to 'x/p0'. Both are p0."""
+    assert quantile(-0.0) == "p0"
+    assert canonical("quantile(-0)") == canonical("quantile(-0.0)") == "p0"
+    with MetricBus(dist=None) as bus:
+        bus.define("x", quantile(-0.0))
+        bus.log("x", [1.0, 2.0])
+        assert list(bus.commit(0)) == ["x"]
+    with pytest.raises(SpecError, match="emits x/p0 twice"):
+        parse_spec(["p0", "quantile(-0)"], metric="x")
