@@ -258,7 +258,9 @@ class MetricBus:
             try:
                 step = self._next_step(step)
             except StepError as exc:
-                if not ranks.collective:
+                if not ranks.collective:  # nothing reduced: the ingested partials wait, one per worker, as in _commit
+                    if self._ingested:
+                        self._held, self._ingested = joined_workers(self._held, self._ingested), []
                     raise
                 # the other ranks may have passed a valid step: this one enters the commit's collectives all the
                 # same, with a step none of them can have (or, at a first commit, the least likely), so that every

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from metricbus import MetricBus, SpecError, quantile
+from metricbus import Agg, MetricBus, SpecError, StepError, quantile
 from metricbus.adapter import RunInfo, Status
 from metricbus.cli import main
 from metricbus.kinds import canonical
+from metricbus.partial import Partial
 from metricbus.replay import parse_rule, replay
 from metricbus.spec import parse_spec
 from metricbus.testing import MemoryAdapter
@@ -150,3 +151,34 @@ def test_quantile_of_negative_zero_is_p0() -> None:
         assert list(bus.commit(0)) == ["x"]
     with pytest.raises(SpecError, match="emits x/p0 twice"):
         parse_spec(["p0", "quantile(-0)"], metric="x")
+
+
+# -- a StepError keeps ingested partials worker by worker ---------------------------------------------------------
+
+
+def _partial(value: float) -> Partial:
+    """One worker's export of ``value`` for ``x``, declared ``Agg(micro="sum", rank="mean")``."""
+    with MetricBus(dist=None, rules=_SUM_MEAN) as worker:
+        worker.log("x", value)
+        return worker.export()
+
+
+_SUM_MEAN = {"x": Agg(micro="sum", rank="mean")}
+
+
+@pytest.mark.parametrize("bad", [3, True, 2**63])
+def test_a_refused_step_keeps_ingested_partials_worker_by_worker(tmp_path: Path, bad: object) -> None:
+    """A commit refused for its step (below the last, a bool, out of range) kept the driver's ingested partials as
+    extra workers: the next commit averaged over 4 workers instead of 2 (8.25, not 16.5). Worker i's records join
+    the i-th partial ingested after the error, as the README says, live and in replay."""
+    mem = MemoryAdapter()
+    with MetricBus(dist=None, rules=_SUM_MEAN, strict=True, adapters=[mem], journal=str(tmp_path / "j")) as driver:
+        driver.commit(step=5)
+        driver.ingest([_partial(1.0), _partial(2.0)])
+        with pytest.raises(StepError):
+            driver.commit(step=bad)  # type: ignore[arg-type]
+        driver.ingest([_partial(10.0), _partial(20.0)])
+        assert driver.commit(step=6) == {"x": (11.0 + 22.0) / 2}
+    again = MemoryAdapter()
+    replay(tmp_path / "j", [again])
+    assert again.rows == mem.rows == [(6, {"x": 16.5})]
