@@ -103,7 +103,12 @@ def load_source(source: Any) -> tuple[dict[str, Any], str]:
         return read_file(path, origin=origin), origin
     if isinstance(source, (str, os.PathLike)):
         return read_file(source), os.fspath(source)
-    data = plain(source)
+    try:
+        data = plain(source)
+    except ValueError as exc:  # OmegaConf's resolution errors (an interpolation that names nothing) are ValueErrors
+        where = getattr(exc, "full_key", None)
+        reason = str(getattr(exc, "msg", exc)).splitlines()[0]
+        raise _error(str(where or ""), f"cannot resolve the OmegaConf config: {reason}", "config") from exc
     if not isinstance(data, Mapping):
         raise ConfigError(
             f"from_config() takes a file path, a mapping (dict or OmegaConf DictConfig) or None, "

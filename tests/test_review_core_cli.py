@@ -10,6 +10,7 @@ import pytest
 from metricbus import Agg, MetricBus, SpecError, StepError, quantile
 from metricbus.adapter import RunInfo, Status
 from metricbus.cli import main
+from metricbus.errors import ConfigError
 from metricbus.kinds import canonical
 from metricbus.partial import Partial
 from metricbus.replay import parse_rule, replay
@@ -182,3 +183,16 @@ def test_a_refused_step_keeps_ingested_partials_worker_by_worker(tmp_path: Path,
     again = MemoryAdapter()
     replay(tmp_path / "j", [again])
     assert again.rows == mem.rows == [(6, {"x": 16.5})]
+
+
+# -- an OmegaConf config that does not resolve ------------------------------------------------------------------
+
+
+def test_an_unresolvable_omegaconf_interpolation_is_a_config_error() -> None:
+    """``${missing}`` in an OmegaConf config escaped from_config() as omegaconf's InterpolationKeyError; it is a
+    ConfigError naming the key, as every other config mistake."""
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create({"dist": None, "run": {"name": "${trainer.name}"}})
+    with pytest.raises(ConfigError, match=r"^config: run\.name: cannot resolve the OmegaConf config: Interpolation key "
+                       r"'trainer\.name' not found$"):
+        MetricBus.from_config(cfg)
