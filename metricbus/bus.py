@@ -85,7 +85,7 @@ class MetricBus:
         if opts.journal is not None:
             from metricbus.resume import previous_run
 
-            run_info, previous = previous_run(opts.journal, resume=opts.resume, run=opts.run)
+            run_info, previous = previous_run(opts.journal, resume=opts.resume, run=opts.run, log_every=opts.log_every)
         elif opts.resume:
             raise ConfigError("resume: needs a journal (the run to continue is read from it); pass journal=DIR")
         else:

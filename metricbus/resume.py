@@ -40,14 +40,15 @@ class CatchUp:
 
 
 def previous_run(
-    directory: str, *, resume: bool, run: RunInfo | None
+    directory: str, *, resume: bool, run: RunInfo | None, log_every: int = 1
 ) -> tuple[RunInfo | None, JournalStream | None]:
     """The run to write and the journal it continues (None: a fresh run), opened as a stream (its first pass only:
     headers, gaps and the last step; the commits are read again, one at a time, at the first commit).
 
     ``resume`` False and a journal with commits: JournalError saying to pass ``resume=True`` or use a new
     directory. ``run`` given with ``resume``: its project, name, tags and config are used, with the journal's id
-    and start time (the run stays one run).
+    and start time (the run stays one run). A ``log_every`` other than the journal's: JournalError (replay, show
+    and sync read one ``log_every`` for the whole timeline, so another one would change the earlier windows).
     """
     path = Path(directory)
     if not path.is_dir() or not any(path.glob(f"rank-*{SUFFIX}")):
@@ -65,6 +66,13 @@ def previous_run(
             f"journal {directory} already holds run {old.id!r} (steps {first.step if first else journal.last_step}.."
             f"{journal.last_step}); pass resume=True to continue that run (its backend runs too), or give this run a "
             "new journal directory"
+        )
+    if journal.log_every != log_every:
+        raise JournalError(
+            f"journal {directory} was written with log_every={journal.log_every}; resume it with "
+            f"log_every={journal.log_every} (a run's windows are read with one log_every, so replay, show and sync "
+            f"would emit its earlier steps other than live did), got log_every={log_every}; or give this run a new "
+            "journal directory"
         )
     if run is None:
         return old, journal

@@ -10,7 +10,7 @@ import pytest
 from metricbus import Agg, MetricBus, SpecError, StepError, quantile
 from metricbus.adapter import RunInfo, Status
 from metricbus.cli import main
-from metricbus.errors import ConfigError
+from metricbus.errors import ConfigError, JournalError
 from metricbus.kinds import canonical
 from metricbus.partial import Partial
 from metricbus.replay import parse_rule, replay
@@ -196,3 +196,28 @@ def test_an_unresolvable_omegaconf_interpolation_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^config: run\.name: cannot resolve the OmegaConf config: Interpolation key "
                        r"'trainer\.name' not found$"):
         MetricBus.from_config(cfg)
+
+
+# -- resume with another log_every --------------------------------------------------------------------------------
+
+
+def test_resuming_with_another_log_every_is_refused(tmp_path: Path) -> None:
+    """A journal written with log_every=3 and resumed with log_every=2 replayed its first segment's windows with 2
+    (steps 1, 3, 5 instead of the live 2, 5: other values than live delivered). The resume is refused naming both,
+    before anything is written, and the journal still replays what live delivered."""
+    live = MemoryAdapter()
+    with MetricBus(dist=None, log_every=3, adapters=[live], journal=str(tmp_path / "j")) as bus:
+        for step in range(6):
+            bus.log("x", float(step))
+            bus.commit(step)
+    with pytest.raises(JournalError, match=r"written with log_every=3; resume it with log_every=3.* got log_every=2"):
+        MetricBus(dist=None, log_every=2, journal=str(tmp_path / "j"), resume=True)
+    again = MemoryAdapter()
+    replay(tmp_path / "j", [again])
+    assert again.rows == live.rows == [(2, {"x": 1.0}), (5, {"x": 4.0})]
+    with MetricBus(dist=None, log_every=3, adapters=[live], journal=str(tmp_path / "j"), resume=True) as bus:
+        for step in range(6, 9):
+            bus.log("x", float(step))
+            bus.commit(step)
+    replay(tmp_path / "j", [fresh := MemoryAdapter()])
+    assert fresh.rows == live.rows == [(2, {"x": 1.0}), (5, {"x": 4.0}), (8, {"x": 7.0})]
