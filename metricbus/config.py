@@ -89,8 +89,16 @@ def _parse(text: str, suffix: str) -> Any:
 
     try:
         return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:  # its str() is several lines, with a drawing of where: one line here
+        context = f" ({exc.context}{_at(exc.context_mark)})" if exc.context else ""
+        raise ValueError(f"{exc.problem or 'invalid YAML'}{_at(exc.problem_mark)}{context}") from exc
     except yaml.YAMLError as exc:
-        raise ValueError(str(exc)) from exc
+        raise ValueError(" ".join(str(exc).split())) from exc
+
+
+def _at(mark: Any) -> str:
+    """`` at line L, column C`` (1-based) of a PyYAML mark, or nothing."""
+    return "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def load_source(source: Any) -> tuple[dict[str, Any], str]:

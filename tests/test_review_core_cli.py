@@ -221,3 +221,21 @@ def test_resuming_with_another_log_every_is_refused(tmp_path: Path) -> None:
             bus.commit(step)
     replay(tmp_path / "j", [fresh := MemoryAdapter()])
     assert fresh.rows == live.rows == [(2, {"x": 1.0}), (5, {"x": 4.0}), (8, {"x": 7.0})]
+
+
+# -- a config file that does not parse ----------------------------------------------------------------------------
+
+
+def test_a_yaml_parse_error_is_one_line_with_its_position(
+    journal: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PyYAML's message is seven lines (a caret drawing among them), so ``sync --config`` printed seven lines where
+    the CLI promises one; it is one line with the file, the problem and its line and column."""
+    config = tmp_path / "c.yaml"
+    config.write_text("adapters: [console\n")
+    assert main(["sync", str(journal), "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"metricbus: error: {config}: cannot parse: expected ',' or ']', but got '<stream end>' at line 2, column 1 "
+        "(while parsing a flow sequence at line 1, column 11)\n"
+    )
