@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import math
 import re
+import struct
+import tempfile
+from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from metricbus import Agg, MetricBus, SpecError, StepError, quantile
 from metricbus.adapter import RunInfo, Status
 from metricbus.cli import main
 from metricbus.errors import ConfigError, JournalError
+from metricbus.journal import read_journal, stream_journal
 from metricbus.kinds import canonical
 from metricbus.partial import Partial
 from metricbus.replay import parse_rule, replay
@@ -239,3 +247,169 @@ def test_a_yaml_parse_error_is_one_line_with_its_position(
         f"metricbus: error: {config}: cannot parse: expected ',' or ']', but got '<stream end>' at line 2, column 1 "
         "(while parsing a flow sequence at line 1, column 11)\n"
     )
+
+
+# -- property: one bus == a driver's ingest == replay, and each equals a plain reference ---------------------------
+
+_PROPERTY_RULES: dict[str, Any] = {
+    "m": "mean", "s": "sum", "sd": ["std", "mean"], "q": ["p50", "p90", "hist"],
+    "fl": ["first", "last", "min", "max", "count"], "pl": Agg(micro="sum", update="mean", rank="mean"),
+    "rq": Agg(micro="mean", rank="p90"), "stp": Agg(micro="sum", step="max"), "lst": Agg(micro="first", rank="last"),
+}  # fmt: skip
+_VALUES = st.one_of(st.floats(-1e6, 1e6, allow_nan=False), st.sampled_from([0.0, -0.0, 1e300, -1e-300, 3.0]))
+# (update, name, values, weights or None, logged one float at a time)
+_Record = tuple[int, str, list[float], list[float] | None, bool]
+
+
+@st.composite
+def _plans(draw: st.DrawFn) -> tuple[int, int, list[list[list[_Record]]]]:
+    """(workers, log_every, per commit per worker the records): 1-3 updates of 0-2 calls each, any metric, weights
+    on about half of the calls, so a metric appears in some commits and updates only."""
+    workers, log_every = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    plan = []
+    for _ in range(draw(st.integers(1, 6))):
+        per_worker = []
+        for _ in range(workers):
+            records: list[_Record] = []
+            for update in range(draw(st.integers(1, 3))):
+                for _ in range(draw(st.integers(0, 2))):
+                    values = draw(st.lists(_VALUES, min_size=1, max_size=4))
+                    weights = [float(draw(st.integers(0, 5))) for _ in values] if draw(st.booleans()) else None
+                    records.append((update, draw(st.sampled_from(sorted(_PROPERTY_RULES))), values, weights,
+                                    draw(st.booleans())))
+            per_worker.append(records)
+        plan.append(per_worker)
+    return workers, log_every, plan
+
+
+def _log_records(bus: MetricBus, records: list[_Record]) -> None:
+    update = 0
+    for at, name, values, weights, one_by_one in records:
+        while update < at:
+            bus.end_update()
+            update += 1
+        if one_by_one and weights is None:
+            for value in values:
+                bus.log(name, value)
+        else:
+            bus.log(name, values, weight=weights)
+
+
+def _bits(rows: list[tuple[int, dict[str, float]]]) -> list[tuple[int, dict[str, bytes]]]:
+    return [(step, {k: struct.pack("<d", v) for k, v in metrics.items()}) for step, metrics in rows]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_plans())
+def test_one_bus_ingest_and_replay_emit_the_same_bits(plan: tuple[int, int, list[list[list[_Record]]]]) -> None:
+    """Over random splits into workers, updates, calls and commits (weights, std, quantiles, lifted chains, metrics
+    in some commits only, any log_every): the driver's ingest, the streamed and the in-memory replay of its journal
+    emit the same bits, and with one worker so does a bus logging everything itself."""
+    workers, log_every, commits = plan
+    with tempfile.TemporaryDirectory() as tmp:
+        live = MemoryAdapter()
+        with MetricBus(dist=None, rules=_PROPERTY_RULES, journal=f"{tmp}/j", adapters=[live], strict=True,
+                       log_every=log_every) as driver:
+            for step, per_worker in enumerate(commits):
+                parts = []
+                for records in per_worker:
+                    with MetricBus(dist=None, rules=_PROPERTY_RULES) as worker:
+                        _log_records(worker, records)
+                        parts.append(worker.export())
+                driver.ingest(parts)
+                driver.commit(step)
+        streamed, in_memory = MemoryAdapter(), MemoryAdapter()
+        replay(stream_journal(f"{tmp}/j"), [streamed])
+        replay(read_journal(f"{tmp}/j"), [in_memory])
+    assert _bits(streamed.rows) == _bits(in_memory.rows) == _bits(live.rows)
+    if workers == 1:
+        alone = MemoryAdapter()
+        with MetricBus(dist=None, rules=_PROPERTY_RULES, adapters=[alone], strict=True, log_every=log_every) as bus:
+            for step, per_worker in enumerate(commits):
+                _log_records(bus, per_worker[0])
+                bus.commit(step)
+        assert _bits(alone.rows) == _bits(live.rows)
+
+
+_LEVEL_SPECS: dict[str, Agg | str] = {
+    "a": Agg(micro="sum", update="mean", rank="mean"), "b": Agg(micro="sum", rank="mean"), "c": "mean", "d": "sum",
+    "e": "std", "f": "first", "g": "last", "h": "count", "i": Agg(micro="mean", rank="max"),
+    "j": Agg(micro="max", update="sum", rank="min", step="mean"), "k": Agg(micro="count", rank="sum", step="max"),
+    "l": Agg(micro="last", update="first", rank="sum"), "m": Agg(micro="std", rank="mean"),
+    "n": Agg(micro="mean", update="std"), "o": Agg(micro="first", rank="last", step="first"),
+}  # fmt: skip
+
+
+def _kind(kind: str, records: list[tuple[float, float]]) -> float:
+    """``kind`` of ``records`` ((x, w) pairs, in order), computed on the whole with fractions."""
+    xs = [x for x, _ in records]
+    simple = {"sum": lambda: float(sum(map(Fraction, xs))), "count": lambda: float(len(xs)), "min": lambda: min(xs),
+              "max": lambda: max(xs), "first": lambda: xs[0], "last": lambda: xs[-1]}  # fmt: skip
+    if kind in simple:
+        return simple[kind]()
+    weight = sum(Fraction(w) for _, w in records)
+    mean = sum(Fraction(w) * Fraction(x) for x, w in records) / weight
+    if kind == "mean":
+        return float(mean)
+    return math.sqrt(float(sum(Fraction(w) * (Fraction(x) - mean) ** 2 for x, w in records) / weight))
+
+
+def _level(below: str, above: str, groups: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The records of the next level: the groups' states merged where the kind stays, else each group's value as
+    one unit-weight record."""
+    groups = [g for g in groups if g]
+    if below == above:
+        return [r for g in groups for r in g]
+    return [(_kind(below, g), 1.0) for g in groups]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_levels_match_a_plain_reference(data: st.DataObject) -> None:
+    """Each emitted value is the README's continuation rule applied to the unsplit records: micro -> update -> rank
+    (ingested workers; ``last`` takes the lowest-ranked worker) -> step (the commits of a log_every window)."""
+    workers, log_every = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    value = st.sampled_from([1.0, 2.0, -3.5, 0.25, 7.0, 1e3, -1e-3])
+    # per commit, per worker, per update: name -> [(x, w)]
+    commits = [[[{name: [(data.draw(value), float(data.draw(st.integers(1, 4))))
+                         for _ in range(data.draw(st.integers(1, 3)))]
+                  for name in data.draw(st.sets(st.sampled_from(sorted(_LEVEL_SPECS)), max_size=4))}
+                 for _ in range(data.draw(st.integers(1, 3)))] for _ in range(workers)]
+               for _ in range(data.draw(st.integers(1, 5)))]  # fmt: skip
+    live = MemoryAdapter()
+    with MetricBus(dist=None, rules=_LEVEL_SPECS, adapters=[live], strict=True, log_every=log_every) as driver:
+        for step, per_worker in enumerate(commits):
+            parts = []
+            for updates in per_worker:
+                with MetricBus(dist=None, rules=_LEVEL_SPECS) as worker:
+                    for update in updates:
+                        for name, records in update.items():
+                            worker.log(name, [x for x, _ in records], weight=[w for _, w in records])
+                        worker.end_update()
+                    parts.append(worker.export())
+            driver.ingest(parts)
+            driver.commit(step)
+    want: list[tuple[int, dict[str, float]]] = []
+    for start in range(0, len(commits), log_every):
+        window = range(start, min(start + log_every, len(commits)))
+        row = {}
+        for name, spec in _LEVEL_SPECS.items():
+            chain = parse_spec(spec, metric=name).chains[0]
+            per_commit = []
+            for step in window:
+                ranked = [_level(chain.micro, chain.update, [u.get(name, []) for u in ups]) for ups in commits[step]]
+                records = _level(chain.update, chain.rank, ranked)
+                if chain.rank == "last" and records:  # across workers, last takes the lowest-ranked worker
+                    lowest = next(r for r in ranked if r)
+                    records = lowest if chain.update == "last" else records[:1]
+                per_commit.append(records)
+            records = _level(chain.rank, chain.step, per_commit)
+            if records:
+                row[name] = _kind(chain.step, records)
+        if row:
+            want.append((window[-1], row))
+    assert [(s, sorted(m)) for s, m in live.rows] == [(s, sorted(m)) for s, m in want]
+    for (_, got), (_, expected) in zip(live.rows, want, strict=True):
+        for name, value_ in expected.items():
+            exact = _LEVEL_SPECS[name] in ("mean", "sum", "first", "last", "count")
+            assert got[name] == (value_ if exact else pytest.approx(value_, rel=1e-9, abs=1e-12)), name
