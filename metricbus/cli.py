@@ -70,7 +70,6 @@ rules (--rule PATTERN=SPEC; repeatable, the first matching rule wins):
   SPEC     one kind                    sum
            several kinds               mean,max              (emits NAME/mean and NAME/max)
            a kind per level            micro:sum,rank:mean   (levels: {levels})
-           a nan policy too            micro:sum,nan:ignore  (nan: {nan})
   kinds:   {kinds}
   example: --rule 'actor/*=micro:sum,rank:mean'
 
@@ -98,7 +97,7 @@ def _at_least_one(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     from metricbus.kinds import KIND_HELP
-    from metricbus.spec import LEVELS, NAN_POLICIES
+    from metricbus.spec import LEVELS
 
     raw = argparse.RawDescriptionHelpFormatter
     top = _Parser(prog="metricbus", description="Replay, sync, show and inspect metricbus journals.",
@@ -113,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("journal", help="the journal folder")
         return parser
 
-    epilog = _REPLAY_EPILOG.format(levels=", ".join(LEVELS), nan=", ".join(NAN_POLICIES), kinds=", ".join(KIND_HELP))
+    epilog = _REPLAY_EPILOG.format(levels=", ".join(LEVELS), kinds=", ".join(KIND_HELP))
     rp = command("replay", "re-send a journal's steps to adapters (the live reduction code; --rule re-aggregates)",
                  epilog=epilog)
     rp.add_argument("--config", help="config file whose adapters receive the replay")

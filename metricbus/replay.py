@@ -92,6 +92,13 @@ class _Respec:
         if found is None:
             return spec
         new = found[1]
+        if new.nan is not None and new.nan != spec.nan:  # the policy acted at log(): the journal holds summaries
+            logged = f"nan={spec.nan!r}" if spec.nan is not None else "the bus's nan policy"
+            raise SpecError(
+                f"the rule {new} for {name!r} sets nan={new.nan!r}, but {name!r} was logged under {logged} and the "
+                "journal holds its records' summaries: a replay cannot drop or check non-finite records again; leave "
+                "nan out of the rule"
+            )
         if micro_sketch(new) and not micro_sketch(spec):
             raise SpecError(
                 f"the rule {new} for {name!r} reads the distribution of its records, but the journal has no sketch "

@@ -249,6 +249,38 @@ def test_a_yaml_parse_error_is_one_line_with_its_position(
     )
 
 
+# -- --rule with a nan policy ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", ["x=nan:ignore", "x=micro:mean,nan:error"])
+def test_a_rule_that_changes_the_nan_policy_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rule: str
+) -> None:
+    """``--rule 'x=nan:ignore'`` (advertised by ``replay --help``) replayed x's NaN at step 2 as before and exited 0:
+    a nan policy acts when records are logged, and the journal holds their summaries. The rule is refused naming
+    the metric, before anything is written."""
+    with MetricBus(dist=None, journal=str(tmp_path / "j")) as bus:
+        for step in range(3):
+            bus.log("x", [1.0, math.nan if step == 2 else 2.0])
+            bus.commit(step)
+    out = tmp_path / "out.jsonl"
+    assert main(["replay", str(tmp_path / "j"), "--to", f"jsonl:{out}", "--rule", rule]) == 2
+    err = capsys.readouterr().err
+    assert "for 'x' sets nan=" in err
+    assert "a replay cannot drop or check non-finite records again; leave nan out of the rule" in err
+    assert not out.exists()
+
+
+def test_a_rule_may_repeat_the_journaled_nan_policy(tmp_path: Path) -> None:
+    """A rule whose nan policy is the one the metric was logged under changes nothing and replays."""
+    with MetricBus(dist=None, journal=str(tmp_path / "j"), rules={"x": Agg(nan="ignore")}) as bus:
+        bus.log("x", [1.0, math.nan, 3.0])
+        bus.commit(0)
+    mem = MemoryAdapter()
+    replay(tmp_path / "j", [mem], rules=[parse_rule("x=micro:sum,nan:ignore")])
+    assert mem.rows == [(0, {"x": 4.0})]
+
+
 # -- property: one bus == a driver's ingest == replay, and each equals a plain reference ---------------------------
 
 _PROPERTY_RULES: dict[str, Any] = {
