@@ -31,6 +31,7 @@ from metricbus.errors import (
     MetricBusWarning,
     MetricTypeError,
     MetricValueError,
+    SpecError,
     StepError,
 )
 from metricbus.options import BusOptions
@@ -140,7 +141,12 @@ class MetricBus:
         check_pattern(pattern)
         parsed = parse_spec(spec, metric=pattern)
         if nan is not None:
-            parsed = Spec(parsed.chains, check_nan(nan, metric=pattern))
+            policy = check_nan(nan, metric=pattern)
+            if parsed.nan is not None and parsed.nan != policy:
+                raise SpecError(
+                    f"define({pattern!r}) gives nan={policy!r} and its spec nan={parsed.nan!r}; give one nan policy"
+                )
+            parsed = Spec(parsed.chains, policy)
         self._collector.define(pattern, parsed)
 
     def spec_of(self, name: str) -> Spec:

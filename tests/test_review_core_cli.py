@@ -281,6 +281,22 @@ def test_a_rule_may_repeat_the_journaled_nan_policy(tmp_path: Path) -> None:
     assert mem.rows == [(0, {"x": 4.0})]
 
 
+# -- define() with two nan policies --------------------------------------------------------------------------------
+
+
+def test_define_with_two_different_nan_policies_is_refused() -> None:
+    """``define("x", Agg(micro="sum", nan="ignore"), nan="propagate")`` silently kept 'propagate' (x's NaN made the
+    sum NaN); two policies in one declaration are a SpecError naming both, as a spec list mixing them is, and the
+    rule is not added. The same policy twice is fine."""
+    with MetricBus(dist=None) as bus:
+        with pytest.raises(SpecError, match=r"define\('x'\) gives nan='propagate' and its spec nan='ignore'; give one"):
+            bus.define("x", Agg(micro="sum", nan="ignore"), nan="propagate")
+        assert str(bus.spec_of("x")) == "mean"
+        bus.define("x", Agg(micro="sum", nan="ignore"), nan="ignore")
+        bus.log("x", [1.0, math.nan, 2.0])
+        assert bus.commit(0) == {"x": 3.0}
+
+
 # -- property: one bus == a driver's ingest == replay, and each equals a plain reference ---------------------------
 
 _PROPERTY_RULES: dict[str, Any] = {
