@@ -216,6 +216,12 @@ def inspect(journal: Source, out: TextIO) -> None:
             f"gap         rank {gap.rank}: step {steps_text} not journaled, or not known to be on disk "
             "(a write or an fsync failed)"
         )
+    for gap in journal.short:
+        steps_text = str(gap.first_step) if gap.first_step == gap.last_step else f"{gap.first_step}..{gap.last_step}"
+        lines.append(
+            f"cut short   rank {gap.rank}: step {steps_text} missing from its file, held by the other ranks' (it "
+            "stopped between a commit's collectives and its journal write; replayed without it)"
+        )
     for path, why in journal.skipped:
         lines.append(f"skipped     {path.name}: {why}")
     if journal.rules:

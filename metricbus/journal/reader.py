@@ -24,6 +24,13 @@ Files of every format up to ``FORMAT_VERSION`` are read; a newer one is refused 
 (empty, foreign, no readable header) is skipped with a :class:`JournalWarning` naming it and why, and listed in
 ``Journal.skipped``; the other ranks are read. A directory where no file is readable, or a single file path that is
 unreadable, is a ``JournalError``.
+
+Ranks cut short. Every torch.distributed rank journals every commit (an empty one too), after the commit's
+collectives. A rank stopped in between (SIGKILL, OOM) leaves its file without the steps the other ranks' files hold
+after it, in the same segment (the writers that started at the same step): those steps are then replayed without
+that rank's records, where live may have emitted them with its records. They are listed in ``short`` (one
+:class:`Gap` per rank and stretch; ``metricbus inspect`` shows them) and a :class:`JournalWarning` names them. A rank
+absent from a later segment (a run resumed with fewer ranks) is not cut short.
 """
 
 from __future__ import annotations
@@ -167,7 +174,8 @@ class JournalStream(_Meta):
     """A journal read in bounded memory (see the module docstring); made by :func:`stream_journal`.
 
     Known at once (from the first pass): ``directory``, ``header`` (the lowest rank's last header), ``files``
-    (:class:`RankFile` with headers, damage and gaps; no commits), ``gaps``, ``skipped`` and ``last_step``.
+    (:class:`RankFile` with headers, damage and gaps; no commits), ``gaps``, ``short`` (ranks cut short, see the
+    module docstring), ``skipped`` and ``last_step``.
     :meth:`commits` yields the timeline (each call reads the files again); :meth:`outline` counts it.
     """
 
@@ -177,6 +185,7 @@ class JournalStream(_Meta):
         self.files = [ix.file for ix in indexes]
         self.skipped = skipped
         self.gaps = _merge_gaps(self.files)
+        self.short = cut_short(indexes)
         first = min(self.files, key=lambda rf: int(rf.headers[0].get("rank", 0)))
         self.header = first.headers[-1]
         steps = [ix.last_step for ix in indexes if ix.last_step is not None]
@@ -273,7 +282,17 @@ def stream_journal(directory: str | os.PathLike[str]) -> JournalStream:
         )
     for path, why in skipped:
         warnings.warn(f"journal {path}: skipped, the other ranks are read ({why})", JournalWarning, stacklevel=2)
-    return JournalStream(directory, indexes, skipped)
+    stream = JournalStream(directory, indexes, skipped)
+    for gap in stream.short:
+        steps = str(gap.first_step) if gap.first_step == gap.last_step else f"{gap.first_step}..{gap.last_step}"
+        warnings.warn(
+            f"journal {directory}: rank {gap.rank}'s file holds no commit at step {steps}, which the other ranks' "
+            "files hold in the same segment (the rank stopped between a commit's collectives and its journal "
+            "write): replayed without its records, so live may have emitted other values there",
+            JournalWarning,
+            stacklevel=2,
+        )
+    return stream
 
 
 @dataclass
@@ -294,6 +313,7 @@ class Journal(_Meta):
     gaps: list[Gap] = field(default_factory=list)
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     breaks: frozenset[int] = frozenset()
+    short: list[Gap] = field(default_factory=list)  # ranks cut short (see the module docstring)
 
     @property
     def last_step(self) -> int | None:
@@ -306,7 +326,7 @@ class Journal(_Meta):
         while keep and self.commits[keep - 1][0] >= step:
             keep -= 1
         return Journal(self.directory, self.header, self.files, self.commits[:keep], self.ranks, self.gaps,
-                       self.skipped, frozenset(i for i in self.breaks if i < keep))
+                       self.skipped, frozenset(i for i in self.breaks if i < keep), self.short)
 
     def __len__(self) -> int:
         return len(self.commits)
@@ -343,7 +363,7 @@ def read_journal(directory: str | os.PathLike[str]) -> Journal:
         if commit.starts_segment:
             breaks.add(i)
     return Journal(stream.directory, stream.header, stream.files, commits, sorted(ranks), stream.gaps,
-                   stream.skipped, frozenset(breaks))
+                   stream.skipped, frozenset(breaks), stream.short)
 
 
 def _merge_gaps(files: list[RankFile]) -> list[Gap]:
@@ -356,3 +376,24 @@ def _merge_gaps(files: list[RankFile]) -> list[Gap]:
         else:
             out.append(gap)
     return out
+
+
+def cut_short(indexes: list[FileIndex]) -> list[Gap]:
+    """The steps each rank file lacks that another file holds in a segment both started at the same step, before
+    any segment (of any file) starting at or below them replaced them (see the module docstring)."""
+    if len(indexes) < 2:
+        return []
+    starts = sorted({first for ix in indexes for first, _ in ix.segments})
+    out: list[Gap] = []
+    for start in starts:
+        ends = {i: final for i, ix in enumerate(indexes) for first, final in ix.segments if first == start}
+        if len(ends) < 2:
+            continue
+        latest = max(ends.values())
+        later = [s for s in starts if start < s <= latest]
+        if later:  # a later segment (a resume at that step) replaced the steps from there on
+            latest = later[0] - 1
+        for i, final in ends.items():
+            if final < latest:
+                out.append(Gap(int(indexes[i].file.headers[-1].get("rank", i)), final + 1, latest))
+    return sorted(out, key=lambda g: (g.rank, g.first_step))

@@ -247,6 +247,8 @@ class FileIndex:
     # segment of the commits before (a segment starting after that frame replaces them as it replaces those)
     tails: set[int] = field(default_factory=set)
     sound: list[tuple[int, int]] = field(default_factory=list)  # stretches read as valid frames (FrameSource.frames)
+    # per segment (a writer) with commits: the step of its first commit and of the last one it wrote, in file order
+    segments: list[tuple[int, int]] = field(default_factory=list)
 
 
 def index_file(path: Path) -> FileIndex:
@@ -284,6 +286,15 @@ def index_file(path: Path) -> FileIndex:
         window: OpenWindow | None = None  # log_every > 1: the commits read in the open window
         phantoms: dict[int, list[int]] = {}
         tails: set[int] = set()
+        segments: list[list[int]] = []  # [first step, last step] of each segment's commits (a header opens one)
+        opened = False  # a header was read since the last commit: the next commit (or "K" frame) opens a segment
+
+        def wrote(first: int, final: int) -> None:  # commits at steps first .. final were read in this segment
+            nonlocal opened
+            if opened or not segments:
+                segments.append([first, final])
+                opened = False
+            segments[-1][1] = final
 
         def reset(step: int) -> None:  # the commit read next (ordinal) drops the file's steps >= step
             resets.append((ordinal, step))
@@ -301,6 +312,7 @@ def index_file(path: Path) -> FileIndex:
                     stride = (len(span) + FRAME.size) // k
                     window.add((step, at + i * stride) for i, step in enumerate(steps.tolist()))
                 ordinal, last, new_segment, prior = ordinal + k, int(steps[-1]), False, b""
+                wrote(first, last)
                 before = _print(split_run(at, span, k)[-1][1])
                 continue
             for pos, payload in split_run(at, span, k):
@@ -313,7 +325,7 @@ def index_file(path: Path) -> FileIndex:
                         if prior == header:
                             continue  # the second copy of the header just read
                         rf.headers.append(check_header(path, json.loads(bytes(payload[1:]))))
-                        new_segment, before = True, b""
+                        new_segment, before, opened = True, b"", True
                         every = _log_every(rf.headers[-1])
                         window = OpenWindow(every=every, damaged=rf.damaged) if every > 1 else None
                     elif kind == b"N":
@@ -334,6 +346,7 @@ def index_file(path: Path) -> FileIndex:
                         if window is not None:
                             window.add(((step, pos),))
                         ordinal, last, new_segment, before = ordinal + 1, step, False, _print(payload)
+                        wrote(step, step)
                     elif kind == b"L":  # commits whose write failed: each counts as an empty commit here
                         for step in lost_steps(payload[1:]):
                             if last is not None and step <= last and (new_segment or step < last):
@@ -341,6 +354,7 @@ def index_file(path: Path) -> FileIndex:
                             if window is not None:
                                 window.add(((step, pos),))
                             ordinal, last, new_segment, before = ordinal + 1, step, False, b""
+                            wrote(step, step)
                     elif kind == b"W":  # the steps of the window just ended: what damage took is counted still
                         listed = window_steps(payload[1:])
                         if window is not None:
@@ -349,9 +363,12 @@ def index_file(path: Path) -> FileIndex:
                                 if where == pos:  # the window's last commits: the file's last step so far
                                     tails.add(pos)
                                     last = lost[-1] if last is None else max(last, lost[-1])
+                                    wrote(lost[0], last)
                             window = window.next(rf.damaged)
                     elif kind == b"K":  # a writer's first commit is at this step, read or not
                         (first,) = SEGMENT.unpack(payload[1:])
+                        if opened or not segments:  # the writer's first commit is at ``first``, read or not
+                            wrote(first, first)
                         if last is not None and first <= last:  # drops steps >= first
                             reset(first)
                             last = first - 1  # so the segment's commits (at first, or later) reset nothing more
@@ -377,7 +394,8 @@ def index_file(path: Path) -> FileIndex:
     for ordinal, step in reversed(resets):
         lowest = min(lowest, step)
         limits.append((ordinal, int(lowest)))
-    return FileIndex(rf, size, bad, limits[::-1], last, long=long, sound=sound, phantoms=phantoms, tails=tails)
+    return FileIndex(rf, size, bad, limits[::-1], last, long=long, sound=sound, phantoms=phantoms, tails=tails,
+                     segments=[(first, final) for first, final in segments])
 
 
 def _log_every(header: Mapping[str, Any]) -> int:

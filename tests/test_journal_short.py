@@ -1,0 +1,97 @@
+"""A rank file cut short: a torch.distributed rank stopped between a commit's collectives and its journal write leaves
+its file without steps the other ranks' files hold; replay says so instead of silently replaying them without it."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+
+import pytest
+
+from metricbus import MetricBus
+from metricbus.adapter import RunInfo
+from metricbus.cli_views import inspect
+from metricbus.errors import JournalWarning
+from metricbus.journal import open_journal, read_journal, stream_journal
+from metricbus.journal.scan import Gap
+from metricbus.replay import emitted
+
+RUN = RunInfo(id="short-run")
+
+
+def _tokens(value: float) -> object:
+    bus = MetricBus(dist=None, rules={"tokens": "sum"})
+    bus.log("tokens", value)
+    partial = bus.export()
+    bus.close()
+    return partial
+
+
+def _write(path: Path, *, rank: int, steps: range) -> None:
+    """One writer (a segment) of ``rank``'s file: a commit of 10 tokens at each of ``steps``."""
+    writer = open_journal(path=path, fsync="never", rank=rank, run=RUN, rules=[], log_every=1)
+    for step in steps:
+        writer.append(step=step, entries=[(rank, _tokens(10.0))])  # type: ignore[list-item]
+    writer.close()
+
+
+def _quiet(path: Path) -> list[Gap]:
+    """The journal's cut-short ranks, read where no warning is expected."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JournalWarning)
+        return read_journal(path).short
+
+
+def test_a_rank_file_ending_before_the_others_is_named_and_listed(tmp_path: Path) -> None:
+    _write(tmp_path, rank=0, steps=range(4))
+    _write(tmp_path, rank=1, steps=range(3))  # killed after step 3's collectives, before its write
+    with pytest.warns(JournalWarning, match=r"rank 1's file holds no commit at step 3, which the other ranks'"):
+        journal = read_journal(tmp_path)
+    assert journal.short == [Gap(1, 3, 3)]
+    assert list(emitted(journal))[-1] == (3, {"tokens": 10.0})  # what is left, as before: the warning says so
+    out = io.StringIO()
+    inspect(journal, out)
+    assert "cut short   rank 1: step 3 missing from its file" in out.getvalue()
+    with pytest.warns(JournalWarning, match="rank 1's file"):
+        assert stream_journal(tmp_path).short == [Gap(1, 3, 3)]
+
+
+def test_the_writer_rank_cut_short_is_named_too(tmp_path: Path) -> None:
+    _write(tmp_path, rank=0, steps=range(2))
+    _write(tmp_path, rank=1, steps=range(5))
+    with pytest.warns(JournalWarning, match=r"rank 0's file holds no commit at step 2\.\.4"):
+        assert read_journal(tmp_path).short == [Gap(0, 2, 4)]
+
+
+def test_ranks_ending_together_are_not_cut_short(tmp_path: Path) -> None:
+    for rank in range(3):
+        _write(tmp_path, rank=rank, steps=range(4))
+    assert _quiet(tmp_path) == []
+    assert _quiet(tmp_path / "rank-00000.mbj") == []  # one file alone: nothing to compare
+
+
+def test_a_run_resumed_with_fewer_ranks_is_not_cut_short(tmp_path: Path) -> None:
+    _write(tmp_path, rank=0, steps=range(3))
+    _write(tmp_path, rank=1, steps=range(3))
+    _write(tmp_path, rank=0, steps=range(3, 6))  # resumed at step 3 on one rank
+    assert _quiet(tmp_path) == []
+
+
+def test_a_resume_at_the_missing_step_replaces_it(tmp_path: Path) -> None:
+    _write(tmp_path, rank=0, steps=range(4))
+    _write(tmp_path, rank=1, steps=range(3))
+    for rank in range(2):  # both resumed from a checkpoint at step 3: the new segment replaces step 3
+        _write(tmp_path, rank=rank, steps=range(3, 5))
+    assert _quiet(tmp_path) == []
+
+
+def test_a_resume_after_the_missing_step_keeps_it_listed(tmp_path: Path) -> None:
+    _write(tmp_path, rank=0, steps=range(4))
+    _write(tmp_path, rank=1, steps=range(3))
+    for rank in range(2):  # both resumed after step 3: rank 1 never journaled it
+        _write(tmp_path, rank=rank, steps=range(4, 6))
+    with pytest.warns(JournalWarning, match="rank 1's file holds no commit at step 3,"):
+        journal = read_journal(tmp_path)
+    assert journal.short == [Gap(1, 3, 3)]
+    assert [step for step, _ in emitted(journal)] == [0, 1, 2, 3, 4, 5]
