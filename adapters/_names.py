@@ -8,7 +8,7 @@ same backend name would silently merge two series, so the mapper raises
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from metricbus.errors import MetricValueError
 
@@ -42,29 +42,50 @@ def passthrough(name: str) -> str:
 
 
 class NameMapper:
-    """Caches ``name -> backend name`` and refuses two names that land on one backend name."""
+    """Caches ``name -> backend name``; refuses two names that land on one backend name, and the names the backend
+    keeps for itself (``reserved``: backend name -> what the backend uses it for)."""
 
-    def __init__(self, *, backend: str, rule: Callable[[str], str]) -> None:
+    def __init__(
+        self, *, backend: str, rule: Callable[[str], str], reserved: Mapping[str, str] | None = None
+    ) -> None:
         self._backend = backend
         self._rule = rule
-        self._forward: dict[str, str] = {}
-        self._owner: dict[str, str] = {}
+        self._reserved = dict(reserved or {})
+        self._forward: dict[tuple[str, str | None], str] = {}
+        self._owner: dict[str, tuple[str, str | None]] = {}
 
-    def __call__(self, name: str) -> str:
-        """The backend name for ``name``; raises MetricValueError on a collision."""
-        mapped = self._forward.get(name)
+    def __call__(self, name: str, *, part_of: str | None = None) -> str:
+        """The backend name for ``name``; raises MetricValueError on a collision or a reserved name.
+
+        ``part_of``: ``name`` is not a metric of its own but a part the adapter writes for metric ``part_of``
+        (MLflow's ``x/p50`` of a histogram ``x``), so a metric really named ``name`` is a collision, not the same
+        series.
+        """
+        source = (name, part_of)
+        mapped = self._forward.get(source)
         if mapped is not None:
             return mapped
         mapped = self._rule(name)
-        owner = self._owner.get(mapped)
-        if owner is not None and owner != name:
+        use = self._reserved.get(mapped)
+        if use is not None:
             raise MetricValueError(
-                f"metric names {owner!r} and {name!r} both map to {self._backend} name {mapped!r}; "
-                f"rename one of them so the two series stay apart"
+                f"metric name {_describe(source)} maps to {self._backend} name {mapped!r}, which {self._backend} "
+                f"keeps for {use}; rename the metric (reserved: {', '.join(map(repr, self._reserved))})"
             )
-        self._owner[mapped] = name
-        self._forward[name] = mapped
+        owner = self._owner.get(mapped)
+        if owner is not None and owner != source:
+            raise MetricValueError(
+                f"metric names {_describe(owner)} and {_describe(source)} both map to {self._backend} name "
+                f"{mapped!r}; rename one of them so the two series stay apart"
+            )
+        self._owner[mapped] = source
+        self._forward[source] = mapped
         return mapped
+
+
+def _describe(source: tuple[str, str | None]) -> str:
+    name, part_of = source
+    return repr(name) if part_of is None else f"{name!r} (written for metric {part_of!r})"
 
 
 def mlflow_mapper() -> NameMapper:
@@ -72,6 +93,6 @@ def mlflow_mapper() -> NameMapper:
     return NameMapper(backend="MLflow", rule=mlflow_key)
 
 
-def passthrough_mapper(*, backend: str) -> NameMapper:
-    """A fresh pass-through mapper (TensorBoard, wandb)."""
-    return NameMapper(backend=backend, rule=passthrough)
+def passthrough_mapper(*, backend: str, reserved: Mapping[str, str] | None = None) -> NameMapper:
+    """A fresh pass-through mapper (TensorBoard, wandb) refusing the backend's ``reserved`` names."""
+    return NameMapper(backend=backend, rule=passthrough, reserved=reserved)

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from metricbus.adapter import RunInfo, Status
-from metricbus.errors import AdapterNotFoundError, ConfigError
+from metricbus.errors import AdapterNotFoundError, ConfigError, MetricValueError
 from metricbus.histogram import Histogram
 
 from ._names import NameMapper, passthrough_mapper
@@ -84,6 +84,13 @@ HISTOGRAM_MAX_BINS = 512  # wandb.Histogram.MAX_LENGTH: it refuses more bins
 _STRING_OPTIONS = ("project", "entity", "group", "job_type", "notes", "mode")
 _RUN_OPTIONS = (*_STRING_OPTIONS, "dir")  # options that configure wandb.init, meaningless with attach=True
 _IDENTITY_KEYS = ("run_id", "project", "entity")
+RESERVED_KEYS = {
+    "_step": "the row's step (wandb.log drops a metric of that name)",
+    "_runtime": "the run's time (wandb-core overwrites a metric of that name)",
+    "_timestamp": "the row's wall time (wandb.log takes a metric of that name for it)",
+}
+"""History keys wandb 0.31 fills itself (``interface.publish_partial_history``, wandb-core): a metric of that name
+would be lost or would overwrite them, so the adapter refuses it."""
 
 
 def _check_options(options: Mapping[str, Any]) -> None:
@@ -157,7 +164,7 @@ class WandbAdapter:
         self._project, self._mode, self._entity = project, mode, entity
         self._dir = None if dir is None else os.fspath(dir)
         self._group, self._job_type, self._notes, self._attach = group, job_type, notes, attach
-        self._names: NameMapper = passthrough_mapper(backend="wandb")
+        self._names: NameMapper = passthrough_mapper(backend="wandb", reserved=RESERVED_KEYS)
         self._run: Any = None
         self._info: RunInfo | None = None
         self._kept: dict[str, str] = {}  # run_id, project, entity of the run to reopen (resume, rewind)
@@ -296,6 +303,11 @@ class WandbAdapter:
         if not metrics:
             return
         names, step = self._names, int(step)
+        if step < 0:  # wandb-core drops a row at a negative step without an error
+            raise MetricValueError(
+                f"step {step} is negative; wandb keeps only steps >= 0 (it drops the others without an error), so "
+                f"commit steps from 0 on to log to wandb"
+            )
         row = {names(key): _logged(value) for key, value in metrics.items()}
         held = self._written.get(step) if self._written else None
         if held:  # drop what an earlier folder of the run already holds at this step (see the module docstring)
