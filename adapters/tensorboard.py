@@ -54,6 +54,14 @@ from ._names import NameMapper, passthrough_mapper
 RUN_TEXT_TAG = "metricbus/run"
 WRITER = "metricbus"  # SourceMetadata.writer of the event files this adapter writes (and may cut)
 HParamValue = bool | int | float | str
+RESERVED_TAGS = {
+    RUN_TEXT_TAG: "the run's text summary (project, id, name, tags, config)",
+    "_hparams_/experiment": "the hparams plugin",
+    "_hparams_/session_start_info": "the hparams plugin (the run's config)",
+    "_hparams_/session_end_info": "the hparams plugin",
+}
+"""Tags the adapter (and the hparams plugin) writes for the run: a metric under one of them would take another
+plugin's data (readers show it under that plugin, not as a scalar), so the adapter refuses it."""
 
 _INSTALL = "pip install 'metricbus[tensorboard]'"
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -246,7 +254,7 @@ class TensorBoardAdapter:
         self._log_dir = _checked_log_dir(log_dir)
         if importlib.util.find_spec("tensorboard") is None:
             raise AdapterNotFoundError(f"the tensorboard adapter needs the tensorboard package: {_INSTALL}")
-        self._names: NameMapper = passthrough_mapper(backend="TensorBoard")
+        self._names: NameMapper = passthrough_mapper(backend="TensorBoard", reserved=RESERVED_TAGS)
         self._resumed_dir: str | None = None
         self._purge_step: int | None = None  # set by resume(): the first step open() hides
         self._folder: Path | None = None

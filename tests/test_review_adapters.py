@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 import wandb
 from backend_env import isolate_env, read_wandb_history
+from metricbus.adapters.tensorboard import RUN_TEXT_TAG, TensorBoardAdapter
 from metricbus.adapters.wandb import WandbAdapter
+from tb_reader import legacy_accumulator, tensor_points
 
 from metricbus.adapter import Adapter, RunInfo
 from metricbus.delivery import Delivery
@@ -78,3 +80,19 @@ def test_wandb_refuses_a_negative_step() -> None:
     assert "wandb keeps only steps >= 0" in delivery.gaps[0].reason
     assert [(row["_step"], row["loss"]) for row in _wandb_rows(adapter)] == [(0, 3)]
     assert [step for step, _ in mem.rows] == [-2, -1, 0]
+
+
+# -- TensorBoard ---------------------------------------------------------------------------------------------------
+
+
+def test_tensorboard_refuses_a_metric_under_the_run_text_tag(tmp_path: Path) -> None:
+    """A metric named like the run's text tag would be read as text, not as scalars: a gap naming it instead."""
+    adapter = TensorBoardAdapter(log_dir=tmp_path / "tb")
+    delivery, _ = _deliver(adapter, [(0, {"loss": 1.0}), (1, {RUN_TEXT_TAG: 5.0, "loss": 2.0}), (2, {"loss": 3.0})])
+    (gap,) = delivery.gaps
+    assert (gap.adapter, gap.step, gap.metric) == ("tensorboard", 1, RUN_TEXT_TAG)
+    assert "which TensorBoard keeps for the run's text summary" in gap.reason
+    acc = legacy_accumulator(tmp_path / "tb")
+    assert tensor_points(acc, "loss") == [(0, 1.0), (2, 3.0)]
+    assert acc.SummaryMetadata(RUN_TEXT_TAG).plugin_data.plugin_name == "text"
+    assert len(acc.Tensors(RUN_TEXT_TAG)) == 1  # the run text alone
