@@ -376,24 +376,25 @@ class MlflowAdapter:
         metric, names, step = self._metric, self._names, int(step)
         if not -(2**63) <= step < 2**63:  # sqlite fails with an INTERNAL_ERROR, which would be retried for ever
             raise MetricValueError(f"step {step} is outside MLflow's int64 step range; MLflow cannot store it")
-        batch = [metric(names(key), float(value), now_ms, step) for key, value in self._points(metrics)]
+        batch = [metric(names(key, part_of=of), float(value), now_ms, step) for key, value, of in self._points(metrics)]
         if self._held:
             held = self._held
             batch = [m for m in batch if _comparable(m.value) not in held.get((m.key, step), ())]
         if batch:
             self._client.log_batch(self._run_id, metrics=batch)
 
-    def _points(self, metrics: Mapping[str, float]) -> Iterator[tuple[str, float]]:
-        """``(name, value)`` of every metric; a Histogram gives its quantiles ``<key>/p50``, ... (MLflow has no
-        histograms), with a warning the first time each key is seen."""
+    def _points(self, metrics: Mapping[str, float]) -> Iterator[tuple[str, float, str | None]]:
+        """``(name, value, part_of)`` of every metric; a Histogram gives its quantiles ``<key>/p50``, ... with
+        ``part_of=key`` (MLflow has no histograms; a metric really named ``<key>/p50`` is then a collision, not the
+        same series), with a warning the first time each key is seen."""
         for key, value in metrics.items():
             if not isinstance(value, Histogram):
-                yield key, value
+                yield key, value, None
                 continue
-            points = [(f"{key}/{suffix}", quantile) for suffix, quantile in value.quantiles]
+            points = [(f"{key}/{suffix}", quantile, key) for suffix, quantile in value.quantiles]
             if key not in self._warned:
+                names = ", ".join(repr(self._names(name, part_of=key)) for name, _, _ in points) or "(none)"
                 self._warned.add(key)
-                names = ", ".join(repr(self._names(name)) for name, _ in points) or "(none)"
                 message = f"MLflow has no histograms, so {key!r} is logged as its quantiles {names}"
                 # stacklevel 1: writes run in a delivery thread, with no user code to point at
                 warnings.warn(message, MetricBusWarning, stacklevel=1)

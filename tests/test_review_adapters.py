@@ -6,6 +6,9 @@ Each backend is the real one (wandb offline read back from its ``.wandb`` file, 
 
 from __future__ import annotations
 
+import logging
+import shutil
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -13,12 +16,15 @@ from typing import Any
 import pytest
 import wandb
 from backend_env import isolate_env, read_wandb_history
+from metricbus.adapters.mlflow import MlflowAdapter
 from metricbus.adapters.tensorboard import RUN_TEXT_TAG, TensorBoardAdapter
 from metricbus.adapters.wandb import WandbAdapter
 from tb_reader import legacy_accumulator, tensor_points
 
+from metricbus import MetricBus
 from metricbus.adapter import Adapter, RunInfo
 from metricbus.delivery import Delivery
+from metricbus.errors import MetricBusWarning
 from metricbus.testing import MemoryAdapter
 
 MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
@@ -36,6 +42,26 @@ def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Pa
     if wandb.run is not None:
         wandb.run.finish()
     wandb.teardown()
+
+
+@pytest.fixture(scope="module")
+def empty_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty sqlite tracking database, created once (MLflow's schema migrations take about a second)."""
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path_factory.mktemp("template")
+    with pytest.MonkeyPatch.context() as patch:
+        isolate_env(patch, root)
+        MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").search_experiments()
+    return root / "mlflow.db"
+
+
+@pytest.fixture
+def sqlite_uri(tmp_path: Path, empty_db: Path) -> str:
+    """A fresh sqlite tracking database (a copy of the empty one)."""
+    (tmp_path / "db").mkdir()
+    shutil.copyfile(empty_db, tmp_path / "db" / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'db' / 'mlflow.db'}"
 
 
 def _deliver(adapter: Adapter, steps: list[tuple[int, Mapping[str, float]]]) -> tuple[Delivery, MemoryAdapter]:
@@ -96,3 +122,50 @@ def test_tensorboard_refuses_a_metric_under_the_run_text_tag(tmp_path: Path) -> 
     assert tensor_points(acc, "loss") == [(0, 1.0), (2, 3.0)]
     assert acc.SummaryMetadata(RUN_TEXT_TAG).plugin_data.plugin_name == "text"
     assert len(acc.Tensors(RUN_TEXT_TAG)) == 1  # the run text alone
+
+
+# -- MLflow --------------------------------------------------------------------------------------------------------
+
+
+def test_mlflow_histogram_quantile_and_a_metric_of_that_name_do_not_merge(
+    sqlite_uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hist ``x`` (logged as ``x/p50``, ...) next to a metric ``x/p50``: a gap naming both, never one series."""
+    from mlflow.tracking import MlflowClient
+
+    adapter = MlflowAdapter(tracking_uri=sqlite_uri)
+    bus = MetricBus(adapters=[adapter], dist=None)
+    with warnings.catch_warnings(), caplog.at_level(logging.ERROR, logger="metricbus.delivery"):
+        warnings.simplefilter("ignore", MetricBusWarning)
+        bus.log("x", [1.0, 2.0, 3.0], agg="hist")
+        bus.log("x/p50", 7.0)
+        bus.commit(step=0)
+        bus.log("y", 1.0)
+        bus.commit(step=1)
+        bus.close()
+    (report,) = [r.getMessage() for r in caplog.records if "'mlflow' rejected step" in r.getMessage()]
+    assert "'mlflow' rejected step 0" in report
+    assert "'x/p50' (written for metric 'x')" in report
+    assert "both map to MLflow name 'x/p50'" in report
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    assert adapter.run_id is not None
+    assert client.get_metric_history(adapter.run_id, "x/p50") == []
+    assert [(m.step, m.value) for m in client.get_metric_history(adapter.run_id, "y")] == [(1, 1.0)]
+    assert client.get_run(adapter.run_id).info.status == "FAILED"
+
+
+def test_mlflow_histogram_alone_is_still_logged_as_quantiles(sqlite_uri: str) -> None:
+    """The part_of mapping keeps a plain histogram's quantiles as they were, step after step."""
+    from mlflow.tracking import MlflowClient
+
+    adapter = MlflowAdapter(tracking_uri=sqlite_uri)
+    bus = MetricBus(adapters=[adapter], dist=None, strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MetricBusWarning)
+        for step in range(2):
+            bus.log("x", [1.0, 2.0, 3.0], agg="hist")
+            bus.commit(step=step)
+        bus.close()
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    assert adapter.run_id is not None
+    assert [m.step for m in client.get_metric_history(adapter.run_id, "x/p50")] == [0, 1]
