@@ -354,6 +354,7 @@ class _Target:
     gaps: set[int] = field(default_factory=set)  # steps the backend rejected live: retried here
     resent: set[int] = field(default_factory=set)  # gaps written, not yet acknowledged
     identity: dict[str, str] | None = None  # the backend run the live bus (or a last sync) wrote to
+    flushed: int | None = None  # the last whole step flushed: acknowledged once durable (``durable_step``) or closed
 
     def wants(self, step: int) -> bool:
         return self.error is None and (self.cursor is None or step > self.cursor or step in self.gaps)
@@ -493,7 +494,9 @@ def _send(
 def _acknowledge(target: _Target, store: CursorStore) -> None:
     """Flush the adapter, then advance its cursor (never before the flush returned) through the last step written
     whole: a cursor covers whole steps, so a step with another commit still to send (training, then evaluation at
-    one step) is not acknowledged yet, and a sync stopped in between sends that whole step again."""
+    one step) is not acknowledged yet, and a sync stopped in between sends that whole step again. An adapter whose
+    optional ``durable_step`` says less (wandb keeps the last step's row open until a later step) is acknowledged
+    only that far; the rest once a later flush or ``close()`` made it durable."""
     if target.written is None or not target.unflushed:
         return
     try:
@@ -501,12 +504,32 @@ def _acknowledge(target: _Target, store: CursorStore) -> None:
     except Exception as exc:
         target.error = target.error or exc
         target.unflushed = 0  # not acknowledged; the next sync sends these steps again
-        target.written = target.whole = None
+        target.written = target.whole = target.flushed = None
         return
     through = target.whole
     held = 0 if through == target.written else min(target.at_written, target.unflushed)
     target.sent += target.unflushed - held
     target.unflushed = held
+    if through is None:
+        return
+    target.flushed = through
+    _advance(target, store, _durable(target.adapter, through))
+
+
+def _durable(adapter: Adapter, flushed: int) -> int | None:
+    """The last step durable after a flush: ``flushed``, or less where the adapter's ``durable_step`` says so (as the
+    live delivery worker reads it)."""
+    if not hasattr(adapter, "durable_step"):
+        return flushed
+    try:
+        durable = adapter.durable_step
+    except Exception:
+        return None
+    return None if durable is None else min(flushed, int(durable))
+
+
+def _advance(target: _Target, store: CursorStore, through: int | None) -> None:
+    """Move the cursor to ``through`` (never back) and forget the gaps delivered up to it."""
     if through is None:
         return
     if target.cursor is None or through > target.cursor:
@@ -520,13 +543,16 @@ def _acknowledge(target: _Target, store: CursorStore) -> None:
 
 
 def _finish(targets: list[_Target], store: CursorStore, *, status: Status) -> None:
-    """Acknowledge what each opened adapter wrote, then close it (a failed one as ``failed``)."""
+    """Acknowledge what each opened adapter wrote, then close it (a failed one as ``failed``); a close that returned
+    made every step it flushed durable."""
     for target in targets:
         _acknowledge(target, store)
         try:
             target.adapter.close(status="failed" if target.error is not None else status)
         except Exception as exc:
             target.error = target.error or exc
+            continue
+        _advance(target, store, target.flushed)
 
 
 def _last_step(journal: Source) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 import wandb
-from backend_env import isolate_env, read_wandb_history
+from backend_env import isolate_env, read_wandb_history, read_wandb_records_now, wandb_history_of
 from metricbus.adapters.mlflow import MlflowAdapter
 from metricbus.adapters.tensorboard import RUN_TEXT_TAG, TensorBoardAdapter
 from metricbus.adapters.wandb import WandbAdapter
@@ -25,6 +26,8 @@ from metricbus import MetricBus
 from metricbus.adapter import Adapter, RunInfo
 from metricbus.delivery import Delivery
 from metricbus.errors import MetricBusWarning
+from metricbus.journal import CursorStore
+from metricbus.replay import sync
 from metricbus.testing import MemoryAdapter
 
 MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
@@ -169,3 +172,43 @@ def test_mlflow_histogram_alone_is_still_logged_as_quantiles(sqlite_uri: str) ->
     client = MlflowClient(tracking_uri=sqlite_uri)
     assert adapter.run_id is not None
     assert [m.step for m in client.get_metric_history(adapter.run_id, "x/p50")] == [0, 1]
+
+
+# -- metricbus sync ------------------------------------------------------------------------------------------------
+
+
+def test_sync_acknowledges_a_wandb_row_only_once_it_is_in_the_run_file(tmp_path: Path) -> None:
+    """wandb keeps the last step's row open until a later step: sync's cursor never covers a row not in the file.
+
+    At every acknowledgement (the progress callback runs right after it), a sync killed there must leave every step
+    up to the cursor in the ``.wandb`` file; the rows wandb-core had to write are given time to land first.
+    """
+    journal = tmp_path / "journal"
+    bus = MetricBus(dist=None, journal=str(journal))
+    for step in range(3):
+        bus.log("loss", float(step))
+        bus.commit(step=step)
+    bus.close()
+    adapter = WandbAdapter(mode="offline", project="review")
+    store = CursorStore(journal)
+    seen: list[tuple[int | None, list[int]]] = []
+
+    def at_acknowledgement(_done: int, _total: int, _sent: int) -> None:
+        identity = adapter.identity
+        assert identity is not None
+        cursor = store.get(adapter)
+        in_file: list[int] = []
+        deadline = time.monotonic() + 1.0  # wandb-core writes its file every 0.1 s
+        while time.monotonic() < deadline:
+            in_file = [int(row["_step"]) for row in wandb_history_of(read_wandb_records_now(Path(identity["dir"])))]
+            if cursor is None or cursor in in_file:
+                break
+            time.sleep(0.05)
+        seen.append((cursor, in_file))
+
+    assert sync(str(journal), [adapter], flush_every=1, progress=at_acknowledgement) == {"wandb": 3}
+    assert seen, "the progress callback never ran"
+    for cursor, in_file in seen:
+        assert cursor is None or cursor in in_file, f"cursor {cursor} acknowledges a row the file lacks: {in_file}"
+    assert store.get(adapter) == 2  # close wrote the last row: every step acknowledged
+    assert [row["_step"] for row in _wandb_rows(adapter)] == [0, 1, 2]
