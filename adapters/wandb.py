@@ -477,7 +477,7 @@ def _history_of(path: str) -> tuple[tuple[int, int], int | None, dict[int, dict[
             row = rows.setdefault(record.history.step.num, {})
             for item in record.history.item:
                 keys: list[str] = [item.key] if item.key else list(item.nested_key)
-                if keys and not keys[0].startswith("_"):
+                if keys and keys[0] not in RESERVED_KEYS:  # wandb's own; a user's "_x" is compared like any key
                     _put(row, keys, json.loads(item.value_json, parse_int=float))  # "-0" is -0.0
     return start, branch, rows
 

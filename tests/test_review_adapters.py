@@ -111,6 +111,24 @@ def test_wandb_refuses_a_negative_step() -> None:
     assert [step for step, _ in mem.rows] == [-2, -1, 0]
 
 
+def test_wandb_resume_writes_an_underscore_metric_once(tmp_path: Path) -> None:
+    """After a resume, a metric whose name starts with '_' (not one of wandb's own keys) that an earlier folder
+    holds with the same value is not logged again, like every other metric."""
+    run = RunInfo(id="20261205-120000-abcdef")
+    first = WandbAdapter(mode="offline", project="review")
+    first.open(run=run)
+    for step in range(3):
+        first.write(step=step, metrics={"_private": step + 0.5, "loss": step + 0.25})
+    first.close(status="failed")
+    second = WandbAdapter(mode="offline", project="review")
+    second.resume(after_step=0, identity=first.identity)
+    second.open(run=run)
+    for step in range(1, 4):
+        second.write(step=step, metrics={"_private": step + 0.5, "loss": step + 0.25})
+    second.close(status="finished")
+    assert [(row["_step"], row["_private"], row["loss"]) for row in _wandb_rows(second)] == [(3, 3.5, 3.25)]
+
+
 # -- TensorBoard ---------------------------------------------------------------------------------------------------
 
 
