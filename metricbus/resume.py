@@ -79,11 +79,15 @@ def previous_run(
     return replace(run, id=old.id, start_time_unix_ns=old.start_time_unix_ns), journal
 
 
-def catch_up(journal: Journal | JournalStream, *, step: int, cursors: Sequence[int | None]) -> list[CatchUp]:
+def catch_up(
+    journal: Journal | JournalStream, *, step: int, cursors: Sequence[int | None], others: Sequence[int] = ()
+) -> list[CatchUp]:
     """Per adapter (its cursor in ``cursors``), the rewind and steps it needs before the first commit at ``step``.
 
     The old timeline is replayed as a stream; only the emissions some adapter still needs (after the lowest cursor,
-    and the last one, which decides a rewind) are kept."""
+    and the last one, which decides a rewind) are kept. ``others``: the cursors of backends this bus has no adapter
+    for; their plans (no steps: ``metricbus sync`` sends them) follow those of ``cursors``, so that a rewind moves
+    their cursors back too."""
     from metricbus.replay import emissions
 
     floor = None if any(c is None for c in cursors) else min(cursors, default=None)  # type: ignore[type-var]
@@ -106,4 +110,7 @@ def catch_up(journal: Journal | JournalStream, *, step: int, cursors: Sequence[i
             rewind, after = start, start - 1
         missed = tuple((s, m) for s, m in kept if after is None or s > after)
         out.append(CatchUp(rewind, missed, after))
+    for acked in others:
+        rewound = rewinding and acked >= start
+        out.append(CatchUp(start if rewound else None, (), start - 1 if rewound else acked))
     return out

@@ -109,8 +109,7 @@ class Sink:
         if self._previous is not None:
             previous, self._previous = self._previous, None
             self.columns = self._journal.append_columns
-            if self.delivery.adapters:  # (without adapters there is no one to catch up)
-                failure = self._catch_up(previous, step)
+            failure = self._catch_up(previous, step)
         if self._journal is not None:
             try:
                 self._journal.append(step=step, entries=entries)
@@ -130,10 +129,19 @@ class Sink:
 
         store = self._journal.cursors
         adapters = self.delivery.adapters
+        # Backends this journal delivered to whose adapter this bus lacks: a rewind moves their cursors back too, so
+        # `metricbus sync` later sends them the resumed timeline (else they keep the abandoned one's steps).
+        others = store.others(adapters) if previous.last_step is not None and step <= previous.last_step else {}
+        if not adapters and not others:
+            return None
         done = 0
         try:
-            plans = catch_up(previous, step=step, cursors=[store.get(a) for a in adapters])
-            for index, (adapter, plan) in enumerate(zip(adapters, plans, strict=True)):
+            cursors = [store.get(a) for a in adapters]
+            plans = catch_up(previous, step=step, cursors=cursors, others=list(others.values()))
+            for key, plan in zip(others, plans[len(adapters) :], strict=True):
+                if plan.rewind is not None:
+                    store.rewind_other(key, plan.cursor)
+            for index, (adapter, plan) in enumerate(zip(adapters, plans[: len(adapters)], strict=True)):
                 if plan.rewind is not None:
                     store.rewind(adapter, plan.cursor)
                 if plan.rewind is not None or plan.steps:
@@ -141,6 +149,11 @@ class Sink:
                 done = index + 1
         except Exception as exc:
             stuck = []
+            for key in others if not done else ():
+                try:
+                    store.rewind_other(key, step - 1)
+                except Exception:
+                    stuck.append(key)
             for index in range(done, len(adapters)):
                 try:
                     store.rewind(adapters[index], step - 1)

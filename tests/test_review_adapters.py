@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import wandb
 from backend_env import isolate_env, read_wandb_history, read_wandb_records_now, wandb_history_of
+from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 from metricbus.adapters.mlflow import MlflowAdapter
 from metricbus.adapters.tensorboard import RUN_TEXT_TAG, TensorBoardAdapter
 from metricbus.adapters.wandb import WandbAdapter
@@ -230,3 +231,28 @@ def test_sync_acknowledges_a_wandb_row_only_once_it_is_in_the_run_file(tmp_path:
         assert cursor is None or cursor in in_file, f"cursor {cursor} acknowledges a row the file lacks: {in_file}"
     assert store.get(adapter) == 2  # close wrote the last row: every step acknowledged
     assert [row["_step"] for row in _wandb_rows(adapter)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("resumed_adapters", [[], ["console"]], ids=["no adapters", "another adapter"])
+def test_sync_after_a_rewind_without_the_adapter_sends_the_new_timeline(
+    tmp_path: Path, resumed_adapters: list[str]
+) -> None:
+    """A run resumed from a checkpoint without the jsonl adapter: a later sync gives jsonl the resumed timeline
+    (old steps before the checkpoint, the new values from it on), not the stale steps of the abandoned one."""
+    journal, out = tmp_path / "journal", tmp_path / "out.jsonl"
+    bus = MetricBus(dist=None, journal=str(journal), adapters=[f"jsonl:{out}"])
+    for step in range(10):
+        bus.log("loss", float(step))
+        bus.commit(step=step)
+    bus.close()
+    assert [step for step, _ in read_jsonl(out)] == list(range(10))
+    resumed = MetricBus(dist=None, journal=str(journal), resume=True, adapters=resumed_adapters)
+    for step in range(5, 8):
+        resumed.log("loss", 100.0 + step)
+        resumed.commit(step=step)
+    resumed.close()
+    sync(str(journal), [JsonlAdapter(path=out)])
+    assert [(step, metrics["loss"]) for step, metrics in read_jsonl(out)] == [
+        *((step, float(step)) for step in range(5)),
+        *((step, 100.0 + step) for step in range(5, 8)),
+    ]

@@ -114,7 +114,10 @@ class CursorStore:
 
     def _record(self, adapter: Any) -> dict[str, Any]:
         """``adapter``'s record; {} where there is none, or (with a JournalWarning) where it is damaged."""
-        path = self._path(adapter_key(adapter))
+        return self._record_at(self._path(adapter_key(adapter)))
+
+    def _record_at(self, path: Path) -> dict[str, Any]:
+        """The record in ``path``; {} where there is none, or (with a JournalWarning) where it is damaged."""
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -150,11 +153,14 @@ class CursorStore:
 
     def _write(self, adapter: Any, *, step: int | None, identity: Mapping[str, str] | None) -> None:
         """Replace ``adapter``'s record atomically (tmp file + rename)."""
-        key = adapter_key(adapter)
+        name = str(getattr(adapter, "name", type(adapter).__name__))
+        self._write_record(adapter_key(adapter), name, step=step, identity=identity)
+
+    def _write_record(self, key: str, name: str, *, step: int | None, identity: Mapping[str, str] | None) -> None:
+        """Replace the record of ``key`` atomically (tmp file + rename)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self._path(key)
         tmp = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        name = str(getattr(adapter, "name", type(adapter).__name__))
         record = {"adapter": name, "key": key, "step": step, "identity": None if identity is None else dict(identity)}
         tmp.write_text(json.dumps(record), encoding="utf-8")
         os.replace(tmp, target)
@@ -181,6 +187,31 @@ class CursorStore:
         if last is None or (step is not None and last <= step):
             return
         self._write(adapter, step=None if step is None else int(step), identity=identity)
+
+    def others(self, adapters: Any) -> dict[str, int]:
+        """``{key: step}`` of the records of adapters not among ``adapters`` that acknowledged a step (damaged
+        records left out): backends this journal wrote to before whose adapter this bus does not have."""
+        keys = {adapter_key(adapter) for adapter in adapters}
+        found: dict[str, int] = {}
+        for path in sorted(self.directory.glob("*.json")):
+            key = path.name[: -len(".json")]
+            if key in keys:
+                continue
+            step = self._record_at(path).get("step")
+            if step is not None:
+                found[key] = int(step)
+        return found
+
+    def rewind_other(self, key: str, step: int | None) -> None:
+        """:meth:`rewind` for the record of ``key`` (an adapter this bus does not have, see :meth:`others`)."""
+        record = self._record_at(self._path(key))
+        last = record.get("step")
+        if last is None or (step is not None and last <= step):
+            return
+        identity = record.get("identity")
+        name = str(record.get("adapter") or key)
+        kept = {str(k): str(v) for k, v in identity.items()} if isinstance(identity, dict) else None
+        self._write_record(key, name, step=None if step is None else int(step), identity=kept)
 
     def set_identity(self, adapter: Any, identity: Mapping[str, str] | None) -> None:
         """Keep what names ``adapter``'s backend run (after it opened), so a later process opens the same run."""
