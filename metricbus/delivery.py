@@ -21,7 +21,8 @@ step's data: HTTP 4xx, MLflow ``INVALID_PARAMETER_VALUE``, protobuf's ``Value ou
 of the adapter's own conversion, or a type in the adapter's
 ``permanent_errors``) skips the step for that adapter: it is reported (adapter, step, metric if known, reason),
 kept in :attr:`Delivery.gaps` and passed to ``on_gap(index, adapter, step, reason)``. **An adapter that skipped a
-step is closed with status "failed"** (MLflow ``FAILED``, wandb exit code 1), never left running as if complete.
+step is closed with status "failed"** (MLflow ``FAILED``, wandb exit code 1), never left running as if complete; so
+is one that lacks steps it was given (dropped at a full queue, or left unwritten when ``close()`` ran out of time).
 
 **A hung or dead adapter never stalls training.** An adapter whose ``open``, ``write`` or ``flush`` call has run
 longer than ``write_timeout_s`` (default :data:`WRITE_TIMEOUT_S`), or whose thread died of any ``BaseException``

@@ -193,7 +193,7 @@ class Worker:
                     self._flush()
         if self.open_error is None:
             self._flush()
-            final: Status = "failed" if self.gaps or self.stopped is not None else status
+            final: Status = "failed" if self.gaps or self.lost or self.dropped or self.stopped is not None else status
             if self._call("close", lambda: self.adapter.close(status=final)) and self.last_step is not None:
                 self._acknowledge(self.last_step)  # close made every written step durable
 

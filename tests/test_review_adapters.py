@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -24,7 +25,7 @@ from metricbus.adapters.wandb import WandbAdapter
 from tb_reader import legacy_accumulator, tensor_points
 
 from metricbus import MetricBus
-from metricbus.adapter import Adapter, RunInfo
+from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.delivery import Delivery
 from metricbus.errors import MetricBusWarning
 from metricbus.journal import CursorStore
@@ -256,3 +257,43 @@ def test_sync_after_a_rewind_without_the_adapter_sends_the_new_timeline(
         *((step, float(step)) for step in range(5)),
         *((step, 100.0 + step) for step in range(5, 8)),
     ]
+
+
+# -- delivery ------------------------------------------------------------------------------------------------------
+
+
+class DownFrom(MemoryAdapter):
+    """A backend that is down (connection refused) from step ``down_from`` on; it records its final status."""
+
+    name = "down"
+
+    def __init__(self, down_from: int) -> None:
+        super().__init__()
+        self.down_from = down_from
+        self.closed = threading.Event()
+
+    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
+        """Refuse the steps from ``down_from`` on."""
+        if step >= self.down_from:
+            raise ConnectionError(f"backend down at step {step}")
+        super().write(step=step, metrics=metrics)
+
+    def close(self, *, status: Status) -> None:
+        """Remember the status and tell the test."""
+        super().close(status=status)
+        self.closed.set()
+
+
+def test_an_adapter_abandoned_at_close_is_closed_as_failed() -> None:
+    """close() ran out of time while the backend was down: its run lacks steps, so it is closed failed."""
+    down, mem = DownFrom(3), MemoryAdapter()
+    bus = MetricBus(adapters=[down, mem], dist=None)
+    for step in range(6):
+        bus.log("loss", float(step))
+        bus.commit(step=step)
+    bus.close(timeout_s=0.5)
+    assert down.closed.wait(60), "the abandoned adapter was never closed"
+    assert [step for step, _ in down.rows] == [0, 1, 2]
+    assert down.status == "failed"
+    assert [step for step, _ in mem.rows] == list(range(6))
+    assert mem.status == "finished"
