@@ -130,6 +130,7 @@ class Worker:
         self.busy_since: float | None = None  # when the adapter call now running began (None: none running)
         self.busy_verb = ""
         self.failures = 0  # failed calls, retries included
+        self.failure: BaseException | None = None  # the last exception a _call() reported
         self.delivered = 0  # steps written
         self.gaps = 0  # steps the backend rejected (skipped)
         self.unacked: int | None = None  # the last step written but not yet flushed
@@ -223,7 +224,14 @@ class Worker:
         rewind = getattr(self.adapter, "rewind", None)
         if item.rewind is not None and callable(rewind):
             step = item.rewind
-            self._call("rewind", lambda: rewind(step=step))
+            if not self._call("rewind", lambda: rewind(step=step)):
+                # The backend still holds the abandoned timeline from ``step`` on: writing the new one after it would
+                # leave both. Stop for this run; the cursor is already below ``step``, so `metricbus sync` rewinds it
+                # (resume) and sends the new steps once the cause is fixed.
+                self.lost += len(item.steps)
+                self.delivery.stop(self, f"rewind(step={step}) failed, so none of the resumed steps is written over "
+                                   "the old ones", self.failure, dead=False)
+                return
         for step_item in item.steps:
             if self.stopped is not None or self.abandon.is_set():
                 self.lost += 1
@@ -348,6 +356,7 @@ class Worker:
             fn()
         except Exception as exc:
             self.failures += 1
+            self.failure = exc
             self._fail(verb, self.last_step, exc, kind=verb)
             return False
         finally:

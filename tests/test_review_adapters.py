@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
 import threading
 import time
 import warnings
@@ -297,3 +298,39 @@ def test_an_adapter_abandoned_at_close_is_closed_as_failed() -> None:
     assert down.status == "failed"
     assert [step for step, _ in mem.rows] == list(range(6))
     assert mem.status == "finished"
+
+
+def _append_only(path: Path, on: bool) -> bool:
+    """Set or clear the file's append-only attribute (root and ext4-like file systems); False where it cannot."""
+    chattr = shutil.which("chattr")
+    if chattr is None:
+        return False
+    done = subprocess.run([chattr, "+a" if on else "-a", str(path)], capture_output=True, check=False)
+    return done.returncode == 0
+
+
+def test_a_failed_rewind_writes_nothing_over_the_old_timeline(tmp_path: Path) -> None:
+    """A resume from a checkpoint whose rewind fails (the jsonl file cannot be cut): the adapter writes none of the
+    new steps after the abandoned ones, is closed failed, and a sync after the fix gives the resumed timeline."""
+    journal, out = tmp_path / "journal", tmp_path / "out.jsonl"
+    bus = MetricBus(dist=None, journal=str(journal), adapters=[f"jsonl:{out}"])
+    for step in range(10):
+        bus.log("loss", float(step))
+        bus.commit(step=step)
+    bus.close()
+    if not _append_only(out, True):
+        pytest.skip("needs chattr +a (root, a file system with the append-only attribute)")
+    try:
+        resumed = MetricBus(dist=None, journal=str(journal), resume=True, adapters=[f"jsonl:{out}"])
+        for step in range(5, 8):
+            resumed.log("loss", 100.0 + step)
+            resumed.commit(step=step)
+        resumed.close()
+        assert [(step, metrics["loss"]) for step, metrics in read_jsonl(out)] == [(s, float(s)) for s in range(10)]
+    finally:
+        _append_only(out, False)
+    sync(str(journal), [JsonlAdapter(path=out)])
+    assert [(step, metrics["loss"]) for step, metrics in read_jsonl(out)] == [
+        *((step, float(step)) for step in range(5)),
+        *((step, 100.0 + step) for step in range(5, 8)),
+    ]
