@@ -17,7 +17,8 @@ is ``runs/<project>/<run id>/metrics.jsonl`` under the working directory, decide
 process writing that run (a resumed trainer, ``metricbus sync``). ``identity`` is ``{"path": <absolute path>}``.
 
 Durability. Each ``write()`` hands its whole line to the operating system before it returns (a killed process
-loses nothing it wrote); ``flush()`` also ``fsync``s the file, so a step is durable once ``flush()`` returned —
+loses nothing it wrote), or, when that fails (a full disk), cuts what part of it was written and raises, so the
+retry writes the line once; ``flush()`` also ``fsync``s the file, so a step is durable once ``flush()`` returned —
 that is when the bus and ``metricbus sync`` acknowledge it to the delivery cursor.
 
 Resuming (the optional ``resume`` verb of the adapter protocol). ``resume(after_step=N, identity=...)`` says that
@@ -35,6 +36,8 @@ later writes append after it.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -211,7 +214,7 @@ class JsonlAdapter:
             self._pending_cut = None
         self._path.parent.mkdir(parents=True, exist_ok=True)
         self._cut(None, keep_all=True)
-        self._handle = self._path.open("ab")
+        self._handle = self._path.open("ab", buffering=0)
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Write one line for ``step``, handed to the operating system before returning."""
@@ -222,8 +225,20 @@ class JsonlAdapter:
             "time_unix_ns": time.time_ns(),
             "metrics": {key: _encode(value) for key, value in metrics.items()},
         }
-        self._handle.write((json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8"))
-        self._handle.flush()
+        line = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
+        fd = self._handle.fileno()
+        start = os.fstat(fd).st_size
+        try:  # unbuffered: a failed write (disk full) leaves nothing behind to be written again with the retry
+            written = 0
+            while written < len(line):
+                count = os.write(fd, line[written:])
+                if count == 0:
+                    raise OSError(errno.ENOSPC, f"jsonl: no byte of step {step}'s line went to {self._path}")
+                written += count
+        except BaseException:
+            with contextlib.suppress(OSError):  # cut the part that was written, so the retry's line stands alone
+                os.ftruncate(fd, start)
+            raise
 
     def rewind(self, *, step: int) -> None:
         """Cut the file right after the last complete line of a step ``< step``; later writes append there."""

@@ -7,8 +7,10 @@ Each backend is the real one (wandb offline read back from its ``.wandb`` file, 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -33,6 +35,7 @@ from metricbus.journal import CursorStore
 from metricbus.replay import sync
 from metricbus.testing import MemoryAdapter
 
+ROOT = Path(__file__).resolve().parents[1]
 MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
 
 
@@ -334,3 +337,41 @@ def test_a_failed_rewind_writes_nothing_over_the_old_timeline(tmp_path: Path) ->
         *((step, float(step)) for step in range(5)),
         *((step, 100.0 + step) for step in range(5, 8)),
     ]
+
+
+# -- jsonl ---------------------------------------------------------------------------------------------------------
+
+FULL_DISK_CHILD = """
+import os, resource, signal, sys, time
+from metricbus.adapter import RunInfo
+from metricbus.adapters.jsonl import JsonlAdapter
+from metricbus.delivery import Delivery
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past RLIMIT_FSIZE fails with EFBIG, as on a full disk
+out = sys.argv[1]
+delivery = Delivery([JsonlAdapter(path=out)], strict=False, retry_base_s=0.01, retry_cap_s=0.02)
+delivery.open(run=RunInfo())
+delivery.submit(step=0, metrics={"x": 1.0})
+assert delivery.flush(timeout_s=30)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(out) + 30, resource.RLIM_INFINITY))
+delivery.submit(step=1, metrics={"x": 2.0, "y" * 50: 3.0})  # its line does not fit: retried while the disk is full
+deadline = time.monotonic() + 30
+while delivery.failures.get("jsonl", 0) < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+delivery.submit(step=2, metrics={"x": 4.0})
+assert delivery.flush(timeout_s=30)
+delivery.close(status="finished", timeout_s=30)
+print(delivery.failures.get("jsonl", 0))
+"""
+
+
+def test_jsonl_writes_a_step_once_after_the_disk_was_full(tmp_path: Path) -> None:
+    """Writes that fail on a full disk and are retried leave each step's line in the file once, whole."""
+    out = tmp_path / "out.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_CHILD, str(out)], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) >= 3  # the line of step 1 failed at least three times
+    assert [(step, metrics["x"]) for step, metrics in read_jsonl(out)] == [(0, 1.0), (1, 2.0), (2, 4.0)]
