@@ -272,6 +272,20 @@ def _open(source: str | os.PathLike[str] | Source) -> Source:
     return source if isinstance(source, Journal | JournalStream) else stream_journal(source)
 
 
+def replay_run(live: RunInfo) -> RunInfo:
+    """The run a replay opens its adapters with by default: a new one, its id ``<live id>-replay-<a new run id>``, its
+    name ``<live name or id> (replay)``, the live run's project, tags (and ``replay``) and config."""
+    fresh = RunInfo(project=live.project)
+    return RunInfo(
+        project=live.project,
+        name=f"{live.name or live.id} (replay)",
+        tags=(*live.tags, "replay"),
+        config=live.config,
+        start_time_unix_ns=fresh.start_time_unix_ns,
+        id=f"{live.id}-replay-{fresh.id}",
+    )
+
+
 def replay(
     source: str | os.PathLike[str] | Source,
     adapters: Sequence[Adapter],
@@ -281,10 +295,15 @@ def replay(
     progress: Progress | None = None,
     run: RunInfo | None = None,
 ) -> int:
-    """Send every replayed step to each adapter (open, write..., flush, close); returns the steps sent."""
+    """Send every replayed step to each adapter (open, write..., flush, close); returns the steps sent.
+
+    The adapters open ``run``, by default a new run made from the journal's (:func:`replay_run`): a replay, with
+    ``rules`` or without, never adds to the live run's backend run (its jsonl file, TensorBoard folder, MLflow or
+    wandb run would then hold each step twice, or the old and the re-aggregated values side by side);
+    :func:`sync` is what delivers into the live run."""
     journal = _open(source)
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
-    info = run or journal.run
+    info = run or replay_run(journal.run)
     stream = emitted(journal, rules=items, steps=steps, progress=progress)
     first = next(stream, None)  # a rule the journal cannot serve (its first commit's names) fails before any open
     opened: list[Adapter] = []

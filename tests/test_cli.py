@@ -278,16 +278,26 @@ def test_replay_to_jsonl_without_a_path_writes_the_per_run_file(
     journal: tuple[Path, MemoryAdapter], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """--to jsonl writes runs/<project>/<run id>/metrics.jsonl (the live values) and says where."""
+    """--to jsonl writes the per-run file of a new run (runs/<project>/<run id>-replay-<new id>/metrics.jsonl, the
+    live values) and says where; the live run's own file, written by the live bus, is left as it was (a replay
+    never adds to the live run: that would hold each step twice)."""
     path, live = journal
     run = read_journal(path).run
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    assert main(["replay", str(path), "--to", "jsonl"]) == 0
-    target = work / "runs" / run.project / run.id / "metrics.jsonl"
-    assert bits(read_jsonl(target)) == bits(live.rows)
-    assert capsys.readouterr().out == f"replayed 4 steps (steps 2..10) to jsonl ({target})\n"
+    own = work / "runs" / run.project / run.id / "metrics.jsonl"
+    own.parent.mkdir(parents=True)
+    own.write_text('{"step": 2, "x": 1.0}\n')  # as the live bus's jsonl adapter would have left it
+    for _ in range(2):  # twice: each replay is a run of its own
+        assert main(["replay", str(path), "--to", "jsonl"]) == 0
+    targets = sorted((work / "runs" / run.project).glob(f"{run.id}-replay-*/metrics.jsonl"))
+    assert len(targets) == 2
+    for target in targets:
+        assert bits(read_jsonl(target)) == bits(live.rows)
+    assert own.read_text() == '{"step": 2, "x": 1.0}\n'
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out) == [f"replayed 4 steps (steps 2..10) to jsonl ({target})" for target in targets]
 
 
 def test_an_empty_step_selection_creates_nothing(
