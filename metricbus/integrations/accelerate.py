@@ -45,6 +45,7 @@ class MetricBusTracker(GeneralTracker):  # type: ignore[misc]  # accelerate is u
         self.run_name = run_name
         self.config_source = config_source
         self._bus = bus
+        self._step_names: set[str] = set()  # names this tracker committed at bus.last_step
         self._reported: set[str] = set()
 
     @property
@@ -61,7 +62,10 @@ class MetricBusTracker(GeneralTracker):  # type: ignore[misc]  # accelerate is u
             self._bus = self._build(dict(values))
 
     def log(self, values: Mapping[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        """Log ``values`` (numbers; strings are left out) and commit them at ``step`` (None: the next step)."""
+        """Log ``values`` (numbers; strings are left out) and commit them at ``step`` (None: the next step).
+
+        A name already logged at ``step`` is reported once and left out (it would otherwise join the next step).
+        """
         if kwargs:
             self._report("kwargs", f"log() keyword arguments {sorted(kwargs)} have no meaning here and are ignored")
         bus = self._bus if self._bus is not None else self._open()
@@ -69,15 +73,25 @@ class MetricBusTracker(GeneralTracker):  # type: ignore[misc]  # accelerate is u
         if step is not None and last is not None and step < last:  # checked first: nothing stays buffered
             self._report("step", f"{len(values)} values at step {step} are left out: below the last step {last}")
             return
+        # A name the bus already holds at this step would make the commit refuse and keep the records buffered
+        # for the next commit, at another step: leave it out here instead.
+        again = self._step_names if step is not None and step == last else set()
+        logged: set[str] = set()
         for key, value in values.items():
+            if key in again:
+                self._report(f"again:{key}", f"{key!r} was already logged at step {step}; this value is left out")
+                continue
             try:
                 bus.log(key, value)
             except (MetricTypeError, MetricValueError) as exc:
                 self._report(f"value:{key}", f"{key!r} is left out: {exc}")
+                continue
+            logged.add(key)
         try:
             bus.commit(step=step)
-        except MetricBusError as exc:  # a step below the last, a name twice at one step: report, keep training
+        except MetricBusError as exc:  # e.g. a nan="error" value found at commit: the others are committed
             self._report(f"commit:{type(exc).__name__}", f"commit at step {step}: {exc}")
+        self._step_names = again | logged
 
     def finish(self) -> None:
         """Close the bus: drains every adapter."""
