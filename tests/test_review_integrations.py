@@ -36,3 +36,58 @@ def test_accelerate_a_name_twice_at_one_step_does_not_change_the_next_step(caplo
     accelerator.end_training()
     assert memory.rows == [(1, {"loss": 1.0}), (1, {"acc": 0.5}), (2, {"loss": 3.0})]
     assert "'loss' was already logged at step 1" in caplog.text
+
+
+def _hf_trainer(tmp_path: Path, memory: MemoryAdapter, **overrides: Any) -> Any:
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(TESTS))
+    import hf_workers
+    from transformers import TrainingArguments
+
+    from metricbus.integrations.hf import MetricBusCallback
+
+    options: dict[str, Any] = {
+        "output_dir": str(tmp_path / "out"), "use_cpu": True, "max_steps": 4, "gradient_accumulation_steps": 2,
+        "per_device_train_batch_size": 2, "logging_steps": 2, "report_to": "none", "save_strategy": "no",
+        "seed": hf_workers.SEED, "disable_tqdm": True, "dataloader_num_workers": 0, "eval_strategy": "steps",
+        "eval_steps": 2, "per_device_eval_batch_size": 2,
+    }  # fmt: skip
+    args = TrainingArguments(**{**options, **overrides})
+    bus = MetricBus(adapters=[memory], strict=True, dist=None)
+    return hf_workers.TruthTrainer(
+        model=hf_workers.tiny_model(), args=args, train_dataset=hf_workers.dataset(),
+        eval_dataset=hf_workers.dataset(8), data_collator=hf_workers.collate, callbacks=[MetricBusCallback(bus)],
+    )  # fmt: skip
+
+
+def test_hf_eval_and_final_summary_keep_the_trainers_steps(tmp_path: Path) -> None:
+    """Evaluation at the last logging step, then the Trainer's end-of-training summary: every row is at a step
+    the Trainer logged (no step after the last), with the values of log_history."""
+    memory = MemoryAdapter()
+    trainer = _hf_trainer(tmp_path, memory)
+    trainer.train()
+    history = trainer.state.log_history
+    assert max(step for step, _ in memory.rows) == 4 == trainer.state.global_step
+    for entry in history:
+        if "loss" in entry:
+            continue
+        row = {key: value for step, metrics in memory.rows if step == entry["step"] for key, value in metrics.items()}
+        for key in ("eval_loss", "train_runtime", "total_flos"):
+            if key in entry:
+                assert row[key] == pytest.approx(entry[key], rel=1e-12), (entry["step"], key)
+
+
+def test_hf_two_eval_datasets_at_one_step_keep_that_step(tmp_path: Path) -> None:
+    """eval_dataset={"a": ..., "b": ...}: the Trainer logs two evaluations at each eval step, both with 'epoch';
+    eval_b's metrics are at their own step, not carried into the next commit."""
+    sys.path.insert(0, str(TESTS))
+    import hf_workers
+
+    memory = MemoryAdapter()
+    trainer = _hf_trainer(tmp_path, memory)
+    trainer.eval_dataset = {"a": hf_workers.dataset(8), "b": hf_workers.dataset(6)}
+    trainer.train()
+    expected = {e["step"]: e["eval_b_loss"] for e in trainer.state.log_history if "eval_b_loss" in e}
+    got = {step: metrics["eval_b_loss"] for step, metrics in memory.rows if "eval_b_loss" in metrics}
+    assert sorted(expected) == [2, 4]
+    assert got == pytest.approx(expected, rel=1e-12)

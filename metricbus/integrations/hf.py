@@ -76,6 +76,7 @@ class MetricBusCallback(TrainerCallback):
         self.loss_name = f"{prefix}loss"
         self.tokens_name = f"{prefix}tokens"
         self._reported: set[str] = set()
+        self._step_values: dict[str, float] = {}  # what on_log committed at bus.last_step
         if bus is not None:
             self._declare(bus)
 
@@ -110,18 +111,30 @@ class MetricBusCallback(TrainerCallback):
             return
         training = "loss" in logs  # the Trainer's periodic training log (eval logs have eval_*)
         step = state.global_step
+        last = bus.last_step
+        if last is not None and step < last:  # checked first: nothing of this log stays buffered
+            self._report("step", f"a log at step {step} below the last committed step {last} is left out")
+            return
+        # Every log of a step repeats 'epoch' (training, each evaluation, the end-of-training summary), and a second
+        # evaluate() at a step repeats its names: a name the bus already holds at this step would make the commit
+        # refuse and keep the records for the next commit, at a later step. Leave it out here instead.
+        again = self._step_values if step == last else {}
+        logged: dict[str, float] = {}
         for key, value in logs.items():
             if key in _REPLACED or isinstance(value, bool) or not isinstance(value, numbers.Real):
                 continue  # the Trainer's losses are replaced by the exact one; strings are not metrics
-            bus.log(f"{self.prefix}{key}" if training else key, float(value))
-        last = bus.last_step
-        if last is not None and step < last:
-            self._report("step", f"a log at step {step} below the last committed step {last} is left out")
-            return
+            name, number = (f"{self.prefix}{key}" if training else key), float(value)
+            if name in again:
+                if again[name] != number:  # the same value again (the Trainer's 'epoch') is no news
+                    self._report(f"again:{name}", f"{name!r} was already logged at step {step}; this value is left out")
+                continue
+            bus.log(name, number)
+            logged[name] = number
         try:
             bus.commit(step=step)
-        except MetricBusError as exc:  # e.g. one name logged twice at one step: report, keep training
+        except MetricBusError as exc:  # e.g. a nan="error" value found at commit: report, keep training
             self._report(type(exc).__name__, f"commit at step {step}: {exc}")
+        self._step_values = {**again, **logged}
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Commit the micro-batches after the last logging step at the final step, then close the bus."""
