@@ -12,8 +12,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from metricbus import MetricBus  # noqa: E402
-from metricbus.testing import MemoryAdapter  # noqa: E402
+from metricbus import MetricBus
+from metricbus.testing import MemoryAdapter
 
 TESTS = Path(__file__).resolve().parent
 
