@@ -91,3 +91,54 @@ def test_hf_two_eval_datasets_at_one_step_keep_that_step(tmp_path: Path) -> None
     got = {step: metrics["eval_b_loss"] for step, metrics in memory.rows if "eval_b_loss" in metrics}
     assert sorted(expected) == [2, 4]
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+QUIET_LIGHTNING = [  # Lightning's advice for real runs, not about what these tests check
+    "ignore:.*does not have many workers.*",
+    "ignore:.*smaller than the logging interval.*",
+    "ignore:.*GPU available but not used.*",
+    "ignore:.*litlogger.*",
+    "ignore:.*no `val_dataloader`.*",
+    "ignore:.*configured so 1 batch will be used.*",
+]
+
+
+@pytest.mark.filterwarnings(*QUIET_LIGHTNING)
+def test_lightning_logger_with_a_journal_keeps_validate_when_test_logs_at_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fit, then validate, then test: Lightning logs both at the last step; the logger's bus, reopened on its
+    journal for test, must not rewind (erase) validate's row."""
+    pytest.importorskip("pytorch_lightning")
+    import pytorch_lightning as pl
+    from metricbus.adapters.jsonl import read_jsonl
+
+    from metricbus.errors import MetricBusWarning
+    from metricbus.integrations.lightning import MetricBusLogger
+    from tests import lightning_workers as lw
+    from tests.backend_env import isolate_env
+
+    isolate_env(monkeypatch, tmp_path)
+
+    class WithTest(lw.TinyLM):
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("test_metric", float(batch_idx + 1))
+
+    out = tmp_path / "m.jsonl"
+    ours = MetricBusLogger(adapters=[f"jsonl:{out}"], journal=str(tmp_path / "journal"), strict=True)
+    memory = lw.MemoryLogger()
+    trainer = pl.Trainer(
+        **{**lw.TRAINER_ARGS, "max_steps": 3}, devices=1, logger=[ours, memory], default_root_dir=tmp_path,
+        limit_val_batches=1, limit_test_batches=1,
+    )  # fmt: skip
+    module = WithTest()
+    trainer.fit(module, lw.loader())
+    trainer.validate(module, lw.loader())
+    with pytest.warns(MetricBusWarning, match="after the run was finalized"):
+        trainer.test(module, lw.loader())
+    rows = read_jsonl(out)
+    val_step = max(step for step, metrics in memory.calls if "val_loss" in metrics)
+    assert val_step is not None
+    assert [m["val_loss"] for s, m in rows if "val_loss" in m] == [lw.last_values(memory.calls, "val_loss")[val_step]]
+    assert [s for s, m in rows if "test_metric" in m] == [val_step + 1]
+    assert [s for s, _ in rows] == sorted(s for s, _ in rows)

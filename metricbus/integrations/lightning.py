@@ -137,7 +137,9 @@ class MetricBusLogger(Logger):
     ``save_timeout_s`` for delivery (default 0: adapters already write and flush each step from their threads;
     Lightning calls ``save()`` after every ``log_metrics``); ``finalize(status)`` commits the last step and closes
     the bus, ``"failed"`` as failed, anything else as finished. A later ``log_metrics`` (``trainer.test`` after
-    ``fit``) opens a bus on the same run id again.
+    ``fit``) opens a bus on the same run id again; with a journal, a step at or below the last one committed (where
+    Lightning logs ``validate()`` and ``test()`` after ``fit``) moves to the one after it, with a warning: a resumed
+    journal's first step at or below its last one is a restart from a checkpoint, which rewinds the backends.
     """
 
     def __init__(
@@ -163,6 +165,7 @@ class MetricBusLogger(Logger):
         self._config: dict[str, Any] = {}
         self._bus: MetricBus | None = None
         self._finalized = False
+        self._last_step: int | None = None  # the last step committed, kept across finalize()
         self._pending_step: int | None = None
         self._pending: dict[str, float] = {}
         self._save_timeout_s = save_timeout_s
@@ -210,6 +213,16 @@ class MetricBusLogger(Logger):
         if pending is not None and step < pending:
             self._warn_once("back", f"log_metrics(step={step}) after step {pending}: logged at step {pending}")
             step = pending
+        floor = self._last_step if self._bus is None and self._finalized and self._options["journal"] else None
+        if pending is None and floor is not None and step <= floor:
+            # The bus is reopened on its journal (resume): a first commit at or below the journal's last step is
+            # a restart from a checkpoint, which rewinds the backends from that step, erasing what fit or an
+            # earlier validate() logged there.
+            self._warn_once(
+                "reopen", f"log_metrics(step={step}) after the run was finalized at step {floor}: logged at step "
+                f"{floor + 1} (its journal already holds step {floor})",
+            )  # fmt: skip
+            step = floor + 1
         if pending is not None and step > pending:
             self._commit_pending()
         self._pending_step = step
@@ -239,6 +252,7 @@ class MetricBusLogger(Logger):
         bus = self.bus
         bus.log(metrics)
         bus.commit(step=step)
+        self._last_step = step
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
