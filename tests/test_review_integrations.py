@@ -142,3 +142,53 @@ def test_lightning_logger_with_a_journal_keeps_validate_when_test_logs_at_its_st
     assert [m["val_loss"] for s, m in rows if "val_loss" in m] == [lw.last_values(memory.calls, "val_loss")[val_step]]
     assert [s for s, m in rows if "test_metric" in m] == [val_step + 1]
     assert [s for s, _ in rows] == sorted(s for s, _ in rows)
+
+
+@pytest.mark.filterwarnings(*QUIET_LIGHTNING)
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_lightning_callback_with_two_optimizers_commits_at_lightnings_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int
+) -> None:
+    """Manual optimization stepping two optimizers per batch (a GAN's shape): global_step advances by 2 per batch,
+    Lightning's loggers by 1. The callback's commits have Lightning's steps and log_every_n_steps windows."""
+    pytest.importorskip("pytorch_lightning")
+    import pytorch_lightning as pl
+    import torch
+
+    from metricbus.integrations.lightning import MetricBusCallback, metricbus_log
+    from tests import lightning_workers as lw
+    from tests.backend_env import isolate_env
+
+    isolate_env(monkeypatch, tmp_path)
+
+    class TwoOptimizers(lw.TinyLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            first, second = self.optimizers()  # type: ignore[misc]
+            loss = super().training_step(batch, batch_idx)
+            metricbus_log(self, "batch", float(batch_idx), agg="sum")
+            self.manual_backward(loss)
+            for optimizer in (first, second):
+                optimizer.step()
+                optimizer.zero_grad()
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(part.parameters(), lr=0.1) for part in self.net]
+
+    memory, lightning = MemoryAdapter(), lw.MemoryLogger()
+    args = {**lw.TRAINER_ARGS, "max_steps": 12, "accumulate_grad_batches": 1, "log_every_n_steps": every}
+    trainer = pl.Trainer(
+        **args, devices=1, logger=lightning, default_root_dir=tmp_path, callbacks=[MetricBusCallback(adapters=[memory])]
+    )
+    trainer.fit(TwoOptimizers(), lw.loader())
+    assert trainer.global_step == 12  # 6 batches
+    theirs = sorted(lw.last_values(lightning.calls, "train_loss"))
+    ours = [step for step, _ in memory.rows]
+    assert ours == theirs
+    batches = {step: metrics["batch"] for step, metrics in memory.rows}
+    # each commit holds the batches since the previous one: batch indices (step - every, step]
+    assert batches == {step: float(sum(range(max(step - every + 1, 0), step + 1))) for step in ours}

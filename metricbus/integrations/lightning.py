@@ -5,12 +5,13 @@ metricbus`` never imports it.
 
 * :class:`MetricBusCallback` builds (or takes) a bus on every rank. The module logs raw per-micro-batch records in
   ``training_step`` (:func:`metricbus_log`, or ``callback.bus.log``; Lightning replaces a callback's ``log`` with
-  the module's, so the callback has none); the callback ends an update at each optimizer
-  step and commits on every rank (a collective under DDP) at the steps where Lightning logs: ``global_step %
-  trainer.log_every_n_steps == 0``. One commit therefore covers the ``log_every_n_steps`` optimizer steps since the
-  last one (each one update), so a logged ``"mean"`` is the exact weighted mean over all of them, not a sample of
-  the last micro-batch. Commits are labelled with Lightning's step (``global_step - 1``, what Lightning's loggers
-  receive for that optimizer step), so both series line up. ``log_every_n_steps=0`` commits once, at the end.
+  the module's, so the callback has none); the callback ends an update at each batch that stepped an optimizer
+  and commits on every rank (a collective under DDP) where Lightning logs: after the batch Lightning's loggers
+  receive at step ``n`` (its count of batches that stepped, ``global_step - 1`` with one optimizer; a batch that
+  steps two optimizers counts once) when ``(n + 1) % trainer.log_every_n_steps == 0``. One commit therefore covers
+  the ``log_every_n_steps`` optimizer steps since the last one (each one update), so a logged ``"mean"`` is the
+  exact weighted mean over all of them, not a sample of the last micro-batch. Commits are labelled ``n``, so both
+  series line up. ``log_every_n_steps=0`` commits once, at the end.
 * :class:`MetricBusLogger` is a ``Logger`` (rank 0 only, like Lightning's loggers) for the values Lightning has
   already reduced: they go through a ``MetricBus(dist=None)`` to its adapters and journal. Lightning logs one step
   several times: validation at the step of the training log before it, and (manual optimization, Lightning < 2.x)
@@ -95,14 +96,18 @@ class MetricBusCallback(pl.Callback):
         self._seen_step = step
         self.bus.end_update()
         self._updates += 1
+        # Lightning's logging step counts batches that stepped, once per batch however many optimizers stepped
+        # (global_step counts optimizer steps: 2 per batch for a GAN); Lightning logs this batch at ``logged`` when
+        # ``(logged + 1) % log_every_n_steps == 0`` (LoggerConnector.should_update_logs).
+        logged = _logging_step(trainer)
         every: int = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning at init
-        if every > 0 and step % every == 0:
-            self._commit(step - 1)
+        if every > 0 and (logged + 1) % every == 0:
+            self._commit(logged)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Commit the optimizer steps of an unfinished window (every rank decides alike from ``global_step``)."""
+        """Commit the optimizer steps of an unfinished window (every rank decides alike from Lightning's counter)."""
         if self._updates:
-            self._commit(trainer.global_step - 1)
+            self._commit(_logging_step(trainer) - 1)  # counted past the last batch by now
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Close the bus when ``fit`` ends (a collective under DDP: every rank gets here)."""
@@ -117,6 +122,12 @@ class MetricBusCallback(pl.Callback):
     def _commit(self, step: int) -> None:
         self._updates = 0
         self.bus.commit(step=step)
+
+
+def _logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning gives its loggers during ``fit`` (``LoggerConnector.log_metrics``): batches that stepped
+    an optimizer, restored from a checkpoint. Lightning's own LearningRateMonitor reads the same counter."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
 def metricbus_log(
