@@ -192,3 +192,36 @@ def test_lightning_callback_with_two_optimizers_commits_at_lightnings_steps(
     batches = {step: metrics["batch"] for step, metrics in memory.rows}
     # each commit holds the batches since the previous one: batch indices (step - every, step]
     assert batches == {step: float(sum(range(max(step - every + 1, 0), step + 1))) for step in ours}
+
+
+def test_hf_train_twice_with_a_callback_built_bus(tmp_path: Path) -> None:
+    """trainer.train() a second time (resuming, or more steps): the callback that built its bus from the config
+    builds a new one for it instead of failing the first micro-batch with ClosedError."""
+    sys.path.insert(0, str(TESTS))
+    import hf_workers
+
+    from metricbus.integrations.hf import MetricBusCallback
+
+    first, second = MemoryAdapter(), MemoryAdapter()
+    callback = MetricBusCallback(config={"adapters": [first], "dist": None, "strict": True})
+    trainer = hf_workers.build_trainer(tmp_path, callback, logging_steps=2)
+    trainer.train()
+    callback.config = {"adapters": [second], "dist": None, "strict": True}
+    trainer.train()
+    for memory in (first, second):
+        assert [step for step, metrics in memory.rows if "train/loss" in metrics] == [2, 4]
+        assert memory.status == "finished"
+
+
+def test_hf_a_closed_bus_given_to_the_callback_fails_at_train_begin(tmp_path: Path) -> None:
+    """A bus passed in is the caller's: once closed (by an earlier train()), train() says what to pass instead."""
+    sys.path.insert(0, str(TESTS))
+    import hf_workers
+
+    from metricbus.integrations.hf import HFIntegrationError, MetricBusCallback
+
+    bus = MetricBus(adapters=[MemoryAdapter()], dist=None)
+    trainer = hf_workers.build_trainer(tmp_path, MetricBusCallback(bus), logging_steps=2)
+    trainer.train()
+    with pytest.raises(HFIntegrationError, match="pass a new MetricBus"):
+        trainer.train()

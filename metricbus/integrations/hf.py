@@ -63,9 +63,10 @@ def token_losses(logits: Any, labels: Any, *, shift: bool, ignore_index: int = I
 class MetricBusCallback(TrainerCallback):
     """Owns the bus of a ``Trainer`` run: update boundaries, commits at the Trainer's logging steps, close at the end.
 
-    ``bus``: a bus you built (built on every process, before training); else one is built at ``on_train_begin``
-    from ``config`` (a path, a mapping, or None for ``$METRICBUS_CONFIG``/``$METRICBUS_ADAPTERS``) with the
-    Trainer's ``run_name`` and sanitized arguments as the run, unless the config has a ``run``.
+    ``bus``: a bus you built (built on every process, before training; ``train()`` closes it at its end, so give
+    each ``train()`` a new one); else one is built at each ``train()``'s ``on_train_begin`` from ``config`` (a path,
+    a mapping, or None for ``$METRICBUS_CONFIG``/``$METRICBUS_ADAPTERS``) with the Trainer's ``run_name`` and
+    sanitized arguments as the run, unless the config has a ``run``.
     ``prefix`` starts every name this integration logs (``train/loss``, ``train/tokens``, ``train/grad_norm``).
     """
 
@@ -77,6 +78,7 @@ class MetricBusCallback(TrainerCallback):
         self.tokens_name = f"{prefix}tokens"
         self._reported: set[str] = set()
         self._step_values: dict[str, float] = {}  # what on_log committed at bus.last_step
+        self._built = False  # whether the callback built the bus (it then builds a new one for another train())
         if bus is not None:
             self._declare(bus)
 
@@ -85,19 +87,25 @@ class MetricBusCallback(TrainerCallback):
         bus.define(self.tokens_name, "sum")
 
     def ensure_bus(self, args: Any) -> MetricBus:
-        """The bus, built from the config on first use."""
-        if self.bus is None:
+        """The bus, built from the config on first use (again for a later ``train()``: ``on_train_end`` closed it)."""
+        if self.bus is None or (self._built and self.bus.closed):
             given, _ = load_source(self.config)
             overrides: dict[str, Any] = {}
             if "run" not in given:
                 overrides["run"] = {"name": args.run_name, "config": args.to_sanitized_dict()}
             self.bus = MetricBus.from_config(self.config, **overrides)
+            self._built = True
+            self._step_values = {}
             self._declare(self.bus)
         return self.bus
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Build the bus (every process: a collective bus needs every rank)."""
-        self.ensure_bus(args)
+        if self.ensure_bus(args).closed:
+            raise HFIntegrationError(
+                "MetricBusCallback: the bus it was given is closed (on_train_end of an earlier train() closes it); "
+                "pass a new MetricBus for this train(), or none to have the callback build one from the config"
+            )
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The micro-batches since the last optimizer step are one update."""
