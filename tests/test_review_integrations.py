@@ -225,3 +225,18 @@ def test_hf_a_closed_bus_given_to_the_callback_fails_at_train_begin(tmp_path: Pa
     trainer.train()
     with pytest.raises(HFIntegrationError, match="pass a new MetricBus"):
         trainer.train()
+
+
+def test_hf_evaluate_after_train_is_reported_not_dropped_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """trainer.evaluate() after train() ended (the bus is closed): the callback says its metrics are not logged."""
+    memory = MemoryAdapter()
+    trainer = _hf_trainer(tmp_path, memory, eval_strategy="no")
+    trainer.train()
+    rows = list(memory.rows)
+    with caplog.at_level("WARNING", logger="metricbus.hf"):
+        trainer.evaluate()
+    assert memory.rows == rows
+    assert "eval_loss" in caplog.text
+    assert "not logged" in caplog.text

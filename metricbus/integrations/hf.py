@@ -115,7 +115,14 @@ class MetricBusCallback(TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         """A training log commits the window at ``state.global_step``; other logs are committed there too."""
         bus = self.bus
-        if bus is None or bus.closed or not logs:
+        if bus is None or not logs:
+            return
+        if bus.closed:  # train() ended: on_train_end closed the bus (e.g. trainer.evaluate() after train())
+            names = ", ".join(repr(key) for key in sorted(logs)[:6])
+            self._report(
+                "closed", f"a log at step {state.global_step} after train() ended is not logged ({names}): the bus "
+                "closed at the end of train(); evaluate during training (eval_strategy) or log it on a bus of your own",
+            )  # fmt: skip
             return
         training = "loss" in logs  # the Trainer's periodic training log (eval logs have eval_*)
         step = state.global_step
