@@ -4,7 +4,10 @@ later step (Accelerate, HF Trainer), and the Trainer's logs keep their steps."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +243,61 @@ def test_hf_evaluate_after_train_is_reported_not_dropped_silently(
     assert memory.rows == rows
     assert "eval_loss" in caplog.text
     assert "not logged" in caplog.text
+
+
+def _partial(value: float) -> Any:
+    bus = MetricBus(dist=None)
+    bus.log("batch/tokens", value, agg="sum")
+    part = bus.export()
+    bus.close()
+    return part
+
+
+def test_gather_partials_refuses_one_partial_for_two_workers() -> None:
+    """The same Partial given for two workers would be ingested as two ranks (its sums doubled): refused, named."""
+    from metricbus.integrations.ray import gather_partials
+
+    part, other = _partial(1.0), _partial(2.0)
+    with pytest.raises(ValueError, match=r"worker 'a' \(index 0\) and worker 'c' \(index 2\)"):
+        gather_partials({"a": part, "b": other, "c": {"metrics": part}})
+    assert gather_partials({"a": part, "b": other}) == [part, other]
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[Any]:
+    """A local Ray with 2 CPUs for this module (as tests/test_ray.py starts it), shut down after its last test."""
+    ray = pytest.importorskip("ray")
+    from tests.test_ray import RAY_ENV
+
+    temp = tempfile.mkdtemp(prefix="mbray-")  # short: Ray's socket paths live under it
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for key, value in RAY_ENV.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_gather_partials_refuses_one_ray_result_for_two_workers(ray_local: Any) -> None:
+    """One actor's ObjectRef listed under two worker names: refused before waiting, naming both; nothing ingested."""
+    from metricbus.integrations.ray import gather_partials
+    from tests.ray_workers import PolicyWorker, make_plan
+
+    worker = ray_local.remote(num_cpus=0)(PolicyWorker).remote(0)
+    try:
+        shard = make_plan(ranks=1, updates=1, micro=2, steps=1)[0][0]
+        ref = worker.update_actor.remote(0, shard)
+        with pytest.raises(ValueError, match=r"worker 'actor_0' \(index 0\) and worker 'actor_1' \(index 1\)"):
+            gather_partials({"actor_0": ref, "actor_1": ref}, timeout_s=60)
+        (part,) = gather_partials({"actor_0": ref}, timeout_s=60)
+        driver = MetricBus(dist=None)
+        driver.ingest([part])
+        tokens = sum(m.n for update in shard for m in update)
+        assert driver.commit(step=0)["batch/tokens"] == tokens
+        driver.close()
+    finally:
+        ray_local.kill(worker)

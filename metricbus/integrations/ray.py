@@ -43,9 +43,10 @@ def gather_partials(
     mapping holds one there (verl's ``DataProto``). ``timeout_s`` bounds the whole wait (``None``: no bound; a
     dead actor is reported as soon as Ray knows, without a timeout).
 
-    Raises :class:`~metricbus.errors.DistributedError` naming each worker that died, raised, did not finish
-    within ``timeout_s`` or returned no partial, with Ray's reason; then nothing is returned, so the step is
-    ingested from all of its workers or not at all.
+    Raises ``ValueError`` when two workers' results are the same ``ObjectRef`` or ``Partial`` (ingested twice, it
+    would count as two workers). Raises :class:`~metricbus.errors.DistributedError` naming each worker that died,
+    raised, did not finish within ``timeout_s`` or returned no partial, with Ray's reason; then nothing is
+    returned, so the step is ingested from all of its workers or not at all.
     """
     if timeout_s is not None and not timeout_s >= 0:
         raise ValueError(f"gather_partials: timeout_s={timeout_s!r}; use a number of seconds >= 0, or None")
@@ -55,8 +56,11 @@ def gather_partials(
     else:
         items = list(results)
         names = [f"worker {i}" for i in range(len(items))]
+    ray: Any = sys.modules.get("ray")  # see the module docstring: no ObjectRef exists unless ray was imported
+    _refuse_repeats(names, [item if ray is not None and isinstance(item, ray.ObjectRef) else None for item in items])
     values, failed, causes = _fetch(items, timeout_s=timeout_s)
     out: list[Partial] = []
+    found: list[int | None] = [None] * len(items)
     for i, value in enumerate(values):
         if i in failed:
             continue
@@ -65,6 +69,8 @@ def gather_partials(
             failed[i] = _no_partial(value, key=key)
         else:
             out.append(part)
+            found[i] = id(part)
+    _refuse_repeats(names, found)
     if failed:
         lines = "\n".join(f"  {names[i]}: {failed[i]}" for i in sorted(failed))
         error = DistributedError(
@@ -73,6 +79,21 @@ def gather_partials(
         )
         raise error from (causes[min(causes)] if causes else None)
     return out
+
+
+def _refuse_repeats(names: list[str], keys: list[Any]) -> None:
+    """ValueError naming the first two workers whose results are one and the same (an ObjectRef, or a Partial):
+    ingested twice, that worker would count as two ranks (its sums doubled, its weight in means too)."""
+    seen: dict[Any, int] = {}
+    for i, key in enumerate(keys):
+        if key is None:
+            continue
+        if key in seen:
+            raise ValueError(
+                f"gather_partials: {names[seen[key]]} and {names[i]} hold the same result; each worker's partial "
+                "must be given once (ingested twice it counts as two workers): give each worker its own result"
+            )
+        seen[key] = i
 
 
 def partial_of(result: Any, *, key: str = "metrics") -> Partial | None:
@@ -93,14 +114,14 @@ def _fetch(
     items: list[Any], *, timeout_s: float | None
 ) -> tuple[list[Any], dict[int, str], dict[int, BaseException]]:
     """Each item's value (ObjectRefs resolved), and why each failed item failed, by index."""
-    ray: Any = sys.modules.get("ray")  # see the module docstring: no ObjectRef exists unless ray was imported
+    ray: Any = sys.modules.get("ray")
     values = list(items)
     failed: dict[int, str] = {}
     causes: dict[int, BaseException] = {}
     refs = {i: item for i, item in enumerate(items) if ray is not None and isinstance(item, ray.ObjectRef)}
     if not refs:
         return values, failed, causes
-    unique = list(dict.fromkeys(refs.values()))  # ray.wait refuses a ref listed twice
+    unique = list(refs.values())  # each ref once: gather_partials refused repeats
     ready, _ = ray.wait(unique, num_returns=len(unique), timeout=timeout_s)
     done = set(ready)
     for i, ref in refs.items():
