@@ -301,3 +301,25 @@ def test_gather_partials_refuses_one_ray_result_for_two_workers(ray_local: Any) 
         driver.close()
     finally:
         ray_local.kill(worker)
+
+
+def test_accelerate_a_non_integer_step_leaves_its_values_out(caplog: pytest.LogCaptureFixture) -> None:
+    """Accelerator.log(..., step=0.5): reported and left out, not committed with the next step's values."""
+    pytest.importorskip("accelerate")
+    import numpy as np
+    from accelerate import Accelerator
+
+    from metricbus.integrations.accelerate import MetricBusTracker
+
+    memory = MemoryAdapter()
+    tracker = MetricBusTracker("proj", bus=MetricBus(adapters=[memory], strict=True, dist=None))
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    accelerator.init_trackers("proj")
+    accelerator.log({"loss": 1.0}, step=0)
+    with caplog.at_level("WARNING", logger="metricbus.accelerate"):
+        accelerator.log({"loss": 5.0}, step=0.5)  # type: ignore[arg-type]
+        accelerator.log({"loss": 7.0}, step=True)  # type: ignore[arg-type]
+    accelerator.log({"loss": 3.0}, step=np.int64(2))  # type: ignore[arg-type]
+    accelerator.end_training()
+    assert memory.rows == [(0, {"loss": 1.0}), (2, {"loss": 3.0})]
+    assert "step 0.5 are left out" in caplog.text
