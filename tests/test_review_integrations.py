@@ -323,3 +323,87 @@ def test_accelerate_a_non_integer_step_leaves_its_values_out(caplog: pytest.LogC
     accelerator.end_training()
     assert memory.rows == [(0, {"loss": 1.0}), (2, {"loss": 3.0})]
     assert "step 0.5 are left out" in caplog.text
+
+
+@pytest.fixture
+def verl_tracking(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """verl 0.9.1's own Tracking with metricbus installed; the class is restored afterwards."""
+    from tests import verl_source
+
+    if not verl_source.available():
+        monkeypatch.setenv("METRICBUS_VERL_SRC", "/work/main/.venv/verl-src")
+        verl_source.SOURCE = Path("/work/main/.venv/verl-src")
+    if not verl_source.available():
+        pytest.skip("verl's sources are not installed")
+    monkeypatch.delenv("METRICBUS_CONFIG", raising=False)
+    monkeypatch.delenv("METRICBUS_ADAPTERS", raising=False)
+    verl_source.verl_modules()
+    from verl.utils import tracking
+
+    from metricbus.integrations.verl import install_tracking_backend
+
+    saved = dict(vars(tracking.Tracking))
+    install_tracking_backend()
+    yield tracking.Tracking
+    for key in set(vars(tracking.Tracking)) - set(saved):
+        delattr(tracking.Tracking, key)
+    for key in ("__init__", "finish", "supported_backend"):
+        setattr(tracking.Tracking, key, saved[key])
+
+
+def test_verl_a_name_the_rules_refuse_is_reported_and_left_out(
+    verl_tracking: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """verl logs 'x' and 'x/mean' under a rule emitting 'x' as x/mean, x/max: 'x/mean' is refused with a SpecError.
+    It is reported and left out; Tracking.log does not raise and the step's other values stay at their step."""
+    memory = MemoryAdapter()
+    config = {"metricbus": {"adapters": [memory], "metrics": {"x": ["mean", "max"]}}}
+    tracking = verl_tracking("p", "e", default_backend=["metricbus"], config=config)
+    with caplog.at_level("WARNING", logger="metricbus.verl"):
+        tracking.log({"x": 1.0, "x/mean": 2.0, "y": 1.0}, step=0)
+    tracking.log({"y": 3.0}, step=1)
+    tracking.finish()
+    assert memory.rows == [(0, {"x/mean": 1.0, "x/max": 1.0, "y": 1.0}), (1, {"y": 3.0})]
+    assert "'x/mean' at step 0 is left out" in caplog.text
+
+
+def test_accelerate_a_name_the_rules_refuse_is_reported_and_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    """The same collision through Accelerator.log: reported, left out, the other values at their step."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from metricbus.integrations.accelerate import MetricBusTracker
+
+    memory = MemoryAdapter()
+    bus = MetricBus(adapters=[memory], strict=True, dist=None, rules={"x": ["mean", "max"]})
+    accelerator = Accelerator(cpu=True, log_with=[MetricBusTracker("proj", bus=bus)])
+    accelerator.init_trackers("proj")
+    with caplog.at_level("WARNING", logger="metricbus.accelerate"):
+        accelerator.log({"x": 1.0, "x/mean": 2.0, "y": 1.0}, step=0)
+    accelerator.log({"y": 3.0}, step=1)
+    accelerator.end_training()
+    assert memory.rows == [(0, {"x/mean": 1.0, "x/max": 1.0, "y": 1.0}), (1, {"y": 3.0})]
+    assert "'x/mean' is left out" in caplog.text
+
+
+def test_hf_nan_error_policy_reports_forwarded_nans(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A bus with nan="error" and a model that went NaN: the Trainer's NaN grad_norm and the NaN token losses are
+    reported and left out; training is not stopped by the logging callback and the other values keep their steps."""
+    pytest.importorskip("transformers")
+    import torch
+
+    sys.path.insert(0, str(TESTS))
+    import hf_workers
+
+    from metricbus.integrations.hf import MetricBusCallback
+
+    memory = MemoryAdapter()
+    bus = MetricBus(adapters=[memory], dist=None, nan="error")
+    trainer = hf_workers.build_trainer(tmp_path, MetricBusCallback(bus), logging_steps=1)
+    with torch.no_grad():
+        trainer.model.transformer.wte.weight[1:].fill_(float("nan"))
+    with caplog.at_level("WARNING", logger="metricbus.hf"):
+        trainer.train()
+    assert [step for step, metrics in memory.rows if "train/learning_rate" in metrics] == [1, 2, 3, 4]
+    assert all("train/grad_norm" not in metrics for _, metrics in memory.rows)
+    assert "'train/grad_norm' at step 1 is left out" in caplog.text

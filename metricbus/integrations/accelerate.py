@@ -20,7 +20,7 @@ from accelerate.tracking import GeneralTracker
 
 from metricbus.bus import MetricBus
 from metricbus.config import load_source
-from metricbus.errors import MetricBusError, MetricTypeError, MetricValueError
+from metricbus.errors import MetricBusError, MetricTypeError, MetricValueError, SpecError
 
 NAME = "metricbus"
 _log = logging.getLogger("metricbus.accelerate")
@@ -93,7 +93,7 @@ class MetricBusTracker(GeneralTracker):  # type: ignore[misc]  # accelerate is u
                 continue
             try:
                 bus.log(key, value)
-            except (MetricTypeError, MetricValueError) as exc:
+            except (MetricTypeError, MetricValueError, SpecError) as exc:  # SpecError: e.g. an output name clash
                 self._report(f"value:{key}", f"{key!r} is left out: {exc}")
                 continue
             logged.add(key)

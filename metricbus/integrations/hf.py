@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 
 from metricbus.bus import MetricBus
 from metricbus.config import load_source
-from metricbus.errors import MetricBusError
+from metricbus.errors import MetricBusError, MetricValueError, SpecError
 
 IGNORE_INDEX = -100
 _REPLACED = frozenset({"loss", "train_loss"})  # the Trainer's float32 means of update means
@@ -143,7 +143,11 @@ class MetricBusCallback(TrainerCallback):
                 if again[name] != number:  # the same value again (the Trainer's 'epoch') is no news
                     self._report(f"again:{name}", f"{name!r} was already logged at step {step}; this value is left out")
                 continue
-            bus.log(name, number)
+            try:
+                bus.log(name, number)
+            except (MetricValueError, SpecError) as exc:  # nan="error", an output name clash: report, keep training
+                self._report(f"value:{name}", f"{name!r} at step {step} is left out: {exc}")
+                continue
             logged[name] = number
         try:
             bus.commit(step=step)

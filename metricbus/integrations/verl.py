@@ -243,7 +243,7 @@ class TrackingBackend:
                 continue
             try:
                 bus.log(name, value)
-            except (MetricTypeError, MetricValueError) as exc:
+            except (MetricTypeError, MetricValueError, SpecError) as exc:  # SpecError: e.g. an output name clash
                 self._report(name, "value", f"{name!r} at step {step} is left out: {exc}")
                 continue
             logged.add(name)
