@@ -1,5 +1,6 @@
-"""Review of metricbus.integrations on the real frameworks: a value logged twice at one step must not leak into a
-later step (Accelerate, HF Trainer), and the Trainer's logs keep their steps."""
+"""metricbus.integrations on the real frameworks (Accelerate, HF Trainer, Lightning, Ray, verl 0.9.1's Tracking):
+a value an integration cannot commit at its step is reported and left out, never committed at a later step;
+logs keep the step the framework gave them; nothing is dropped silently or counted twice."""
 
 from __future__ import annotations
 
@@ -330,9 +331,8 @@ def verl_tracking(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """verl 0.9.1's own Tracking with metricbus installed; the class is restored afterwards."""
     from tests import verl_source
 
-    if not verl_source.available():
-        monkeypatch.setenv("METRICBUS_VERL_SRC", "/work/main/.venv/verl-src")
-        verl_source.SOURCE = Path("/work/main/.venv/verl-src")
+    if not verl_source.available():  # a checkout without its own .venv: the sources next to the interpreter
+        monkeypatch.setattr(verl_source, "SOURCE", Path(sys.prefix) / "verl-src")
     if not verl_source.available():
         pytest.skip("verl's sources are not installed")
     monkeypatch.delenv("METRICBUS_CONFIG", raising=False)
