@@ -407,3 +407,36 @@ def test_hf_nan_error_policy_reports_forwarded_nans(tmp_path: Path, caplog: pyte
     assert [step for step, metrics in memory.rows if "train/learning_rate" in metrics] == [1, 2, 3, 4]
     assert all("train/grad_norm" not in metrics for _, metrics in memory.rows)
     assert "'train/grad_norm' at step 1 is left out" in caplog.text
+
+
+@pytest.mark.filterwarnings(*QUIET_LIGHTNING)
+def test_lightning_logger_resumes_its_journal_after_a_restart_from_a_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer restarted from a checkpoint with MetricBusLogger(journal=..., resume=True) continues the run: one
+    run id, the steps of both fits in order in the backend (without resume the journal refuses a second run)."""
+    pytest.importorskip("pytorch_lightning")
+    import pytorch_lightning as pl
+    from metricbus.adapters.jsonl import read_jsonl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from metricbus.integrations.lightning import MetricBusLogger
+    from tests import lightning_workers as lw
+    from tests.backend_env import isolate_env
+
+    isolate_env(monkeypatch, tmp_path)
+    out, journal = tmp_path / "m.jsonl", str(tmp_path / "journal")
+
+    def fit(max_steps: int, logger: MetricBusLogger, ckpt_path: str | None = None) -> None:
+        args = {**lw.TRAINER_ARGS, "max_steps": max_steps, "enable_checkpointing": True}
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+        trainer = pl.Trainer(**args, devices=1, logger=logger, default_root_dir=tmp_path, callbacks=[checkpoints])
+        trainer.fit(lw.TinyLM(), lw.loader(), ckpt_path=ckpt_path)
+
+    first = MetricBusLogger(adapters=[f"jsonl:{out}"], journal=journal, strict=True)
+    fit(3, first)
+    (ckpt,) = (tmp_path / "ckpt").glob("*.ckpt")
+    second = MetricBusLogger(adapters=[f"jsonl:{out}"], journal=journal, strict=True, resume=True)
+    fit(6, second, str(ckpt))
+    assert second.version == first.version
+    assert [step for step, metrics in read_jsonl(out) if "train_loss" in metrics] == list(range(6))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import warnings
 from argparse import Namespace
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytorch_lightning as pl
@@ -144,13 +145,15 @@ def metricbus_log(
 class MetricBusLogger(Logger):
     """A Lightning ``Logger`` that delivers Lightning's already-reduced metrics through metricbus's adapters.
 
-    Runs on rank 0 only. ``version`` is the metricbus run id (``version=`` sets it). ``save()`` waits up to
-    ``save_timeout_s`` for delivery (default 0: adapters already write and flush each step from their threads;
-    Lightning calls ``save()`` after every ``log_metrics``); ``finalize(status)`` commits the last step and closes
-    the bus, ``"failed"`` as failed, anything else as finished. A later ``log_metrics`` (``trainer.test`` after
-    ``fit``) opens a bus on the same run id again; with a journal, a step at or below the last one committed (where
-    Lightning logs ``validate()`` and ``test()`` after ``fit``) moves to the one after it, with a warning: a resumed
-    journal's first step at or below its last one is a restart from a checkpoint, which rewinds the backends.
+    Runs on rank 0 only. ``version`` is the metricbus run id (``version=`` sets it). ``resume=True`` continues the
+    run of ``journal`` (a trainer restarted from a checkpoint: its id, its backend runs; see ``MetricBus(resume=)``).
+    ``save()`` waits up to ``save_timeout_s`` for delivery (default 0: adapters already write and flush each step
+    from their threads; Lightning calls ``save()`` after every ``log_metrics``); ``finalize(status)`` commits the
+    last step and closes the bus, ``"failed"`` as failed, anything else as finished. A later ``log_metrics``
+    (``trainer.test`` after ``fit``) opens a bus on the same run id again; with a journal, a step at or below the
+    last one committed (where Lightning logs ``validate()`` and ``test()`` after ``fit``) moves to the one after it,
+    with a warning: a resumed journal's first step at or below its last one is a restart from a checkpoint, which
+    rewinds the backends.
     """
 
     def __init__(
@@ -162,6 +165,7 @@ class MetricBusLogger(Logger):
         version: str | None = None,
         tags: Sequence[str] = (),
         journal: str | None = None,
+        resume: bool = False,
         strict: bool = False,
         on_open_error: str = "raise",
         save_timeout_s: float = 0.0,
@@ -172,6 +176,7 @@ class MetricBusLogger(Logger):
         self._options: dict[str, Any] = {
             "adapters": list(adapters), "journal": journal, "strict": strict, "on_open_error": on_open_error,
         }  # fmt: skip
+        self._resume = resume
         BusOptions.build(**self._options, run=self._run, dist=None)  # fail at construction, not at the first log
         self._config: dict[str, Any] = {}
         self._bus: MetricBus | None = None
@@ -203,8 +208,9 @@ class MetricBusLogger(Logger):
                 start_time_unix_ns=self._run.start_time_unix_ns, id=self._run.id,
             )  # fmt: skip
             # A bus closed by finalize() and opened again continues the same run (and journal).
-            resume = self._finalized and journal is not None
+            resume = self._resume or (self._finalized and journal is not None)
             self._bus = MetricBus(**self._options, run=run, dist=None, resume=resume)
+            self._run = replace(self._run, id=self._bus.run.id)  # a resumed journal's run id, kept after finalize()
         return self._bus
 
     @rank_zero_only
