@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",  # no usage reporting
+    "RAY_AUTH_MODE": "disabled",  # a local test cluster: no token written to ~/.ray
+    "RAY_DEDUP_LOGS": "0",
+}
 SYNCS = ("item", "cpu", "tolist", "__float__", "__bool__", "__int__", "numpy")  # what copies a tensor to the host
 
 
@@ -21,3 +30,42 @@ def no_host_sync(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.setattr(torch.Tensor, name, fail)
     yield
     monkeypatch.undo()
+
+
+@pytest.fixture(scope="module")
+def empty_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty sqlite MLflow tracking database, created once per module (MLflow's schema migrations take about a
+    second)."""
+    from backend_env import isolate_env
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path_factory.mktemp("template")
+    with pytest.MonkeyPatch.context() as patch:
+        isolate_env(patch, root)
+        MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").search_experiments()
+    return root / "mlflow.db"
+
+
+@pytest.fixture
+def sqlite_uri(tmp_path: Path, empty_db: Path) -> str:
+    """A fresh sqlite MLflow tracking database (a copy of the empty one)."""
+    (tmp_path / "db").mkdir()
+    shutil.copyfile(empty_db, tmp_path / "db" / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'db' / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """A local Ray with 2 CPUs for the module using it; shut down (and its temp dir removed) after its last test."""
+    ray = pytest.importorskip("ray")
+    temp = tempfile.mkdtemp(prefix="mbray-")  # short: Ray's socket paths live under it
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for key, value in RAY_ENV.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp, ignore_errors=True)

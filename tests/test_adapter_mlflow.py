@@ -34,26 +34,6 @@ def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def empty_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An empty sqlite tracking database, created once (MLflow's schema migrations take about a second)."""
-    from mlflow.tracking import MlflowClient
-
-    root = tmp_path_factory.mktemp("template")
-    with pytest.MonkeyPatch.context() as patch:
-        isolate_env(patch, root)
-        MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").search_experiments()
-    return root / "mlflow.db"
-
-
-@pytest.fixture
-def sqlite_uri(tmp_path: Path, empty_db: Path) -> str:
-    """A fresh sqlite tracking database (a copy of the empty one)."""
-    (tmp_path / "db").mkdir()
-    shutil.copyfile(empty_db, tmp_path / "db" / "mlflow.db")
-    return f"sqlite:///{tmp_path / 'db' / 'mlflow.db'}"
-
-
-@pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One real ``mlflow server`` (sqlite backend, one worker) for the module; yields its URI."""
     root = tmp_path_factory.mktemp("mlflow-server")

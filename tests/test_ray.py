@@ -8,11 +8,9 @@ returning ``{"metrics": bus.export()}`` (or a DataProto-like ``meta_info``).
 from __future__ import annotations
 
 import math
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,11 +24,6 @@ from metricbus.replay import emitted
 from metricbus.testing import MemoryAdapter
 from tests.ray_workers import RULES, Output, Plan, PolicyWorker, make_plan, single_process
 
-RAY_ENV = {
-    "RAY_USAGE_STATS_ENABLED": "0",  # no usage reporting
-    "RAY_AUTH_MODE": "disabled",  # a local test cluster: no token written to ~/.ray
-    "RAY_DEDUP_LOGS": "0",
-}
 TIMEOUT_S = 120
 Rows = list[dict[str, float]]
 MakeActors = Callable[..., list[Any]]
@@ -39,23 +32,6 @@ MakeActors = Callable[..., list[Any]]
 def bits(rows: Rows) -> list[dict[str, str]]:
     """Each value's exact bits (float.hex), so equality is bitwise."""
     return [{name: float(value).hex() for name, value in row.items()} for row in rows]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[Any]:
-    """A local Ray with 2 CPUs for this module; shut down (and its temp dir removed) after the last test."""
-    ray = pytest.importorskip("ray")
-    temp = tempfile.mkdtemp(prefix="mbray-")  # short: Ray's socket paths live under it
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        for key, value in RAY_ENV.items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.delenv("RAY_ADDRESS", raising=False)
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
-            shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture

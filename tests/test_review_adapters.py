@@ -53,26 +53,6 @@ def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Pa
     wandb.teardown()
 
 
-@pytest.fixture(scope="module")
-def empty_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An empty sqlite tracking database, created once (MLflow's schema migrations take about a second)."""
-    from mlflow.tracking import MlflowClient
-
-    root = tmp_path_factory.mktemp("template")
-    with pytest.MonkeyPatch.context() as patch:
-        isolate_env(patch, root)
-        MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").search_experiments()
-    return root / "mlflow.db"
-
-
-@pytest.fixture
-def sqlite_uri(tmp_path: Path, empty_db: Path) -> str:
-    """A fresh sqlite tracking database (a copy of the empty one)."""
-    (tmp_path / "db").mkdir()
-    shutil.copyfile(empty_db, tmp_path / "db" / "mlflow.db")
-    return f"sqlite:///{tmp_path / 'db' / 'mlflow.db'}"
-
-
 def _deliver(adapter: Adapter, steps: list[tuple[int, Mapping[str, float]]]) -> tuple[Delivery, MemoryAdapter]:
     """Deliver ``steps`` to ``adapter`` and a MemoryAdapter next to it through a real Delivery, then close it."""
     mem = MemoryAdapter()

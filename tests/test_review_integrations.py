@@ -5,9 +5,7 @@ logs keep the step the framework gave them; nothing is dropped silently or count
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -264,31 +262,12 @@ def test_gather_partials_refuses_one_partial_for_two_workers() -> None:
     assert gather_partials({"a": part, "b": other}) == [part, other]
 
 
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[Any]:
-    """A local Ray with 2 CPUs for this module (as tests/test_ray.py starts it), shut down after its last test."""
-    ray = pytest.importorskip("ray")
-    from tests.test_ray import RAY_ENV
-
-    temp = tempfile.mkdtemp(prefix="mbray-")  # short: Ray's socket paths live under it
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        for key, value in RAY_ENV.items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.delenv("RAY_ADDRESS", raising=False)
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
-            shutil.rmtree(temp, ignore_errors=True)
-
-
-def test_gather_partials_refuses_one_ray_result_for_two_workers(ray_local: Any) -> None:
+def test_gather_partials_refuses_one_ray_result_for_two_workers(ray_cluster: Any) -> None:
     """One actor's ObjectRef listed under two worker names: refused before waiting, naming both; nothing ingested."""
     from metricbus.integrations.ray import gather_partials
     from tests.ray_workers import PolicyWorker, make_plan
 
-    worker = ray_local.remote(num_cpus=0)(PolicyWorker).remote(0)
+    worker = ray_cluster.remote(num_cpus=0)(PolicyWorker).remote(0)
     try:
         shard = make_plan(ranks=1, updates=1, micro=2, steps=1)[0][0]
         ref = worker.update_actor.remote(0, shard)
@@ -301,7 +280,7 @@ def test_gather_partials_refuses_one_ray_result_for_two_workers(ray_local: Any) 
         assert driver.commit(step=0)["batch/tokens"] == tokens
         driver.close()
     finally:
-        ray_local.kill(worker)
+        ray_cluster.kill(worker)
 
 
 def test_accelerate_a_non_integer_step_leaves_its_values_out(caplog: pytest.LogCaptureFixture) -> None:
