@@ -1,4 +1,4 @@
-"""The MLflow adapter: one MLflow run per metricbus run, one ``MlflowClient.log_batch`` per step.
+"""The MLflow adapter: one MLflow run per metricbus run, one ``MlflowClient.log_batch`` per step (per 1000 metrics).
 
 Where, decided when the adapter is built (the first match wins; an explicit option beats the environment):
 
@@ -43,6 +43,11 @@ steps ``>= S`` the same way (the old timeline a resume replays up to its checkpo
 values next to the old ones and sets the tag ``metricbus.rewind`` to ``S``. ``get_metric_history`` then returns
 both values at each step both timelines wrote, and the run's latest value (``run.data.metrics``, the one with the
 largest (step, timestamp)) is the new one, unless the old timeline reached a larger step than the new one has.
+
+Wide steps. MLflow takes at most 1000 metrics per batch (``MAX_METRICS_PER_BATCH``), and each batch is its own
+request and transaction, so a step with more is sent as several batches by the adapter itself. When one of them
+fails, MLflow already holds the batches before it; the retry of that step (the same ``write``) sends only the points
+MLflow did not take, so each point lands once.
 """
 
 from __future__ import annotations
@@ -80,6 +85,9 @@ REWIND_TAG = "metricbus.rewind"
 # registers those only to refuse them as tracking stores). Database schemes also come with a driver: "mysql+pymysql".
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 TRACKING_SCHEMES = ("file", *DATABASE_SCHEMES, "http", "https", "databricks")
+# mlflow 3.17.2 mlflow/utils/validation.py: a REST batch holds at most this many metrics. MlflowClient.log_batch splits
+# a longer list into several requests itself, and a failure in a later one would leave the earlier ones applied.
+MAX_METRICS_PER_BATCH = 1000
 INSTALL_HINT = "the mlflow adapter needs mlflow: pip install 'metricbus[mlflow]'"
 _STATUS = {"finished": "FINISHED", "failed": "FAILED"}
 _SQLITE_URI = re.compile(r"^sqlite(\+\w+)?:///(?P<path>[^?]*)")
@@ -195,6 +203,9 @@ class MlflowAdapter:
         self._run_id: str | None = None
         self._identity: Mapping[str, str] = MappingProxyType({})
         self._held: dict[tuple[str, int], set[float]] = {}  # points a reopened run holds after the cursor
+        # the points of step ``_sent_step`` MLflow took: a write retried after a failed batch skips them
+        self._sent_step: int | None = None
+        self._sent: dict[str, set[float]] = {}
         self._warned: set[str] = set()  # histogram keys already warned about
 
     @property
@@ -369,7 +380,8 @@ class MlflowAdapter:
         return held
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
-        """Log every metric of ``step`` in one batch (the client splits batches over 1000)."""
+        """Log every metric of ``step``, in batches of at most MAX_METRICS_PER_BATCH; a retry after a failed batch
+        sends only what MLflow did not take."""
         if self._client is None:
             raise RuntimeError("MlflowAdapter.write() before open()")
         now_ms = time.time_ns() // 1_000_000
@@ -380,8 +392,16 @@ class MlflowAdapter:
         if self._held:
             held = self._held
             batch = [m for m in batch if _comparable(m.value) not in held.get((m.key, step), ())]
-        if batch:
-            self._client.log_batch(self._run_id, metrics=batch)
+        if self._sent_step != step:
+            self._sent_step, self._sent = step, {}
+        sent = self._sent
+        if sent:  # this step was written before, or tried: what MLflow took then is not logged again
+            batch = [m for m in batch if _comparable(m.value) not in sent.get(m.key, ())]
+        for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
+            part = batch[start : start + MAX_METRICS_PER_BATCH]
+            self._client.log_batch(self._run_id, metrics=part)  # one request, one transaction: all or nothing
+            for m in part:
+                sent.setdefault(m.key, set()).add(_comparable(m.value))
 
     def _points(self, metrics: Mapping[str, float]) -> Iterator[tuple[str, float, str | None]]:
         """``(name, value, part_of)`` of every metric; a Histogram gives its quantiles ``<key>/p50``, ... with
@@ -406,6 +426,7 @@ class MlflowAdapter:
             raise RuntimeError("MlflowAdapter.rewind() before open()")
         client, step = self._client, int(step)
         self._held = self._held_points(client, client.get_run(self._run_id), step - 1)
+        self._sent_step, self._sent = None, {}  # what the new timeline holds is in _held now
         client.set_tag(self._run_id, REWIND_TAG, str(step))
 
     def flush(self) -> None:
