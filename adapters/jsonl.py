@@ -19,7 +19,11 @@ process writing that run (a resumed trainer, ``metricbus sync``). ``identity`` i
 Durability. Each ``write()`` hands its whole line to the operating system before it returns (a killed process
 loses nothing it wrote), or, when that fails (a full disk), cuts what part of it was written and raises, so the
 retry writes the line once; ``flush()`` also ``fsync``s the file, so a step is durable once ``flush()`` returned —
-that is when the bus and ``metricbus sync`` acknowledge it to the delivery cursor.
+that is when the bus and ``metricbus sync`` acknowledge it to the delivery cursor. ``close()`` fsyncs too (the bus
+counts every written step as delivered once ``close()`` returned). Once an ``fsync`` failed, every later ``flush()``
+and ``close()`` of that open file raises as well: the kernel reports a failed write-back once and may have dropped
+those lines, so a later fsync that succeeds proves nothing about them. The cursor then stays before every step
+written since the last fsync that succeeded, and ``metricbus sync`` cuts the file there and sends those steps again.
 
 Resuming (the optional ``resume`` verb of the adapter protocol). ``resume(after_step=N, identity=...)`` says that
 the cursor acknowledged steps up to ``N`` (``None``: none). Lines after the last line of a step ``<= N`` were
@@ -183,6 +187,7 @@ class JsonlAdapter:
         self.cursor_key = "path=None" if self._path is None else f"path={os.path.abspath(self._path)!r}"
         self._pending_cut: tuple[int | None] | None = None  # a resume() waiting for the per-run path
         self._handle: IO[bytes] | None = None
+        self._fsync_error: OSError | None = None  # an fsync of the open file failed: later lines are not durable
 
     @property
     def path(self) -> Path | None:
@@ -215,6 +220,7 @@ class JsonlAdapter:
         self._path.parent.mkdir(parents=True, exist_ok=True)
         self._cut(None, keep_all=True)
         self._handle = self._path.open("ab", buffering=0)
+        self._fsync_error = None
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Write one line for ``step``, handed to the operating system before returning."""
@@ -247,16 +253,33 @@ class JsonlAdapter:
         self._cut(int(step) - 1, keep_all=False)
 
     def flush(self) -> None:
-        """Make every written line durable (flush, then ``fsync``)."""
+        """Make every written line durable (``fsync``); raise where that is not known (an earlier fsync failed)."""
         if self._handle is not None:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
+            self._fsync(self._handle)
 
     def close(self, *, status: Status) -> None:
-        """Close the file."""
+        """Make every written line durable, as ``flush()`` does, then close the file (even where that raised)."""
         if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+            handle, self._handle = self._handle, None
+            try:
+                self._fsync(handle)
+            finally:
+                handle.close()
+
+    def _fsync(self, handle: IO[bytes]) -> None:
+        if self._fsync_error is not None:
+            raise OSError(
+                self._fsync_error.errno or errno.EIO,
+                f"jsonl: an earlier fsync of {str(self._path)!r} failed ({self._fsync_error}), so the lines written "
+                "since the last one that succeeded are not known to be on disk; their steps stay unacknowledged and "
+                "`metricbus sync` sends them again",
+            )
+        handle.flush()
+        try:
+            os.fsync(handle.fileno())
+        except OSError as exc:
+            self._fsync_error = exc
+            raise
 
     def _cut(self, after_step: int | None, *, keep_all: bool) -> None:
         if self._path is None:

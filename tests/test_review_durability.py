@@ -1,7 +1,8 @@
 """Review of delivery durability: a retried step lands once, and a step counts as delivered only once durable.
 
 Real backends and real faults: MLflow on sqlite with a trigger in the database that fails one chunk of a step
-(``OperationalError``, which MLflow reports as TEMPORARILY_UNAVAILABLE, a transient error that delivery retries).
+(``OperationalError``, which MLflow reports as TEMPORARILY_UNAVAILABLE, a transient error that delivery retries),
+and a jsonl file on ``/dev/null``, a device that refuses ``fsync`` (EINVAL), so every flush fails for real.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from pathlib import Path
 
 import pytest
 from backend_env import isolate_env
+from metricbus.adapters.jsonl import JsonlAdapter
 from metricbus.adapters.mlflow import MlflowAdapter
 
+from metricbus import MetricBus
 from metricbus.adapter import RunInfo
 from metricbus.delivery import Delivery
+from metricbus.journal import CursorStore
 from metricbus.testing import MemoryAdapter
 
 MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
@@ -131,3 +135,47 @@ def test_mlflow_step_rejected_for_good_after_a_batch_landed_is_completed_once_by
     for key in ("m0000", "m0999", FAULT_KEY, f"m{WIDE - 1:04d}"):
         points = sorted((m.step, m.value) for m in client.get_metric_history(synced.run_id, key))
         assert points == [*([(0, 0.5)] if key == "m0000" else []), (1, metrics[key])], key
+
+
+# -- jsonl ---------------------------------------------------------------------------------------------------------
+
+
+def test_jsonl_whose_flush_fails_to_the_end_acknowledges_nothing() -> None:
+    """Every fsync fails (the file is a device that cannot be synced): no step is durable, so none is acknowledged,
+    not even at close (which used to count the last step as delivered after closing the file)."""
+    null, mem = JsonlAdapter(path="/dev/null"), MemoryAdapter()
+    delivery = Delivery([null, mem], strict=False, **FAST_RETRY)
+    delivery.open(run=RunInfo())
+    for step in range(5):
+        delivery.submit(step=step, metrics={"x": float(step)})
+    delivery.close(status="finished", timeout_s=60)
+    assert delivery.acknowledged == {"jsonl": None, "memory": 4}
+    assert delivery.failures.get("jsonl", 0) >= 1
+
+
+def test_jsonl_cursor_stays_below_steps_never_fsynced_so_sync_sends_them(tmp_path: Path) -> None:
+    """Through a bus with a journal: the jsonl cursor stays below every step whose fsync failed, so ``metricbus
+    sync`` still owes those steps; the other adapter's cursor reaches the last step."""
+    journal = tmp_path / "journal"
+    bus = MetricBus(dist=None, journal=str(journal), adapters=["jsonl:/dev/null", f"jsonl:{tmp_path / 'ok.jsonl'}"])
+    for step in range(5):
+        bus.log("loss", float(step))
+        bus.commit(step=step)
+    bus.close()
+    store = CursorStore(journal)
+    assert store.get(JsonlAdapter(path="/dev/null")) is None
+    assert store.get(JsonlAdapter(path=tmp_path / "ok.jsonl")) == 4
+
+
+def test_jsonl_refuses_flush_and_close_after_a_failed_fsync() -> None:
+    """After an fsync failed, a later flush or close raises too (the kernel may have dropped those lines while
+    reporting the failure once), naming the file and saying that ``metricbus sync`` sends the steps again."""
+    adapter = JsonlAdapter(path="/dev/null")
+    adapter.open(run=RunInfo())
+    adapter.write(step=0, metrics={"x": 1.0})
+    with pytest.raises(OSError, match="Invalid argument"):
+        adapter.flush()
+    with pytest.raises(OSError, match=r"/dev/null.*not known to be on disk.*metricbus sync"):
+        adapter.flush()
+    with pytest.raises(OSError, match=r"/dev/null.*not known to be on disk.*metricbus sync"):
+        adapter.close(status="finished")
