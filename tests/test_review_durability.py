@@ -7,7 +7,6 @@ and a jsonl file on ``/dev/null``, a device that refuses ``fsync`` (EINVAL), so 
 
 from __future__ import annotations
 
-import shutil
 import sqlite3
 import time
 from collections.abc import Callable
@@ -38,24 +37,10 @@ def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return isolate_env(monkeypatch, tmp_path)
 
 
-@pytest.fixture(scope="module")
-def empty_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An empty sqlite tracking database, created once (MLflow's schema migrations take about a second)."""
-    from mlflow.tracking import MlflowClient
-
-    root = tmp_path_factory.mktemp("template")
-    with pytest.MonkeyPatch.context() as patch:
-        isolate_env(patch, root)
-        MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}").search_experiments()
-    return root / "mlflow.db"
-
-
 @pytest.fixture
-def db(tmp_path: Path, empty_db: Path) -> Path:
-    """A fresh sqlite tracking database (a copy of the empty one)."""
-    (tmp_path / "db").mkdir()
-    shutil.copyfile(empty_db, tmp_path / "db" / "mlflow.db")
-    return tmp_path / "db" / "mlflow.db"
+def db(sqlite_uri: str) -> Path:
+    """The fresh sqlite tracking database of conftest's ``sqlite_uri``, as a path."""
+    return Path(sqlite_uri.removeprefix("sqlite:///"))
 
 
 def _sql(db: Path, statement: str) -> None:
