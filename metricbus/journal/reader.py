@@ -386,7 +386,11 @@ def cut_short(indexes: list[FileIndex]) -> list[Gap]:
     starts = sorted({first for ix in indexes for first, _ in ix.segments})
     out: list[Gap] = []
     for start in starts:
-        ends = {i: final for i, ix in enumerate(indexes) for first, final in ix.segments if first == start}
+        finals = {i: [final for first, final in ix.segments if first == start] for i, ix in enumerate(indexes)}
+        most = max(len(f) for f in finals.values())
+        # a file with fewer writers starting here than another missed the latest (a resume at the same step with
+        # fewer ranks, or ranks added by an earlier one): which writer its segment was is unknown, so it is not compared
+        ends = {i: f[-1] for i, f in finals.items() if len(f) == most}
         if len(ends) < 2:
             continue
         latest = max(ends.values())
