@@ -5,8 +5,10 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import pytest
+
 from metricbus.adapter import RunInfo
-from metricbus.errors import JournalWarning
+from metricbus.errors import ConfigError, JournalWarning
 from metricbus.journal import open_journal, read_journal
 from metricbus.journal.scan import Gap
 from metricbus.partial import Partial
@@ -68,3 +70,12 @@ def test_a_rank_cut_short_after_a_second_resume_at_one_step_is_still_named(tmp_p
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         assert read_journal(tmp_path).short == [Gap(1, 9, 9)]
+
+
+def test_lightning_logger_resume_without_a_journal_fails_at_construction() -> None:
+    """MetricBusLogger(resume=True) without a journal is refused when built, not at its first log mid-fit."""
+    pytest.importorskip("pytorch_lightning")
+    from metricbus.integrations.lightning import MetricBusLogger
+
+    with pytest.raises(ConfigError, match="resume: needs a journal"):
+        MetricBusLogger(adapters=[], resume=True)

@@ -178,6 +178,8 @@ class MetricBusLogger(Logger):
         }  # fmt: skip
         self._resume = resume
         BusOptions.build(**self._options, run=self._run, dist=None)  # fail at construction, not at the first log
+        if resume and journal is None:  # MetricBus refuses it too, but only at the first log, mid-fit
+            raise ConfigError("resume: needs a journal (the run to continue is read from it); pass journal=DIR")
         self._config: dict[str, Any] = {}
         self._bus: MetricBus | None = None
         self._finalized = False
