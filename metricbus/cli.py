@@ -224,7 +224,7 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     adapters = _adapters(args.config, args.to, command="replay")
     tally = _Tally()
     try:
-        replay(journal, [*adapters, tally], rules=rules, steps=steps, progress=_progress(err))
+        replay(journal, [*adapters, tally], rules=rules, steps=steps, progress=_progress(err), every_rule=True)
     except (BrokenPipeError, SpecError):  # SpecError: a rule the journal cannot serve (a usage error)
         raise
     except Exception as exc:

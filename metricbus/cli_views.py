@@ -217,10 +217,10 @@ def inspect(journal: Source, out: TextIO) -> None:
             "(a write or an fsync failed)"
         )
     for gap in journal.short:
-        steps_text = str(gap.first_step) if gap.first_step == gap.last_step else f"{gap.first_step}..{gap.last_step}"
         lines.append(
-            f"cut short   rank {gap.rank}: step {steps_text} missing from its file, held by the other ranks' (it "
-            "stopped between a commit's collectives and its journal write; replayed without it)"
+            f"cut short   rank {gap.rank}: its file stops at step {gap.first_step - 1}, the other ranks' go on to step "
+            f"{gap.last_step} (it stopped between a commit's collectives and its journal write, or its last frames "
+            "were lost; replayed without it)"
         )
     for path, why in journal.skipped:
         lines.append(f"skipped     {path.name}: {why}")

@@ -107,15 +107,16 @@ class _Respec:
             )
         return new
 
-    def check(self, metrics: Iterable[tuple[str, Spec]]) -> None:
+    def check(self, metrics: Iterable[tuple[str, Spec]], *, every_rule: bool) -> None:
         """Raise SpecError, before anything is emitted, for an override the journal cannot serve (its ``metrics``:
         every journaled ``(name, spec)``): one that reads a sketch the journal lacks, or one that makes a metric
-        emit a name another metric emits (the live bus's check, :meth:`SpecTable.check_outputs`: never a merge)."""
+        emit a name another metric emits (the live bus's check, :meth:`SpecTable.check_outputs`: never a merge);
+        ``every_rule``: also one whose pattern matches no journaled metric (a typed rule's typo)."""
         kept: dict[str, str] = {}  # output name -> the metric not overridden that emits it
         replaced: dict[str, tuple[str, Spec]] = {}  # overridden name -> (pattern, spec)
         journaled = sorted(metrics, key=lambda item: item[0])
         names = sorted({name for name, _ in journaled})
-        for pattern, _ in self._overrides:  # a rule that re-aggregates nothing is a typo, never a silent no-op
+        for pattern, _ in self._overrides if every_rule else ():  # a typed rule that re-aggregates nothing: a typo
             if not any(fnmatchcase(name, pattern) for name in names):
                 few = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "") or "none"
                 raise SpecError(f"replay rule {pattern!r} matches no metric of the journal; it has {few}")
@@ -179,6 +180,7 @@ def emitted(
     rules: Sequence[tuple[str, Spec]] = (),
     steps: StepRange | None = None,
     progress: Progress | None = None,
+    every_rule: bool = False,
 ) -> Iterator[tuple[int, dict[str, float]]]:
     """The ``(step, metrics)`` a live bus would have delivered, recomputed from the journal.
 
@@ -186,8 +188,11 @@ def emitted(
     the live ones; a segment's open window is emitted at its last step, as the bus's ``close`` does, before the
     next segment starts a fresh one); ``steps`` only selects which emitted steps are yielded, never what is
     reduced. A step may be yielded more than once (several commits at one step, with disjoint names).
+    ``every_rule``: a rule whose pattern matches no journaled metric is a SpecError (``metricbus replay --rule``:
+    a typo); else it is left unused, as a live bus's rule that matches nothing (a shared rule set such as
+    ``VERL_RULES`` names metrics a run may not have).
     """
-    for step, out, _ in emissions(journal, rules=rules, progress=progress):
+    for step, out, _ in emissions(journal, rules=rules, progress=progress, every_rule=every_rule):
         if steps is None or step in steps:
             yield step, out
 
@@ -198,13 +203,14 @@ def emissions(
     rules: Sequence[tuple[str, Spec]] = (),
     progress: Progress | None = None,
     until: int | None = None,
+    every_rule: bool = False,
 ) -> Iterator[tuple[int, dict[str, float], bool]]:
     """:func:`emitted`'s ``(step, metrics)`` with a third item: True for a window closed early (a segment's end).
     ``until``: only the timeline before that step (what a resume at it keeps)."""
     reducer = StepReducer(log_every=journal.log_every)
     respec = _Respec(rules)
     if rules:  # a pass over the rows' name ids: a rule that cannot be served fails before anything is emitted
-        respec.check(_journaled(_commits(journal, until)))
+        respec.check(_journaled(_commits(journal, until)), every_rule=every_rule)
     total = len(journal) if progress is not None else 0  # a stream counts its commits in a pass decoding nothing
     last: int | None = None
     done = 0
@@ -294,8 +300,10 @@ def replay(
     steps: StepRange | None = None,
     progress: Progress | None = None,
     run: RunInfo | None = None,
+    every_rule: bool = False,
 ) -> int:
-    """Send every replayed step to each adapter (open, write..., flush, close); returns the steps sent.
+    """Send every replayed step to each adapter (open, write..., flush, close); returns the steps sent
+    (``every_rule``: as :func:`emitted`).
 
     The adapters open ``run``, by default a new run made from the journal's (:func:`replay_run`): a replay, with
     ``rules`` or without, never adds to the live run's backend run (its jsonl file, TensorBoard folder, MLflow or
@@ -304,7 +312,7 @@ def replay(
     journal = _open(source)
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     info = run or replay_run(journal.run)
-    stream = emitted(journal, rules=items, steps=steps, progress=progress)
+    stream = emitted(journal, rules=items, steps=steps, progress=progress, every_rule=every_rule)
     first = next(stream, None)  # a rule the journal cannot serve (its first commit's names) fails before any open
     opened: list[Adapter] = []
     sent = 0

@@ -284,11 +284,11 @@ def stream_journal(directory: str | os.PathLike[str]) -> JournalStream:
         warnings.warn(f"journal {path}: skipped, the other ranks are read ({why})", JournalWarning, stacklevel=2)
     stream = JournalStream(directory, indexes, skipped)
     for gap in stream.short:
-        steps = str(gap.first_step) if gap.first_step == gap.last_step else f"{gap.first_step}..{gap.last_step}"
         warnings.warn(
-            f"journal {directory}: rank {gap.rank}'s file holds no commit at step {steps}, which the other ranks' "
-            "files hold in the same segment (the rank stopped between a commit's collectives and its journal "
-            "write): replayed without its records, so live may have emitted other values there",
+            f"journal {directory}: rank {gap.rank}'s file stops at step {gap.first_step - 1} where the other ranks' "
+            f"files go on to step {gap.last_step} in the same segment (the rank stopped between a commit's "
+            "collectives and its journal write, or its last frames were lost): those steps are replayed without its "
+            "records, so live may have emitted other values there",
             JournalWarning,
             stacklevel=2,
         )
