@@ -145,6 +145,7 @@ def main() -> None:
         (out / "rows.json").write_text(json.dumps(rows))
         hf = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
         (out / "hf.json").write_text(json.dumps(hf))
+    bus.close()  # the caller's bus: train() flushed it; closing is a collective (before destroy_process_group)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

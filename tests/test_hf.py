@@ -89,14 +89,18 @@ def test_hf_means_of_means_over_a_window(tmp_path: Path, memory: MemoryAdapter) 
         print(f"logging_steps=2 step {step}: HF loss {hf[step]:.9f}, exact {exact:.9f}")
 
 
-def test_forwards_trainer_logs_and_closes(tmp_path: Path, memory: MemoryAdapter) -> None:
-    """grad_norm and learning_rate are forwarded under the prefix; the bus is closed at train end."""
+def test_forwards_trainer_logs_and_flushes_at_train_end(tmp_path: Path, memory: MemoryAdapter) -> None:
+    """grad_norm and learning_rate are forwarded under the prefix; every step is delivered and flushed when train()
+    returns; the bus passed in stays open (for an evaluate() after train()) until its owner closes it."""
     trainer, _ = _train(tmp_path, memory)
     rows = _rows(memory)
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert memory.flushes >= 1
     assert {"train/grad_norm", "train/learning_rate"} <= set(rows[1])
     callback = trainer.metricbus_callback()
     assert callback.bus is not None
-    assert callback.bus.closed
+    assert not callback.bus.closed
+    callback.bus.close()
     assert memory.status == "finished"
 
 

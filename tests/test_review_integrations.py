@@ -209,14 +209,16 @@ def test_hf_train_twice_with_a_callback_built_bus(tmp_path: Path) -> None:
     trainer = hf_workers.build_trainer(tmp_path, callback, logging_steps=2)
     trainer.train()
     callback.config = {"adapters": [second], "dist": None, "strict": True}
-    trainer.train()
+    trainer.train()  # closes the first train()'s bus
+    callback.close()  # the last one stays open after train() (for evaluate()) until this, or interpreter exit
     for memory in (first, second):
         assert [step for step, metrics in memory.rows if "train/loss" in metrics] == [2, 4]
         assert memory.status == "finished"
 
 
 def test_hf_a_closed_bus_given_to_the_callback_fails_at_train_begin(tmp_path: Path) -> None:
-    """A bus passed in is the caller's: once closed (by an earlier train()), train() says what to pass instead."""
+    """A bus passed in is the caller's: used again by a train() from an earlier step, train() says what to pass
+    instead."""
     sys.path.insert(0, str(TESTS))
     import hf_workers
 
@@ -232,10 +234,11 @@ def test_hf_a_closed_bus_given_to_the_callback_fails_at_train_begin(tmp_path: Pa
 def test_hf_evaluate_after_train_is_reported_not_dropped_silently(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """trainer.evaluate() after train() ended (the bus is closed): the callback says its metrics are not logged."""
+    """trainer.evaluate() after its owner closed the bus: the callback says its metrics are not logged."""
     memory = MemoryAdapter()
     trainer = _hf_trainer(tmp_path, memory, eval_strategy="no")
     trainer.train()
+    trainer.metricbus_callback().bus.close()  # train() leaves a bus passed in open (evaluate() after it is logged)
     rows = list(memory.rows)
     with caplog.at_level("WARNING", logger="metricbus.hf"):
         trainer.evaluate()

@@ -8,8 +8,13 @@ never does.
   uses the process group the Trainer initialized), ``on_optimizer_step`` ends an update, ``on_log`` of a training
   log commits at ``state.global_step`` (the Trainer's own logging decision, so ``logging_steps``,
   ``logging_first_step`` and ``logging_strategy`` apply as configured), ``on_train_end`` commits what is left and
-  closes. The other numbers of the Trainer's logs (``grad_norm``, ``learning_rate``, ``epoch``, eval metrics) are
-  forwarded as logged.
+  flushes: every step is delivered (written and flushed by each adapter) when ``train()`` returns. The bus stays
+  open, so a ``trainer.evaluate()`` after ``train()`` is logged at ``state.global_step`` and flushed before
+  ``evaluate()`` returns (as Hugging Face's ``WandbCallback`` leaves its run open). A bus the callback built is
+  closed by the next ``train()`` (which builds a new one), by :meth:`MetricBusCallback.close`, or at the latest at
+  interpreter exit (as ``"failed"`` when the interpreter exits on an uncaught exception); a bus you passed in is
+  yours to close. The other numbers of the Trainer's logs (``grad_norm``, ``learning_rate``, ``epoch``, eval
+  metrics) are forwarded as logged.
 * :class:`MetricBusTrainerMixin` (``class MyTrainer(MetricBusTrainerMixin, Trainer)``) logs, for every training
   micro-batch, its per-token losses (float32, recomputed from the logits as the model's ``ForCausalLMLoss`` does:
   labels shifted, ``-100`` ignored) with the label mask as weight, under ``train/loss`` (spec ``"mean"``), and
@@ -29,7 +34,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from metricbus.bus import MetricBus
+from metricbus.adapter import Status
+from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus
 from metricbus.config import load_source
 from metricbus.errors import MetricBusError, MetricValueError, SpecError
 
@@ -61,12 +67,15 @@ def token_losses(logits: Any, labels: Any, *, shift: bool, ignore_index: int = I
 
 
 class MetricBusCallback(TrainerCallback):
-    """Owns the bus of a ``Trainer`` run: update boundaries, commits at the Trainer's logging steps, close at the end.
+    """Owns the bus of a ``Trainer`` run: update boundaries, commits at the Trainer's logging steps, a flush at the end.
 
-    ``bus``: a bus you built (built on every process, before training; ``train()`` closes it at its end, so give
-    each ``train()`` a new one); else one is built at each ``train()``'s ``on_train_begin`` from ``config`` (a path,
-    a mapping, or None for ``$METRICBUS_CONFIG``/``$METRICBUS_ADAPTERS``) with the Trainer's ``run_name`` and
-    sanitized arguments as the run, unless the config has a ``run``.
+    ``bus``: a bus you built (built on every process, before training) and close yourself, after the last
+    ``train()`` or ``evaluate()`` that logs into it (on every process: under DDP ``close()`` is a collective); a
+    later ``train()`` may use it again only from a step at or after its last one (resuming from a checkpoint).
+    Else one is built at each ``train()``'s ``on_train_begin`` from ``config`` (a path, a mapping, or None for
+    ``$METRICBUS_CONFIG``/``$METRICBUS_ADAPTERS``) with the Trainer's ``run_name`` and sanitized arguments as the
+    run, unless the config has a ``run``; it stays open after ``train()`` for ``evaluate()`` and is closed by the
+    next ``train()``, by :meth:`close`, or at interpreter exit.
     ``prefix`` starts every name this integration logs (``train/loss``, ``train/tokens``, ``train/grad_norm``).
     """
 
@@ -79,6 +88,7 @@ class MetricBusCallback(TrainerCallback):
         self._reported: set[str] = set()
         self._step_values: dict[str, float] = {}  # what on_log committed at bus.last_step
         self._built = False  # whether the callback built the bus (it then builds a new one for another train())
+        self._training = False  # between on_train_begin and on_train_end: logs after it are flushed at once
         if bus is not None:
             self._declare(bus)
 
@@ -87,7 +97,7 @@ class MetricBusCallback(TrainerCallback):
         bus.define(self.tokens_name, "sum")
 
     def ensure_bus(self, args: Any) -> MetricBus:
-        """The bus, built from the config on first use (again for a later ``train()``: ``on_train_end`` closed it)."""
+        """The bus, built from the config on first use (again for a later ``train()``, which closed the last one)."""
         if self.bus is None or (self._built and self.bus.closed):
             given, _ = load_source(self.config)
             overrides: dict[str, Any] = {}
@@ -100,12 +110,23 @@ class MetricBusCallback(TrainerCallback):
         return self.bus
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Build the bus (every process: a collective bus needs every rank)."""
-        if self.ensure_bus(args).closed:
+        """Close the bus an earlier ``train()`` built and build this one's (every process: a collective bus needs
+        every rank); a bus passed in must be open and not past the Trainer's step."""
+        self.close(status="failed" if self._training else "finished")  # still training: that train() raised
+        bus = self.ensure_bus(args)
+        if bus.closed:
             raise HFIntegrationError(
-                "MetricBusCallback: the bus it was given is closed (on_train_end of an earlier train() closes it); "
-                "pass a new MetricBus for this train(), or none to have the callback build one from the config"
+                "MetricBusCallback: the bus it was given is closed; pass a new MetricBus for this train(), or none "
+                "to have the callback build one from the config"
             )
+        last = bus.last_step
+        if last is not None and state.global_step < last:
+            raise HFIntegrationError(
+                f"MetricBusCallback: the bus it was given already holds step {last} and this train() starts at step "
+                f"{state.global_step} (a run's steps never go back); pass a new MetricBus for this train(), or none "
+                "to have the callback build one from the config"
+            )
+        self._training = True
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The micro-batches since the last optimizer step are one update."""
@@ -117,11 +138,11 @@ class MetricBusCallback(TrainerCallback):
         bus = self.bus
         if bus is None or not logs:
             return
-        if bus.closed:  # train() ended: on_train_end closed the bus (e.g. trainer.evaluate() after train())
+        if bus.closed:  # closed by its owner (or callback.close()) before this log, e.g. an evaluate() after it
             names = ", ".join(repr(key) for key in sorted(logs)[:6])
             self._report(
-                "closed", f"a log at step {state.global_step} after train() ended is not logged ({names}): the bus "
-                "closed at the end of train(); evaluate during training (eval_strategy) or log it on a bus of your own",
+                "closed", f"a log at step {state.global_step} is not logged ({names}): the bus was closed before it; "
+                "close the bus after the last evaluate() that should log into it",
             )  # fmt: skip
             return
         training = "loss" in logs  # the Trainer's periodic training log (eval logs have eval_*)
@@ -154,16 +175,34 @@ class MetricBusCallback(TrainerCallback):
         except MetricBusError as exc:  # e.g. a nan="error" value found at commit: report, keep training
             self._report(type(exc).__name__, f"commit at step {step}: {exc}")
         self._step_values = {**again, **logged}
+        if not self._training:  # an evaluate() outside train(): delivered by the time it returns
+            self._flush(f"the log at step {step}")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Commit the micro-batches after the last logging step at the final step, then close the bus."""
+        """Commit the micro-batches after the last logging step at the final step, then flush (the bus stays open
+        for an ``evaluate()`` after ``train()``)."""
+        self._training = False
         bus = self.bus
         if bus is None or bus.closed:
             return
         last = bus.last_step
         if last is None or state.global_step > last:
             bus.commit(step=state.global_step)
-        bus.close()
+            self._step_values = {}  # the step holds only the mixin's records, never a forwarded name
+        self._flush("train()")
+
+    def close(self, *, status: Status = "finished") -> None:
+        """Close the bus this callback built (under DDP on every process: a collective); a bus passed in is left
+        to its owner. Without this call the next ``train()`` or interpreter exit closes it."""
+        if self._built and self.bus is not None and not self.bus.closed:
+            self.bus.close(status=status)
+
+    def _flush(self, what: str) -> None:
+        if self.bus is not None and not self.bus.flush():
+            self._report(
+                "flush", f"not every step of {what} was delivered within {CLOSE_TIMEOUT_S:.0f} s; delivery goes on, "
+                "and closing the bus waits for it",
+            )  # fmt: skip
 
     def _report(self, kind: str, message: str) -> None:
         if kind not in self._reported:
