@@ -17,10 +17,18 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from metricbus import MetricBus
+from metricbus.errors import ClosedError
 from metricbus.testing import MemoryAdapter
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+QUIET_LIGHTNING = [  # Lightning's advice for real runs, not about what these tests check
+    "ignore:.*does not have many workers.*",
+    "ignore:.*smaller than the logging interval.*",
+    "ignore:.*GPU available but not used.*",
+    "ignore:.*litlogger.*",
+    "ignore:.*no `val_dataloader`.*",
+]
 
 
 def _hf_trainer(tmp_path: Path, callback: Any) -> Any:
@@ -158,6 +166,38 @@ def test_hf_a_bus_past_the_trainers_step_fails_at_train_begin(tmp_path: Path) ->
         trainer.train()
     bus.close()
     assert memory.rows == rows
+
+
+@pytest.mark.filterwarnings(*QUIET_LIGHTNING)
+def test_lightning_a_closed_bus_given_to_the_callback_fails_at_setup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MetricBusCallback(bus) for a second fit(): teardown of the first closed the bus, so the second fit() fails
+    at setup saying what to pass instead, before training_step runs."""
+    pytest.importorskip("pytorch_lightning")
+    import pytorch_lightning as pl
+
+    from metricbus.integrations.lightning import MetricBusCallback
+    from tests import lightning_workers as lw
+    from tests.backend_env import isolate_env
+
+    isolate_env(monkeypatch, tmp_path)
+    memory = MemoryAdapter()
+    callback = MetricBusCallback(MetricBus(adapters=[memory], dist=None))
+    module = lw.TinyLM()
+
+    def fit() -> None:
+        trainer = pl.Trainer(
+            **lw.TRAINER_ARGS, devices=1, logger=False, default_root_dir=tmp_path, callbacks=[callback]
+        )  # fmt: skip
+        trainer.fit(module, lw.loader())
+
+    fit()
+    assert memory.status == "finished"
+    done = len(module.records)
+    with pytest.raises(ClosedError, match=r"setup.*pass a new MetricBus.*MetricBusCallback\(adapters="):
+        fit()
+    assert len(module.records) == done  # training_step never ran
 
 
 def test_hf_a_bus_the_callback_built_for_a_train_that_raised_closes_as_failed(tmp_path: Path) -> None:

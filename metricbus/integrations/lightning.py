@@ -36,7 +36,7 @@ from pytorch_lightning.utilities import rank_zero_only
 
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus
-from metricbus.errors import ConfigError, MetricBusError, MetricBusWarning
+from metricbus.errors import ClosedError, ConfigError, MetricBusError, MetricBusWarning
 from metricbus.options import BusOptions
 from metricbus.spec import SpecLike
 
@@ -51,9 +51,11 @@ class MetricBusCallback(pl.Callback):
     ``MetricBusCallback(adapters=[...], rules={...})`` builds ``MetricBus(**options)`` at ``setup("fit")`` on every
     rank (after Lightning created the process group, so ``dist="auto"`` finds it); ``MetricBusCallback(bus)`` uses
     a bus you built (single process, or one built after ``torch.distributed`` was initialized). The callback closes
-    the bus when ``fit`` ends (``failed`` on an exception, on that rank alone). ``log_every`` is not an option: the
-    window is ``trainer.log_every_n_steps``. Log training records through it: records logged in ``validation_step``
-    would join the next training commit (use Lightning's ``self.log`` and :class:`MetricBusLogger` for those).
+    the bus when ``fit`` ends (``failed`` on an exception, on that rank alone): a bus passed in serves one ``fit``,
+    a later ``fit`` with it fails at ``setup`` (:class:`~metricbus.errors.ClosedError`). ``log_every`` is not an
+    option: the window is ``trainer.log_every_n_steps``. Log training records through it: records logged in
+    ``validation_step`` would join the next training commit (use Lightning's ``self.log`` and
+    :class:`MetricBusLogger` for those).
     """
 
     def __init__(self, bus: MetricBus | None = None, **options: Any) -> None:
@@ -78,9 +80,17 @@ class MetricBusCallback(pl.Callback):
         return self._bus
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Build the bus for ``fit`` on every rank (the process group exists by now)."""
-        if stage == "fit" and (self._bus is None or (self._options and self._bus.closed)):
+        """Build the bus for ``fit`` on every rank (the process group exists by now); a bus passed in must be open."""
+        if stage != "fit":
+            return
+        if self._bus is None or (self._options and self._bus.closed):
             self._bus = MetricBus(**self._options, log_every=1)
+        elif self._bus.closed:
+            raise ClosedError(
+                "MetricBusCallback: the bus it was given is closed at setup('fit') (the end of an earlier fit() "
+                "closes it); pass a new MetricBus for this fit(), or bus options (MetricBusCallback(adapters=[...], "
+                "...)) to have the callback build one at each fit()"
+            )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start counting optimizer steps from where training starts (a restored checkpoint included)."""
