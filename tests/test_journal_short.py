@@ -97,3 +97,42 @@ def test_a_resume_after_the_missing_step_keeps_it_listed(tmp_path: Path) -> None
         journal = read_journal(tmp_path)
     assert journal.short == [Gap(1, 3, 3)]
     assert [step for step, _ in emitted(journal)] == [0, 1, 2, 3, 4, 5]
+
+
+def _replayed(path: Path) -> list[tuple[int, float]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JournalWarning)
+        return [(step, out["tokens"]) for step, out in emitted(read_journal(path))]
+
+
+def test_a_resume_on_fewer_ranks_replaces_the_absent_ranks_steps(tmp_path: Path) -> None:
+    """Ranks 0 and 1 write steps 0..5; rank 0 alone resumes from a checkpoint at step 3: from step 3 on the timeline
+    is the resumed run's (live: 10.0), not merged with rank 1's old records (20.0)."""
+    for rank in range(2):
+        _write(tmp_path, rank=rank, steps=range(6))
+    _write(tmp_path, rank=0, steps=range(3, 8))
+    assert _replayed(tmp_path) == [(0, 20.0), (1, 20.0), (2, 20.0), *((s, 10.0) for s in range(3, 8))]
+    assert read_journal(tmp_path).last_step == 7
+
+
+def test_the_absent_ranks_later_steps_are_not_the_journals_last(tmp_path: Path) -> None:
+    """The absent rank's file reaches step 9; the resumed run stopped at step 5: the journal's last step is 5."""
+    for rank in range(2):
+        _write(tmp_path, rank=rank, steps=range(10))
+    _write(tmp_path, rank=0, steps=range(3, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JournalWarning)
+        assert stream_journal(tmp_path).last_step == 5
+    assert _replayed(tmp_path) == [(0, 20.0), (1, 20.0), (2, 20.0), (3, 10.0), (4, 10.0), (5, 10.0)]
+
+
+def test_a_rank_rejoining_a_later_resume_is_replayed_from_there(tmp_path: Path) -> None:
+    """Ranks 0 and 1 to step 9; rank 0 alone from step 3; both again from step 5."""
+    for rank in range(2):
+        _write(tmp_path, rank=rank, steps=range(10))
+    _write(tmp_path, rank=0, steps=range(3, 7))
+    for rank in range(2):
+        _write(tmp_path, rank=rank, steps=range(5, 9))
+    expected = [*((s, 20.0) for s in range(3)), (3, 10.0), (4, 10.0), *((s, 20.0) for s in range(5, 9))]
+    assert _replayed(tmp_path) == expected
+    assert read_journal(tmp_path).last_step == 8

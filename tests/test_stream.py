@@ -93,9 +93,14 @@ def reference(directory: Path) -> list[tuple[int, list[tuple[int, Any]], bool]]:
     memory (a frame that does not check out is skipped, as the reader does)."""
     merged: dict[tuple[int, int], dict[int, list[Any]]] = {}
     starts: set[tuple[int, int]] = set()
+    files: list[tuple[list[tuple[int, dict[int, list[Any]], bool, int]], list[tuple[int, int]], list[tuple[int, int]]]]
+    files = []
     for path in sorted(directory.glob("rank-*.mbj")):
         data = path.read_bytes()
-        commits: list[tuple[int, dict[int, list[Any]], bool]] = []
+        commits: list[tuple[int, dict[int, list[Any]], bool, int]] = []  # (step, ranks, first, segment)
+        segments: list[tuple[int, int]] = []  # (start step, ordinal of its first commit)
+        resets: list[tuple[int, int]] = []  # (ordinal, step) of each commit that dropped steps
+        ordinal = 0
         table: dict[int, str] = {}
         new_segment, previous, pos = False, b"", len(MAGIC)
         while pos + 8 <= len(data):
@@ -123,12 +128,27 @@ def reference(directory: Path) -> list[tuple[int, list[tuple[int, Any]], bool]]:
                     if ident in table:
                         entries.append((table[ident], struct.pack("<12d", *fields), rest))
                 if commits and (new_segment or step < commits[-1][0]):
+                    resets.append((ordinal, step))
                     while commits and commits[-1][0] >= step:
                         commits.pop()
-                commits.append((step, ranks, new_segment))
+                if new_segment or not segments:
+                    segments.append((step, ordinal))
+                commits.append((step, ranks, new_segment, len(segments) - 1))
                 new_segment = False
+                ordinal += 1
+        files.append((commits, segments, resets))
+    # a resume replaces steps in every file: a resume (a file's segment after its first) at S that no later reset of
+    # its own file replaced drops, in each other file, the steps >= S of its segments before its first one starting
+    # at S or later
+    standing = [(i, start) for i, (_, segments, resets) in enumerate(files) for start, at in segments[1:]
+                if all(step > start for ordinal, step in resets if ordinal > at)]
+    for j, (commits, segments, _) in enumerate(files):
+        for i, start in standing:
+            if i != j:
+                until = next((k for k, (first, _) in enumerate(segments) if first >= start), len(segments))
+                commits[:] = [c for c in commits if c[3] >= until or c[0] < start]
         seen: dict[int, int] = {}
-        for step, ranks, first in commits:
+        for step, ranks, first, _ in commits:
             nth = seen[step] = seen.get(step, -1) + 1
             merged.setdefault((step, nth), {}).update(ranks)
             if first:

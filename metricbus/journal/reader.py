@@ -62,6 +62,7 @@ from metricbus.journal.scan import (
     file_commits,
     file_runs,
     index_file,
+    limits_of,
 )
 from metricbus.partial import Partial
 from metricbus.spec import Spec
@@ -188,8 +189,9 @@ class JournalStream(_Meta):
         self.short = cut_short(indexes)
         first = min(self.files, key=lambda rf: int(rf.headers[0].get("rank", 0)))
         self.header = first.headers[-1]
-        steps = [ix.last_step for ix in indexes if ix.last_step is not None]
-        self.last_step: int | None = max(steps) if steps else None  # a file's last commit is always kept
+        stale = replace_across(indexes)  # the files whose last commit another file's resume replaced
+        steps = [ix.last_step for i, ix in enumerate(indexes) if ix.last_step is not None and i not in stale]
+        self.last_step: int | None = max(steps) if steps else None  # (else a file's last commit is kept)
 
     def commits(self, *, decode: bool = True) -> Iterator[Commit]:
         """The timeline, one :class:`Commit` at a time (``decode`` False: steps and segments only, no parts).
@@ -378,15 +380,45 @@ def _merge_gaps(files: list[RankFile]) -> list[Gap]:
     return out
 
 
+def replace_across(indexes: list[FileIndex]) -> set[int]:
+    """Make a resume replace steps in every file: a resume (a file's segment after its first) starting at step
+    ``S`` that no later reset of its own file replaced drops, in each other file, the steps ``>= S`` of that file's
+    segments before its first one starting at ``S`` or later (a rank absent from the resumed run: its file has no
+    segment there). Sets each file's ``limits`` again; returns the files whose last commit is dropped so."""
+    if len(indexes) < 2:
+        return set()
+    live: list[tuple[int, int]] = []  # (file, step) of the resumes (a file's later segments) that stand
+    for i, ix in enumerate(indexes):
+        for start, _, at in ix.segments[1:]:  # a file's first writer is no resume (a rank that joined late)
+            if all(step > start for ordinal, step in ix.resets if ordinal > at):
+                live.append((i, start))
+    stale: set[int] = set()
+    for j, ix in enumerate(indexes):
+        extra: list[tuple[int, int]] = []
+        for i, start in live:
+            if i == j:
+                continue
+            # the first segment of this file that starts at ``start`` or later: it and what follows are not before
+            # the resume (this rank took part in it, or in a later one)
+            until = next((at for first, _, at in ix.segments if first >= start), ix.commits)
+            if any(first < start <= final for first, final, at in ix.segments if at < until):
+                extra.append((until, start))
+                if until == ix.commits and ix.last_step is not None and ix.last_step >= start:
+                    stale.add(j)
+        if extra:
+            ix.limits = limits_of(sorted([*ix.resets, *extra]))
+    return stale
+
+
 def cut_short(indexes: list[FileIndex]) -> list[Gap]:
     """The steps each rank file lacks that another file holds in a segment both started at the same step, before
     any segment (of any file) starting at or below them replaced them (see the module docstring)."""
     if len(indexes) < 2:
         return []
-    starts = sorted({first for ix in indexes for first, _ in ix.segments})
+    starts = sorted({first for ix in indexes for first, _, _ in ix.segments})
     out: list[Gap] = []
     for start in starts:
-        finals = {i: [final for first, final in ix.segments if first == start] for i, ix in enumerate(indexes)}
+        finals = {i: [final for first, final, _ in ix.segments if first == start] for i, ix in enumerate(indexes)}
         most = max(len(f) for f in finals.values())
         # a file with fewer writers starting here than another missed the latest (a resume at the same step with
         # fewer ranks, or ranks added by an earlier one): which writer its segment was is unknown, so it is not compared

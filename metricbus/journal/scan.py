@@ -247,8 +247,11 @@ class FileIndex:
     # segment of the commits before (a segment starting after that frame replaces them as it replaces those)
     tails: set[int] = field(default_factory=set)
     sound: list[tuple[int, int]] = field(default_factory=list)  # stretches read as valid frames (FrameSource.frames)
-    # per segment (a writer) with commits: the step of its first commit and of the last one it wrote, in file order
-    segments: list[tuple[int, int]] = field(default_factory=list)
+    # per segment (a writer) with commits, in file order: the step of its first commit, of the last one it wrote,
+    # and the ordinal of its first commit
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    resets: list[tuple[int, int]] = field(default_factory=list)  # ``(ordinal, step)``: what ``limits`` is made of
+    commits: int = 0  # commits counted (the ordinal after the last one)
 
 
 def index_file(path: Path) -> FileIndex:
@@ -286,13 +289,14 @@ def index_file(path: Path) -> FileIndex:
         window: OpenWindow | None = None  # log_every > 1: the commits read in the open window
         phantoms: dict[int, list[int]] = {}
         tails: set[int] = set()
-        segments: list[list[int]] = []  # [first step, last step] of each segment's commits (a header opens one)
+        segments: list[list[int]] = []  # [first step, last step, first ordinal] of each segment's commits
         opened = False  # a header was read since the last commit: the next commit (or "K" frame) opens a segment
+        opened_at = 0  # the ordinal of the first commit after that header
 
         def wrote(first: int, final: int) -> None:  # commits at steps first .. final were read in this segment
             nonlocal opened
             if opened or not segments:
-                segments.append([first, final])
+                segments.append([first, final, opened_at])
                 opened = False
             segments[-1][1] = final
 
@@ -325,7 +329,7 @@ def index_file(path: Path) -> FileIndex:
                         if prior == header:
                             continue  # the second copy of the header just read
                         rf.headers.append(check_header(path, json.loads(bytes(payload[1:]))))
-                        new_segment, before, opened = True, b"", True
+                        new_segment, before, opened, opened_at = True, b"", True, ordinal
                         every = _log_every(rf.headers[-1])
                         window = OpenWindow(every=every, damaged=rf.damaged) if every > 1 else None
                     elif kind == b"N":
@@ -390,12 +394,18 @@ def index_file(path: Path) -> FileIndex:
         raise UnreadableError(f"{path} has no readable journal header")
     if start is not None and start < size:
         sound.append((start, size))
+    return FileIndex(rf, size, bad, limits_of(resets), last, long=long, sound=sound, phantoms=phantoms, tails=tails,
+                     segments=[(first, final, at) for first, final, at in segments], resets=resets, commits=ordinal)
+
+
+def limits_of(resets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """:attr:`FileIndex.limits` of resets ``(ordinal, step)`` (in ordinal order): each with the lowest step of it
+    and of every reset after it."""
     limits, lowest = [], math.inf
     for ordinal, step in reversed(resets):
         lowest = min(lowest, step)
         limits.append((ordinal, int(lowest)))
-    return FileIndex(rf, size, bad, limits[::-1], last, long=long, sound=sound, phantoms=phantoms, tails=tails,
-                     segments=[(first, final) for first, final in segments])
+    return limits[::-1]
 
 
 def _log_every(header: Mapping[str, Any]) -> int:
