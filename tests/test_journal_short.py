@@ -99,6 +99,37 @@ def test_a_resume_after_the_missing_step_keeps_it_listed(tmp_path: Path) -> None
     assert [step for step, _ in emitted(journal)] == [0, 1, 2, 3, 4, 5]
 
 
+def test_a_second_resume_at_the_same_step_with_fewer_ranks_is_not_cut_short(tmp_path: Path) -> None:
+    """Resumed twice from one checkpoint, the second time on fewer ranks: the absent rank was not cut short."""
+    for rank in range(2):
+        _write(tmp_path, rank=rank, steps=range(6))
+    for rank in range(2):  # resumed from the checkpoint at step 3, crashed at step 6
+        _write(tmp_path, rank=rank, steps=range(3, 7))
+    _write(tmp_path, rank=0, steps=range(3, 10))  # resumed from it again, on one rank
+    assert _quiet(tmp_path) == []
+
+
+def test_a_resume_with_more_ranks_then_again_with_fewer_is_not_cut_short(tmp_path: Path) -> None:
+    """Ranks added by a resume and gone from a later one at the same step are not cut short."""
+    _write(tmp_path, rank=0, steps=range(6))
+    for rank in range(3):  # resumed at step 3 on three ranks
+        _write(tmp_path, rank=rank, steps=range(3, 7))
+    _write(tmp_path, rank=0, steps=range(3, 10))  # resumed at step 3 again, on one
+    assert _quiet(tmp_path) == []
+
+
+def test_a_rank_cut_short_after_a_second_resume_at_one_step_is_still_named(tmp_path: Path) -> None:
+    """Both ranks resumed twice at one step, one of them cut short in the last run: still named."""
+    for rank in range(2):
+        _write(tmp_path, rank=rank, steps=range(6))
+        _write(tmp_path, rank=rank, steps=range(3, 7))
+    _write(tmp_path, rank=0, steps=range(3, 10))
+    _write(tmp_path, rank=1, steps=range(3, 9))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert read_journal(tmp_path).short == [Gap(1, 9, 9)]
+
+
 def _replayed(path: Path) -> list[tuple[int, float]]:
     with warnings.catch_warnings():
         warnings.simplefilter("error", JournalWarning)
