@@ -61,6 +61,7 @@ class Collector:
         self._plain: PlainBuffers | None = None
         self._apart: list[tuple[str, Accumulator]] = []
         self._segments: Segments | None = None  # the last update's, reused while the counts repeat
+        self._open_taken = False  # the last take() returned, last, the update it ended (see restore())
 
     # -- logging (the caller's fast path appends to ``fast`` itself) ------------------------------------------
 
@@ -414,6 +415,7 @@ class Collector:
         """Every update's summaries since the last take (the current update ends), and per metric the error that
         rejected its device records (those metrics are left out); the buffers are left empty."""
         with self.lock:
+            opened = len(self._done)  # the update take() ends: the last one it returns, when it holds records
             self._end_update()
             updates, self._done = self._done, []
             errors, self._failed = self._failed, {}
@@ -426,15 +428,34 @@ class Collector:
                 for index, update in enumerate(updates):
                     if any(name in update for name in errors):
                         updates[index] = {n: s for n, s in update.items() if n not in errors}
+            self._open_taken = bool(updates[opened])
         return [u for u in updates if u], errors
 
     def restore(self, updates: Updates) -> None:
         """Put taken updates back (a commit or export that failed before anything left this process)."""
         with self.lock:
+            opened, self._open_taken = self._open_taken, False
             kept = [u for u in updates if u]
+            # the update take() ended was open (no end_update() closed it): it is open again, so the records logged
+            # from now on join it, as if the commit had not been tried (else a refused commit would split an update
+            # in two: Agg(micro="sum", update="mean") 0.5 where it is 1.0). Not where an update ended meanwhile.
+            if opened and updates and updates[-1] and not self._done and self._reopen(updates[-1]):
+                kept = [u for u in updates[:-1] if u]
             if self._device is not None:
                 self._device.shift(len(kept))
             self._done = kept + self._done
+
+    def _reopen(self, update: Mapping[str, Summary]) -> bool:
+        """Put ``update``'s summaries back into their accumulators, ahead of what they took since; False (nothing
+        changed) where a metric of it has no accumulator any more."""
+        accs = self.accs
+        if any(name not in accs for name in update):
+            return False
+        for name in update:
+            acc = accs[name]
+            acc.state = update[name].merge(acc.state)
+            self._touched.add(name)
+        return True
 
     def steady(self, updates: Updates) -> tuple[Packed, Any] | None:
         """``(the last commit's own packed partial, the update's fields)`` when ``updates`` are one update in columns
