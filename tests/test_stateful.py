@@ -53,7 +53,7 @@ def _all_negative_zeros(records: list[tuple[float, float]]) -> bool:
     return all(x == 0.0 and math.copysign(1.0, x) < 0 for x, _ in records)
 
 
-def _check(out: dict[str, float], expected: dict[str, float], window: list[dict[str, list[Any]]]) -> None:
+def _check(out: dict[str, float], expected: dict[str, float], window: Updates) -> None:
     """``out`` is ``expected`` bit for bit; a sum or mean of records that are all -0.0 may be either zero (README,
     Semantics: "exactness")."""
     assert set(out) == set(expected)
@@ -71,6 +71,36 @@ def _order(x: float) -> tuple[float, int]:
     return (x, 0 if math.copysign(1.0, x) < 0 else 1)
 
 
+Updates = list[dict[str, list[tuple[float, float]]]]
+
+
+def expected_of(updates: Updates, e_kind: str | None = None) -> dict[str, float]:
+    """The exact reference of ``updates`` (per name, its (x, w) records), under RULES; ``e``: max or min."""
+    out: dict[str, float] = {}
+    records = {name: [r for update in updates for r in update.get(name, [])] for name in (*NAMES, "e")}
+    if records["a"]:
+        weight = sum(Fraction(w) for _, w in records["a"])
+        out["a"] = rounded(sum((Fraction(x) * Fraction(w) for x, w in records["a"]), Fraction(0)) / weight)
+    if records["b"]:
+        out["b"] = rounded(sum((Fraction(x) for x, _ in records["b"]), Fraction(0)))
+    if records["c"]:
+        xs = [x for x, _ in records["c"]]
+        out["c/min"], out["c/max"] = min(xs, key=_order), max(xs, key=_order)
+        out["c/count"] = float(len(xs))
+    sums = [
+        rounded(sum((Fraction(x) for x, _ in update["d"]), Fraction(0))) for update in updates if "d" in update
+    ]
+    if sums:
+        if any(math.isinf(s) for s in sums):
+            out["d"] = math.fsum(sums) if len({s for s in sums if math.isinf(s)}) == 1 else math.nan
+        else:
+            out["d"] = rounded(sum(map(Fraction, sums), Fraction(0)) / len(sums))
+    if records["e"]:
+        xs = [x for x, _ in records["e"]]
+        out["e"] = (max if e_kind == "max" else min)(xs, key=_order)
+    return out
+
+
 class BusMachine(RuleBasedStateMachine):
     """One bus; the reference keeps, per name, the (value, weight) records of each update of the open window."""
 
@@ -82,8 +112,7 @@ class BusMachine(RuleBasedStateMachine):
         self.every = 1
         self.step = -1  # the last committed step
         self.commits_in_window = 0
-        # the window's updates (committed or open): each a dict name -> list of (x, w)
-        self.window: list[dict[str, list[tuple[float, float]]]] = [{}]
+        self.window: Updates = [{}]  # the window's updates (committed or open): name -> its (x, w) records
         self.expected_rows: list[tuple[int, dict[str, float]]] = []
         self.pending = False  # records logged since the last commit
         self.step_names: set[str] = set()  # the names emitted at the last step (log_every 1)
@@ -213,26 +242,7 @@ class BusMachine(RuleBasedStateMachine):
     # -- the reference ------------------------------------------------------------------------------------------
 
     def _expected(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        records = {name: [r for update in self.window for r in update.get(name, [])] for name in NAMES}
-        if records["a"]:
-            weight = sum(Fraction(w) for _, w in records["a"])
-            out["a"] = rounded(sum((Fraction(x) * Fraction(w) for x, w in records["a"]), Fraction(0)) / weight)
-        if records["b"]:
-            out["b"] = rounded(sum((Fraction(x) for x, _ in records["b"]), Fraction(0)))
-        if records["c"]:
-            xs = [x for x, _ in records["c"]]
-            out["c/min"], out["c/max"] = min(xs, key=_order), max(xs, key=_order)
-            out["c/count"] = float(len(xs))
-        sums = [
-            rounded(sum((Fraction(x) for x, _ in update["d"]), Fraction(0))) for update in self.window if "d" in update
-        ]
-        if sums:
-            if any(math.isinf(s) for s in sums):
-                out["d"] = math.fsum(sums) if len({s for s in sums if math.isinf(s)}) == 1 else math.nan
-            else:
-                out["d"] = rounded(sum(map(Fraction, sums), Fraction(0)) / len(sums))
-        return out
+        return expected_of(self.window)
 
     @invariant()
     def nothing_emitted_twice(self) -> None:
@@ -306,3 +316,112 @@ def test_a_refused_export_leaves_the_open_update_open() -> None:
     assert driver.commit(0) == {"d": 3.0}
     worker.close()
     driver.close()
+
+
+class DriverMachine(RuleBasedStateMachine):
+    """Three workers export, a driver ingests (in any order, any subset) and commits, with its own records too;
+    workers declare ``e`` as max or min (the first declaration ingested wins: a batch that disagrees is refused
+    whole, naming ``e``, and ingests nothing); refused calls on either side lose nothing."""
+
+    workers_n = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mem = MemoryAdapter()
+        self.driver = MetricBus(adapters=[self.mem], rules=RULES)
+        self.workers = [MetricBus(rules=RULES) for _ in range(self.workers_n)]
+        self.open: list[Updates] = [[{}] for _ in range(self.workers_n)]  # each worker's updates not exported
+        self.e_kinds: list[str | None] = [None] * self.workers_n  # each worker's declaration of e
+        self.partials: list[tuple[Any, Updates, str | None]] = []  # exported, not ingested: (partial, updates, e)
+        self.ingested: Updates = []
+        self.own: Updates = [{}]  # the driver's own records
+        self.e_kind: str | None = None  # the driver's adopted spec of e
+        self.step = -1
+
+    @rule(i=st.integers(0, workers_n - 1), name=st.sampled_from(NAMES), xs=st.lists(moderate, min_size=1, max_size=4))
+    def worker_logs(self, i: int, name: str, xs: list[float]) -> None:
+        self.workers[i].log(name, xs)
+        self.open[i][-1].setdefault(name, []).extend((x, 1.0) for x in xs)
+
+    @rule(i=st.integers(0, workers_n - 1), kind=st.sampled_from(["max", "min"]), x=moderate)
+    def worker_declares_e(self, i: int, kind: str, x: float) -> None:
+        if self.e_kinds[i] not in (None, kind):
+            with pytest.raises(SpecError, match="'e'"):
+                self.workers[i].log("e", x, agg=kind)
+            return
+        self.workers[i].log("e", x, agg=kind)
+        self.e_kinds[i] = kind
+        self.open[i][-1].setdefault("e", []).append((x, 1.0))
+
+    @rule(i=st.integers(0, workers_n - 1), bad=st.sampled_from(BAD_VALUES))
+    def worker_logs_a_bad_value(self, i: int, bad: Any) -> None:
+        with pytest.raises(MetricTypeError, match="'b'"):
+            self.workers[i].log("b", bad)
+
+    @rule(i=st.integers(0, workers_n - 1))
+    def worker_ends_an_update(self, i: int) -> None:
+        self.workers[i].end_update()
+        if self.open[i][-1]:
+            self.open[i].append({})
+
+    @rule(i=st.integers(0, workers_n - 1))
+    def worker_exports(self, i: int) -> None:
+        updates = [u for u in self.open[i] if u]
+        e = self.e_kinds[i] if any("e" in u for u in updates) else None
+        self.partials.append((self.workers[i].export(), updates, e))
+        self.open[i] = [{}]
+
+    @rule(name=st.sampled_from(NAMES), x=moderate)
+    def driver_logs(self, name: str, x: float) -> None:
+        self.driver.log(name, x)
+        self.own[-1].setdefault(name, []).append((x, 1.0))
+
+    @precondition(lambda self: bool(self.partials))
+    @rule(data=st.data())
+    def driver_ingests(self, data: st.DataObject) -> None:
+        picked = data.draw(st.lists(st.sampled_from(range(len(self.partials))), min_size=1, unique=True))
+        batch = [self.partials[k] for k in picked]
+        kinds = {e for _, _, e in batch if e is not None} | ({self.e_kind} if self.e_kind else set())
+        if len(kinds) > 1:
+            with pytest.raises(SpecError, match="'e'"):
+                self.driver.ingest([p for p, _, _ in batch])
+            return  # nothing ingested: the partials stay the caller's
+        self.driver.ingest([p for p, _, _ in batch])
+        self.e_kind = next(iter(kinds), None)
+        for _, updates, _ in batch:
+            self.ingested.extend(updates)
+        self.partials = [p for k, p in enumerate(self.partials) if k not in picked]
+
+    @precondition(lambda self: bool(self.partials))
+    @rule()
+    def driver_ingests_a_bad_batch(self) -> None:
+        with pytest.raises(MetricTypeError):
+            self.driver.ingest([self.partials[0][0], {"b": 1.0}])
+
+    @rule()
+    def driver_commits(self) -> None:
+        self.step += 1
+        out = self.driver.commit(self.step)
+        updates = [*self.ingested, *(u for u in self.own if u)]
+        expected = expected_of(updates, self.e_kind)
+        _check(out, expected, updates)
+        self.ingested, self.own = [], [{}]
+
+    @precondition(lambda self: self.step >= 1)
+    @rule()
+    def driver_commits_a_step_below_the_last(self) -> None:
+        with pytest.raises(StepError):
+            self.driver.commit(self.step - 1)  # the ingested partials and the open update stay as they were
+
+    def teardown(self) -> None:
+        for bus in (*self.workers, self.driver):
+            bus.close()
+
+
+DriverMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("MB_EXAMPLES", "60")) // 2,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestDriver = DriverMachine.TestCase
