@@ -22,11 +22,12 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 from test_exact import rounded
 
 from metricbus import Agg, MetricBus
 from metricbus.errors import MetricTypeError, MetricValueError, SpecError, StepError
-from metricbus.replay import replay
+from metricbus.replay import replay, sync
 from metricbus.spec import SpecLike
 from metricbus.testing import MemoryAdapter
 
@@ -60,7 +61,7 @@ def _check(out: dict[str, float], expected: dict[str, float], window: Updates) -
     for name, value in expected.items():
         base = name.split("/")[0]
         records = [r for update in window for r in update.get(base, [])]
-        if value == 0.0 and base in ("a", "b", "d") and _all_negative_zeros(records):
+        if value == 0.0 and base in ("a", "b", "d", "x") and _all_negative_zeros(records):
             assert out[name] == 0.0, name
         else:
             assert _bits(out[name]) == _bits(value), (name, out[name], value)
@@ -425,3 +426,66 @@ DriverMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestDriver = DriverMachine.TestCase
+
+
+class RunMachine(RuleBasedStateMachine):
+    """One journal, several runs resumed from it (``resume=True``), each from a checkpoint step at or below the
+    last one, or after it, with the jsonl adapter or without it: replay of the journal, and the jsonl file after
+    ``sync``, hold the one timeline (steps below a resume's first step from before it, from there on its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.journal = Path(self.tmp.name) / "j"
+        self.jsonl = Path(self.tmp.name) / "metrics.jsonl"
+        self.bus: MetricBus | None = None
+        self.timeline: dict[int, dict[str, float]] = {}
+        self.last = -1  # the last step journaled
+        self.start_at: int | None = None  # the step the next commit takes (a resumed run's first)
+
+    @rule(back=st.integers(-2, 3), with_adapter=st.booleans())
+    def restart(self, back: int, with_adapter: bool) -> None:
+        if self.bus is not None:
+            self.bus.close()
+        adapters = [JsonlAdapter(path=self.jsonl)] if with_adapter else []
+        self.bus = MetricBus(journal=str(self.journal), resume=True, adapters=adapters)
+        self.start_at = max(0, self.last + 1 - back)
+
+    @precondition(lambda self: self.bus is not None)
+    @rule(xs=st.lists(moderate, min_size=1, max_size=4))
+    def commit(self, xs: list[float]) -> None:
+        assert self.bus is not None
+        step = self.last + 1 if self.start_at is None else self.start_at
+        if self.start_at is not None:  # a resume replaces the steps from its first one on
+            self.timeline = {s: row for s, row in self.timeline.items() if s < step}
+            self.start_at = None
+        self.bus.log("x", xs)
+        out = self.bus.commit(step)
+        expected = {"x": rounded(sum(map(Fraction, xs), Fraction(0)) / len(xs))}
+        _check(out, expected, [{"x": [(x, 1.0) for x in xs]}])
+        self.timeline[step] = out
+        self.last = step
+
+    def teardown(self) -> None:
+        try:
+            if self.bus is None:
+                return
+            self.bus.close()
+            timeline = [(s, {k: _bits(v) for k, v in row.items()}) for s, row in sorted(self.timeline.items())]
+            replayed = MemoryAdapter()
+            replay(self.journal, [replayed])
+            assert [(s, {k: _bits(v) for k, v in row.items()}) for s, row in replayed.rows] == timeline
+            sync(self.journal, [JsonlAdapter(path=self.jsonl)])
+            rows = read_jsonl(self.jsonl) if self.jsonl.exists() else []
+            assert [(s, {k: _bits(v) for k, v in row.items()}) for s, row in rows] == timeline
+        finally:
+            self.tmp.cleanup()
+
+
+RunMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("MB_EXAMPLES", "60")) // 2,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestRuns = RunMachine.TestCase
