@@ -7,6 +7,7 @@ fraction, ``quantile(0.999)`` == ``p99.9``) and ``hist`` (a :class:`~metricbus.h
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
@@ -52,10 +53,15 @@ _FRACTION = re.compile(r"quantile\(\s*([0-9.eE+-]+)\s*\)")
 
 
 def quantile(q: float) -> str:
-    """The kind of the ``q`` quantile (``0 <= q <= 1``): ``quantile(0.9)`` is ``"p90"``, usable in any spec."""
-    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile(q) takes 0 <= q <= 1, got {q!r}")
-    return _percent(Decimal(repr(float(q))) * 100)
+    """The kind of the ``q`` quantile (``0 <= q <= 1``): ``quantile(0.9)`` is ``"p90"``, usable in any spec. ``q`` is
+    any real number but a bool: a numpy scalar is the decimal it prints as (``np.float32(0.9)`` is ``p90``)."""
+    if isinstance(q, bool) or not isinstance(q, numbers.Real) or not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile(q) takes a real number 0 <= q <= 1, got {q!r}")
+    try:  # the shortest decimal of its own type (repr(float(np.float32(0.9))) is 0.8999999761581421)
+        fraction = Decimal(repr(float(q)) if isinstance(q, float) else str(q))
+    except InvalidOperation:  # a Fraction, say
+        fraction = Decimal(repr(float(q)))
+    return _percent(fraction * 100)
 
 
 def _percent(percent: Decimal) -> str:

@@ -273,6 +273,23 @@ def test_edge_histograms_through_jsonl_tensorboard_and_mlflow(tmp_path: Path, sq
             assert struct.pack("<d", held[f"{name}/{suffix}"]) == struct.pack("<d", stored), (name, suffix)
 
 
+@pytest.mark.parametrize(
+    ("q", "kind"),
+    [(np.float32(0.9), "p90"), (np.float16(0.5), "p50"), (np.float64(0.999), "p99.9"), (np.int64(1), "p100"),
+     (np.int8(0), "p0"), (np.float32(0.95), "p95")],
+)  # fmt: skip
+def test_quantile_takes_numpy_scalars(q: Any, kind: str) -> None:
+    """quantile() of a numpy scalar is the decimal it prints as; before, every numpy scalar but float64 was refused
+    with "quantile(q) takes 0 <= q <= 1, got np.float32(0.9)", a q that is in range."""
+    assert quantile(q) == kind
+
+
+@pytest.mark.parametrize("q", [np.float32(1.5), np.float32(math.nan), True, "0.5", -0.1])
+def test_quantile_refuses_what_is_no_fraction(q: Any) -> None:
+    """A q out of range, NaN, a bool or a string is a ValueError that says what is valid."""
+    with pytest.raises(ValueError, match=r"takes a real number 0 <= q <= 1"):
+        quantile(q)
+
 
 def test_memory_stays_within_two_times_4480_counts_at_any_spread() -> None:
     """Records from 2**-80 to 2**80 of both signs (and ±inf, NaN, zeros) keep at most MAX_KEYS counts per sign,
