@@ -311,8 +311,9 @@ class Collector:
         if reduced or on_device:
             held = f"{reduced} of its records were" if reduced else "its tensor records were"
             raise SpecError(
-                f"{acc.name!r} is declared {spec}, which reads the distribution of its records, after {held} "
-                "reduced without one; declare its spec (define(), rules= or agg= on its first log()) before logging it"
+                f"{acc.name!r} is declared {spec}, which reads the distribution of its records, after {held} logged "
+                f"under {acc.spec}, which keeps no sketch of them (a quantile of part of them would be wrong); declare "
+                "its spec (define(), rules= or agg= on its first log()) before logging it"
             )
 
     def _forget(self, names: list[str]) -> None:

@@ -300,3 +300,19 @@ def test_memory_stays_within_two_times_4480_counts_at_any_spread() -> None:
     sketch = Sketch.of_values(x).merge(Sketch.of_values(-x))
     assert (len(sketch.pos), len(sketch.neg)) == (MAX_KEYS, MAX_KEYS)
     assert sketch.count == 2 * len(x)
+
+
+def test_a_late_distribution_declaration_says_the_records_were_logged_under_a_spec_without_a_sketch() -> None:
+    """define() with p50 after two records logged under the default is refused naming the metric, the records and
+    the spec they were logged under; before, it said they "were reduced without one" (they were only buffered: the
+    check itself folded them) and named no spec."""
+    from metricbus import SpecError
+
+    b = MetricBus(dist=None, strict=True, adapters=[])
+    b.log("x", 1.0)
+    b.log("x", 2.0)
+    logged = r"'x' is declared \[mean, p50\].*after 2 of its records were logged under mean, which keeps no sketch"
+    with pytest.raises(SpecError, match=logged):
+        b.define("x", ["mean", "p50"])
+    assert b.commit() == {"x": 1.5}
+    b.close()
