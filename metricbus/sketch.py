@@ -274,11 +274,12 @@ class Sketch:
     def histogram(self, *, bins: int = 64) -> tuple[tuple[float, ...], tuple[int, ...]]:
         """``(edges, counts)``: the positions from the lowest to the highest finite one that holds records, in at
         most ``bins`` contiguous bins of equal numbers of positions (``len(edges) == len(counts) + 1``; equal
-        widths in log scale on each side of zero); ±inf records count in the outermost bins."""
+        widths in log scale on each side of zero); ±inf records count in the outermost bins (where no finite record
+        is, in the outermost bucket of their sign, ``[lower_of(MAX_KEY), upper_of(MAX_KEY)]``)."""
         counts = self.ordered()
         finite = np.flatnonzero(counts[1:-1]) + 1
-        if not len(finite):
-            return (), ()
+        if not len(finite):  # ±inf records alone: each in a bin of the outermost finite bucket of its sign
+            return _infinite_bins(int(counts[0]), int(counts[-1]))
         first, last = int(finite[0]), int(finite[-1])
         size = -(-(last - first + 1) // bins)
         starts = list(range(first, last + 1, size))
@@ -305,6 +306,19 @@ class Sketch:
 
 
 EMPTY_SKETCH = Sketch()
+
+
+def _infinite_bins(ninf: int, inf: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """The bins of a sketch that holds ``ninf`` -inf and ``inf`` +inf records and no finite one: -inf in a bin of
+    the outermost negative bucket, +inf in one of the outermost positive bucket (one bin of 0 records between)."""
+    low, high = lower_of(MAX_KEY), upper_of(MAX_KEY)
+    if ninf and inf:
+        return (-high, -low, low, high), (ninf, 0, inf)
+    if ninf:
+        return (-high, -low), (ninf,)
+    if inf:
+        return (low, high), (inf,)
+    return (), ()
 
 
 def unknown(count: int) -> Sketch:

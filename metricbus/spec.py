@@ -108,11 +108,15 @@ def _chain(item: str | Agg, *, metric: str, suffix: bool) -> tuple[Chain, NanPol
         rank = check_kind(item.rank, metric=metric, level="rank") if item.rank else update
         step = check_kind(item.step, metric=metric, level="step") if item.step else rank
         levels = (micro, update, rank, step)
-        for level, (kind, above) in zip(LEVELS, itertools.pairwise(levels), strict=False):
+        written = (True, bool(item.update), bool(item.rank), bool(item.step))  # else taken from the level below
+        for at, (kind, above) in enumerate(itertools.pairwise(levels)):
             if kind == HIST and above != HIST:
+                origin = max(i for i in range(at + 1) if written[i])
+                kept = f" (kept by the {LEVELS[at]} level)" if origin < at else ""
                 raise SpecError(
-                    f"'hist' at the {level} level of {metric!r} is followed by {above!r}; a histogram is not a "
-                    "number a higher level can reduce, so 'hist' may only be followed by 'hist' (use a quantile below)"
+                    f"'hist' at the {LEVELS[origin]} level of {metric!r}{kept} is followed by {above!r} at the "
+                    f"{LEVELS[at + 1]} level; a histogram is not a number a higher level can reduce, so 'hist' may "
+                    "only be followed by 'hist' (use a quantile below)"
                 )
         return Chain(micro, update, rank, step, step if suffix else ""), item.nan
     raise SpecError(

@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metricbus import Agg, MetricBus, quantile
+from metricbus.errors import SpecError
 from metricbus.histogram import Histogram
 from metricbus.journal import read_journal
 from metricbus.replay import emitted
-from metricbus.sketch import ALPHA, HUGE, MAX_KEYS, TINY, Sketch, value_of
+from metricbus.sketch import ALPHA, HUGE, MAX_KEY, MAX_KEYS, TINY, Sketch, lower_of, value_of
 from tests.test_bitwise import ingested
 
 SPECIALS = (0.0, -0.0, 5e-324, -5e-324, TINY, TINY / 2, HUGE, -HUGE, 1e308, -1e308, math.inf, -math.inf, 1.0, -1.0)
@@ -316,3 +317,31 @@ def test_a_late_distribution_declaration_says_the_records_were_logged_under_a_sp
         b.define("x", ["mean", "p50"])
     assert b.commit() == {"x": 1.5}
     b.close()
+
+
+@pytest.mark.parametrize(
+    ("records", "edges", "counts"),
+    [
+        ([math.inf, math.inf], (lower_of(MAX_KEY), 2.0**64), (2,)),
+        ([-math.inf], (-(2.0**64), -lower_of(MAX_KEY)), (1,)),
+        ([math.inf, -math.inf, math.inf], (-(2.0**64), -lower_of(MAX_KEY), lower_of(MAX_KEY), 2.0**64), (1, 0, 2)),
+    ],
+)
+def test_a_histogram_of_infinite_records_alone_has_their_bins(
+    records: list[float], edges: tuple[float, ...], counts: tuple[int, ...]
+) -> None:
+    """±inf records with no finite one had no bin (an empty TensorBoard histogram); they count in a bin of the
+    outermost bucket of their sign, as they count in the outermost bins next to finite records."""
+    with MetricBus() as bus:
+        bus.log("h", records, agg="hist")
+        out = bus.commit()["h"]
+    assert isinstance(out, Histogram)
+    assert (out.edges, out.counts) == (edges, counts)
+
+
+def test_hist_followed_by_another_kind_names_the_level_that_wrote_it() -> None:
+    with pytest.raises(SpecError) as caught:
+        MetricBus().define("m", Agg(micro="hist", rank="p50"))
+    assert str(caught.value).startswith(
+        "'hist' at the micro level of 'm' (kept by the update level) is followed by 'p50' at the rank level;"
+    )
