@@ -46,7 +46,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -207,6 +207,19 @@ class JsonlAdapter:
             self._pending_cut = (after_step,)
             return
         self._cut(after_step, keep_all=False)
+
+    def new_run(self, *, live: Sequence[Mapping[str, str]]) -> None:
+        """Before a replay's open: refuse a path that is the live run's file (``live``: its jsonl identities)."""
+        if self._path is None:  # the replay's own per-run file
+            return
+        mine = os.path.realpath(self._path)
+        if any(os.path.realpath(known["path"]) == mine for known in live if known.get("path")):
+            raise ConfigError(
+                f"jsonl: {str(self._path)!r} is the live run's file (the journal's delivery cursor names it), and a "
+                "replay opens a run of its own: it never adds to the live file, where each step would then be "
+                "twice; give another path (jsonl:OTHER.jsonl) or none (jsonl: runs/<project>/<replay run "
+                "id>/metrics.jsonl); metricbus sync is what writes into the live run"
+            )
 
     def open(self, *, run: RunInfo) -> None:
         """Create (or append to) the file, dropping a torn last line (and what a pending resume cuts)."""

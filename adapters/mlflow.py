@@ -10,7 +10,8 @@ Where, decided when the adapter is built (the first match wins; an explicit opti
   set) > ``MLFLOW_EXPERIMENT_ID`` > ``run.project``; created when missing;
 * run name (new runs only): ``run_name`` > ``run.name``.
 
-Which run, at ``open()`` (the first match wins):
+Which run, at ``open()`` (the first match wins; a replay calls ``new_run()`` first, which leaves only 4 and 5, and
+refuses ``attach=True``):
 
 1. ``attach=True``: the run the trainer started with ``mlflow.start_run()`` (active in this thread, or in exactly
    one other thread: the bus opens adapters in worker threads), else ``MLFLOW_RUN_ID``, else the run of
@@ -61,7 +62,7 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import MappingProxyType
@@ -227,6 +228,19 @@ class MlflowAdapter:
         """Before open: MLflow acknowledged the steps up to ``after_step``; ``identity`` names the run written then."""
         self._after_step = None if after_step is None else int(after_step)
         self._resume_identity = dict(identity or {})
+
+    def new_run(self, *, live: Sequence[Mapping[str, str]]) -> None:
+        """Before a replay's open: log into the run of ``run.id`` (a new one), not the one ``MLFLOW_RUN_ID`` names
+        (a trainer's environment names the live run); ``attach=True`` is refused. ``live`` is not needed: a replay's
+        run id is its own."""
+        if self._attach:
+            raise ConfigError(
+                "mlflow option attach=True logs into the run the trainer started (or MLFLOW_RUN_ID names), but a "
+                "replay opens a run of its own and never writes into the live one; leave attach out for the replay "
+                "(metricbus sync is what writes into the live run)"
+            )
+        self._env_run_id = None
+        self._resume_identity = {}
 
     def open(self, *, run: RunInfo) -> None:
         """Find or create the one MLflow run of ``run.id`` (see the module docstring), tag it, log the config."""

@@ -40,7 +40,7 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
@@ -288,6 +288,19 @@ class TensorBoardAdapter:
         folder = (identity or {}).get("log_dir")
         if self._log_dir is None and isinstance(folder, str) and folder:
             self._resumed_dir = folder
+
+    def new_run(self, *, live: Sequence[Mapping[str, str]]) -> None:
+        """Before a replay's open: refuse a folder that is the live run's (``live``: its TensorBoard identities)."""
+        if self._log_dir is None:  # the replay's own per-run folder
+            return
+        mine = os.path.realpath(self._log_dir)
+        if any(os.path.realpath(known["log_dir"]) == mine for known in live if known.get("log_dir")):
+            raise ConfigError(
+                f"tensorboard: {self._log_dir!r} is the live run's folder (the journal's delivery cursor names it), "
+                "and a replay opens a run of its own: it never adds events to the live folder, where each step would "
+                "then be twice; give another folder (tensorboard:OTHER) or none (tensorboard: runs/<project>/<replay "
+                "run id>/tensorboard); metricbus sync is what writes into the live run"
+            )
 
     def open(self, *, run: RunInfo) -> None:
         """Decide the folder, hide the steps ``resume`` named, start an event file, write the run text and hparams."""

@@ -10,7 +10,8 @@ the working directory), every one with that run id; ``wandb sync`` uploads them.
 ``WANDB_JOB_TYPE``, ``WANDB_NOTES``, ``WANDB_MODE``, ``WANDB_DIR`` and wandb's settings files, as ``wandb.setup``
 loaded them), then metricbus's run (``run.project``, ``run.id``, ``run.name``, ``run.tags``). After ``resume()``,
 the run id, project and entity its ``identity`` names come right after the options, so the same wandb run is
-reopened even if the environment changed. ``resume`` is always ``"allow"`` (``WANDB_RESUME`` is overridden).
+reopened even if the environment changed. ``resume`` is always ``"allow"`` (``WANDB_RESUME`` is overridden). A
+replay calls ``new_run()`` first: its run id is then ``run.id`` (its own) whatever ``WANDB_RUN_ID`` says.
 
 **attach=True** logs into the ``wandb.run`` the trainer started: no ``wandb.init``, the run is not finished at close
 (the trainer owns it), its name, tags and config stay as the trainer set them, and it is never rewound. Without
@@ -63,7 +64,7 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,7 @@ class WandbAdapter:
         self._run: Any = None
         self._info: RunInfo | None = None
         self._kept: dict[str, str] = {}  # run_id, project, entity of the run to reopen (resume, rewind)
+        self._own_id = False  # new_run(): the run id is run.id, whatever wandb's settings name
         self._resuming = False
         self._after_step: int | None = None  # resume()'s cursor
         self._written: dict[int, dict[str, Any]] = {}  # step -> {wandb key: value} earlier folders already hold
@@ -205,6 +207,19 @@ class WandbAdapter:
         self._kept = {key: str(identity[key]) for key in _IDENTITY_KEYS if identity and identity.get(key)}
         self._kept_dir = str(identity["dir"]) if identity and identity.get("dir") else None
 
+    def new_run(self, *, live: Sequence[Mapping[str, str]]) -> None:
+        """Before a replay's open: start the run of ``run.id`` (a new one), not the one ``WANDB_RUN_ID`` (or a
+        settings file) names: a trainer's environment names the live run. ``attach=True`` is refused. ``live`` is not
+        needed: a replay's run id is its own."""
+        if self._attach:
+            raise ConfigError(
+                "wandb option attach=True logs into the run the trainer started, but a replay opens a run of its "
+                "own and never writes into the live one; leave attach out for the replay (metricbus sync is what "
+                "writes into the live run)"
+            )
+        self._own_id = True
+        self._kept = {}
+
     def open(self, *, run: RunInfo) -> None:
         """Start (or, with attach=True, take) the wandb run."""
         try:
@@ -235,7 +250,7 @@ class WandbAdapter:
         settings: dict[str, Any] = {"x_disable_stats": True}
         if "x_transaction_log_flush_interval" not in own.model_fields_set:
             settings["x_transaction_log_flush_interval"] = FLUSH_INTERVAL_S
-        run_id = _pick(None, kept.get("run_id"), own.run_id, run.id)
+        run_id = _pick(None, kept.get("run_id"), None if self._own_id else own.run_id, run.id)
         branch: dict[str, Any] = {"resume": "allow"}
         if rewind_to is not None:  # resume and resume_from exclude each other
             branch = {"resume_from": f"{run_id}?_step={rewind_to - 1}"}

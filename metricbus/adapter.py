@@ -33,6 +33,12 @@ Optional, looked up with ``getattr``:
   one written (wandb keeps the last step's row open until a later step arrives); the cursor advances only to it.
   Everything written counts as durable once ``close()`` returned.
 * ``cursor_key``: a string naming the backend target, when two adapter objects must share one delivery cursor.
+* ``new_run(live=Sequence[Mapping[str, str]])``, called before ``open()`` by a replay, which opens a run of its own
+  and must never write into the live run: open a new backend run of ``run.id`` even where the environment names an
+  existing one (MLflow ``MLFLOW_RUN_ID``, wandb ``WANDB_RUN_ID``), and raise
+  :class:`~metricbus.errors.ConfigError` where an option makes that impossible: ``attach=True``, or a target that
+  ``live`` names (what the ``identity`` of the live run's adapters of this name said: its jsonl file, its
+  TensorBoard folder).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from metricbus.cli_views import UsageError as _UsageError
 from metricbus.cli_views import inspect as _inspect
 from metricbus.cli_views import show as _show
 from metricbus.cli_views import span as _span
-from metricbus.errors import MetricBusError, SpecError
+from metricbus.errors import ConfigError, MetricBusError, SpecError
 from metricbus.journal import JournalWarning, stream_journal
 from metricbus.journal.cursors import identity_of
 from metricbus.replay import (
@@ -225,8 +225,8 @@ def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     tally = _Tally()
     try:
         replay(journal, [*adapters, tally], rules=rules, steps=steps, progress=_progress(err), every_rule=True)
-    except (BrokenPipeError, SpecError):  # SpecError: a rule the journal cannot serve (a usage error)
-        raise
+    except (BrokenPipeError, SpecError, ConfigError):  # usage errors: a rule the journal cannot serve, an option
+        raise  # the replay refuses (the live run's file), an adapter option its backend refuses at open
     except Exception as exc:
         raise _BackendError(f"{type(exc).__name__}: {exc}") from exc
     if not tally.steps:  # commits in range, but none ends a log_every window there

@@ -308,10 +308,14 @@ def replay(
     The adapters open ``run``, by default a new run made from the journal's (:func:`replay_run`): a replay, with
     ``rules`` or without, never adds to the live run's backend run (its jsonl file, TensorBoard folder, MLflow or
     wandb run would then hold each step twice, or the old and the re-aggregated values side by side);
-    :func:`sync` is what delivers into the live run."""
+    :func:`sync` is what delivers into the live run. So before any adapter opens, each is told so (its optional
+    ``new_run`` verb, with what the live run's adapters of its name wrote to): ``MLFLOW_RUN_ID`` and
+    ``WANDB_RUN_ID`` are ignored, and an option naming the live run's file, folder or run (``attach=True``) is a
+    :class:`~metricbus.errors.ConfigError`."""
     journal = _open(source)
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     info = run or replay_run(journal.run)
+    _new_runs(journal, adapters)
     stream = emitted(journal, rules=items, steps=steps, progress=progress, every_rule=every_rule)
     first = next(stream, None)  # a rule the journal cannot serve (its first commit's names) fails before any open
     opened: list[Adapter] = []
@@ -329,6 +333,20 @@ def replay(
         raise
     _close_all(opened, status="finished", raise_error=True)
     return sent
+
+
+def _cursors(journal: Source) -> CursorStore:
+    """The delivery cursors next to the journal (a directory, or a single rank file's folder)."""
+    return CursorStore(journal.directory if journal.directory.is_dir() else journal.directory.parent)
+
+
+def _new_runs(journal: Source, adapters: Sequence[Adapter]) -> None:
+    """Call each adapter's optional ``new_run(live=...)`` (see :mod:`metricbus.adapter`), all before any opens."""
+    store = _cursors(journal)
+    for adapter in adapters:
+        new_run = getattr(adapter, "new_run", None)
+        if callable(new_run):
+            new_run(live=store.identities(str(getattr(adapter, "name", type(adapter).__name__))))
 
 
 def _close_all(adapters: Sequence[Adapter], *, status: Status, raise_error: bool) -> None:
@@ -411,7 +429,7 @@ def sync(
     :class:`SyncInterrupted`.
     """
     journal = _open(source)
-    store = CursorStore(journal.directory if journal.directory.is_dir() else journal.directory.parent)
+    store = _cursors(journal)
     names = [str(getattr(a, "name", type(a).__name__)) for a in adapters]
     labels = [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
     targets = [

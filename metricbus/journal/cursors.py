@@ -202,6 +202,17 @@ class CursorStore:
                 found[key] = int(step)
         return found
 
+    def identities(self, name: str) -> list[dict[str, str]]:
+        """The identities recorded for the adapters named ``name`` (every record of that name, whatever its options):
+        the backend runs, files and folders this journal's run wrote to through such an adapter."""
+        found = []
+        for path in sorted(self.directory.glob("*.json")):
+            record = self._record_at(path)
+            identity = record.get("identity")
+            if record.get("adapter") == name and isinstance(identity, dict):
+                found.append({str(k): str(v) for k, v in identity.items()})
+        return found
+
     def rewind_other(self, key: str, step: int | None) -> None:
         """:meth:`rewind` for the record of ``key`` (an adapter this bus does not have, see :meth:`others`)."""
         record = self._record_at(self._path(key))
