@@ -161,9 +161,13 @@ def table(rows: list[list[str]]) -> Iterator[str]:
     return _lines(rows, [max(len(r[i]) for r in rows) for i in range(len(rows[0]))])
 
 
+FAILED_RANGES_SHOWN = 8  # inspect lists the steps of at most this many runs of failed commits
+
+
 @dataclass
 class Census:
-    """What one pass over a journal's commits counts for ``inspect``."""
+    """What one pass over a journal's commits counts for ``inspect``: the commits in the journal (``commits``,
+    their first and last step) and, apart, those whose journal write failed (``failed``, as runs of steps)."""
 
     commits: int = 0
     first_step: int | None = None
@@ -173,18 +177,35 @@ class Census:
     summaries: int = 0
     records: int = 0
     metrics: dict[str, Spec] = field(default_factory=dict)  # each metric's spec, the last one seen
+    failed: int = 0
+    failed_steps: list[tuple[int, int]] = field(default_factory=list)  # (first, last) of each run of failed steps
 
     def add(self, commit: Commit) -> None:
+        self.segments += commit.starts_segment or self.commits + self.failed == 0
+        if commit.failed:  # in the timeline (an empty commit, so windows stay the live ones), not in the journal
+            self.failed += 1
+            runs = self.failed_steps
+            if runs and runs[-1][0] <= commit.step <= runs[-1][1] + 1:
+                runs[-1] = (runs[-1][0], commit.step)
+            else:
+                runs.append((commit.step, commit.step))
+            return
         self.commits += 1
         self.first_step = commit.step if self.first_step is None else self.first_step
         self.last_step = commit.step
-        self.segments += commit.starts_segment or self.commits == 1
         self.ranks.update(commit.ranks)
         for partial in commit.partials:
             self.summaries += len(partial.entries)
             for name, spec, summary in partial.entries:
                 self.records += summary.count
                 self.metrics[name] = spec
+
+
+def _runs(runs: Sequence[tuple[int, int]]) -> str:
+    """``step 4``, ``steps 4..6``, ``steps 2, 8..9``: the steps of runs of commits (the first few runs)."""
+    shown = [str(a) if a == b else f"{a}..{b}" for a, b in runs[:FAILED_RANGES_SHOWN]]
+    more = f", ... ({len(runs)} runs)" if len(runs) > FAILED_RANGES_SHOWN else ""
+    return ("step " if len(runs) == 1 and runs[0][0] == runs[0][1] else "steps ") + ", ".join(shown) + more
 
 
 def inspect(journal: Source, out: TextIO) -> None:
@@ -196,6 +217,9 @@ def inspect(journal: Source, out: TextIO) -> None:
     run = journal.run
     h = journal.header
     steps = f" (steps {census.first_step}..{census.last_step})" if census.commits else ""
+    if census.failed:
+        steps += f", {census.failed} failed ({_runs(census.failed_steps)}: the journal write failed, their records "
+        steps += "are not in the journal)"
     lines = [
         f"journal     {journal.directory}",
         f"format      {h.get('format')} (metricbus {h.get('metricbus')})",

@@ -1,4 +1,4 @@
-"""A replay never writes into the live run, whatever the environment names.
+"""A replay never writes into the live run, whatever the environment names; inspect counts failed commits apart.
 
 ``metricbus replay`` opens a run of its own (``<live id>-replay-<new id>``); ``MLFLOW_RUN_ID``, ``WANDB_RUN_ID``
 and ``WANDB_RESUME`` left in the shell (as a trainer's job sets them) are ignored, and an adapter option that names
@@ -7,7 +7,9 @@ the live run's file, folder or run is refused before anything is opened. Read ba
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +24,8 @@ from tb_reader import read_tensors
 
 from metricbus import MetricBus, RunInfo
 from metricbus.cli import main
-from metricbus.errors import ConfigError
+from metricbus.errors import ConfigError, JournalError
+from metricbus.journal import read_journal, writer
 from metricbus.replay import replay
 
 STEPS = 5
@@ -168,3 +171,59 @@ def test_wandb_attach_is_refused_by_a_replay(env: Path) -> None:
         replay(journal, [WandbAdapter(attach=True), JsonlAdapter(path=env / "out.jsonl")])
     assert not (env / "out.jsonl").exists()
 
+
+class _FullDisk:
+    """``os`` as :mod:`metricbus.journal.writer` sees it, its ``write`` failing with ENOSPC while ``full``."""
+
+    def __init__(self) -> None:
+        self.full = False
+
+    def write(self, fd: int, data: bytes) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return os.write(fd, data)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+
+@pytest.mark.parametrize(
+    ("failing", "line"),
+    [
+        ({4, 5, 6}, "commits     7 (steps 0..9), 3 failed (steps 4..6: the journal write failed, their records are "
+                    "not in the journal)"),
+        ({2, 8, 9}, "commits     7 (steps 0..7), 3 failed (steps 2, 8..9: the journal write failed, their records are "
+                    "not in the journal)"),
+        ({0}, "commits     9 (steps 1..9), 1 failed (step 0: the journal write failed, their records are not in the "
+              "journal)"),
+        (set(), "commits     10 (steps 0..9)"),
+    ],
+)
+def test_inspect_counts_failed_commits_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], failing: set[int],
+    line: str,
+) -> None:
+    """Commits whose journal write failed (ENOSPC; the "L" frame counts them as empty commits, for the windows) are
+    not counted as commits: inspect says how many are in the journal, with their steps, and how many failed, where;
+    an empty commit that was written (step 3 logs nothing) is a commit."""
+    disk = _FullDisk()
+    monkeypatch.setattr(writer, "os", disk)
+    bus = MetricBus(dist=None, journal=str(tmp_path / "j"), fsync="never", log_every=2)
+    for step in range(10):
+        if step != 3:
+            bus.log("loss", float(step))
+        disk.full = step in failing
+        if step in failing:
+            with pytest.raises(JournalError, match=f"step {step} is not journaled"):
+                bus.commit(step)
+        else:
+            bus.commit(step)
+    disk.full = False
+    bus.close()
+    assert main(["inspect", str(tmp_path / "j")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert line in lines
+    assert f"summaries   {9 - len(failing - {3})} ({9 - len(failing - {3})} records)" in lines
+    journal = read_journal(tmp_path / "j")
+    assert [journal.commits[i][0] for i in sorted(journal.failed)] == sorted(failing)
+    assert len(journal.commits) == 10  # the failed ones stay in the timeline, so replay's windows are the live ones

@@ -59,6 +59,7 @@ from metricbus.journal.scan import (
     RunItem,
     UnreadableError,
     entries_of,
+    failed_write,
     file_commits,
     file_runs,
     index_file,
@@ -76,15 +77,24 @@ class Commit:
     that holds the commit, in file order) on first access. ``ranks[i]`` is the rank of ``partials[i]`` (a
     :class:`Journal`'s commits, already decoded, have no parts and no ranks: the Journal keeps its ranks)."""
 
-    __slots__ = ("_decoded", "parts", "starts_segment", "step")
+    __slots__ = ("_decoded", "_failed", "parts", "starts_segment", "step")
 
     def __init__(
-        self, step: int, parts: tuple[RawPart, ...], *, starts_segment: bool, partials: list[Partial] | None = None
+        self, step: int, parts: tuple[RawPart, ...], *, starts_segment: bool, partials: list[Partial] | None = None,
+        failed: bool = False,
     ) -> None:
         self.step = step
         self.parts = parts
         self.starts_segment = starts_segment
         self._decoded: tuple[list[int], list[Partial]] | None = None if partials is None else ([], partials)
+        self._failed = failed
+
+    @property
+    def failed(self) -> bool:
+        """The commit's journal write failed in every rank file that holds it (an "L" frame lists it; a disk was
+        full): it is in the timeline, empty, so ``log_every`` windows stay the live ones, but none of its records
+        is in the journal. False for a commit read without decoding (``commits(decode=False)``)."""
+        return self._failed or (bool(self.parts) and all(failed_write(part) for part in self.parts))
 
     def _decode(self) -> tuple[list[int], list[Partial]]:
         if self._decoded is None:
@@ -302,9 +312,10 @@ class Journal(_Meta):
     """A whole journal directory in memory: header of the lowest rank, and every commit's partials in rank order.
 
     ``commits``: the timeline, in step order (a step may hold several commits); ``breaks``: the indexes in
-    ``commits`` where a segment (a resumed writer) starts; ``gaps``: the commits some writer failed to journal,
-    or wrote without an fsync that succeeded (their step may still hold other ranks' partials, or this one's);
-    ``skipped``: the rank files that could not be read at all.
+    ``commits`` where a segment (a resumed writer) starts; ``failed``: the indexes in ``commits`` of the commits
+    whose journal write failed (:attr:`Commit.failed`: empty, counted); ``gaps``: the commits some writer failed
+    to journal, or wrote without an fsync that succeeded (their step may still hold other ranks' partials, or this
+    one's); ``skipped``: the rank files that could not be read at all.
     """
 
     directory: Path
@@ -316,6 +327,7 @@ class Journal(_Meta):
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     breaks: frozenset[int] = frozenset()
     short: list[Gap] = field(default_factory=list)  # ranks cut short (see the module docstring)
+    failed: frozenset[int] = frozenset()
 
     @property
     def last_step(self) -> int | None:
@@ -328,7 +340,8 @@ class Journal(_Meta):
         while keep and self.commits[keep - 1][0] >= step:
             keep -= 1
         return Journal(self.directory, self.header, self.files, self.commits[:keep], self.ranks, self.gaps,
-                       self.skipped, frozenset(i for i in self.breaks if i < keep), self.short)
+                       self.skipped, frozenset(i for i in self.breaks if i < keep), self.short,
+                       frozenset(i for i in self.failed if i < keep))
 
     def __len__(self) -> int:
         return len(self.commits)
@@ -349,7 +362,7 @@ def timeline(source: Journal | JournalStream) -> Iterator[Commit]:
         yield from source.commits()
         return
     for i, (step, partials) in enumerate(source.commits):
-        yield Commit(step, (), starts_segment=i in source.breaks, partials=partials)
+        yield Commit(step, (), starts_segment=i in source.breaks, partials=partials, failed=i in source.failed)
 
 
 def read_journal(directory: str | os.PathLike[str]) -> Journal:
@@ -358,14 +371,17 @@ def read_journal(directory: str | os.PathLike[str]) -> Journal:
     stream = stream_journal(directory)
     commits: list[tuple[int, list[Partial]]] = []
     breaks: set[int] = set()
+    failed: set[int] = set()
     ranks: set[int] = set()
     for i, commit in enumerate(stream.commits()):
         commits.append((commit.step, commit.partials))
         ranks.update(commit.ranks)
         if commit.starts_segment:
             breaks.add(i)
+        if commit.failed:
+            failed.add(i)
     return Journal(stream.directory, stream.header, stream.files, commits, sorted(ranks), stream.gaps,
-                   stream.skipped, frozenset(breaks), stream.short)
+                   stream.skipped, frozenset(breaks), stream.short, frozenset(failed))
 
 
 def _merge_gaps(files: list[RankFile]) -> list[Gap]:

@@ -57,8 +57,10 @@ _SMALL = 1 << 10  # a commit of at most this many entries compares its ids with 
 _PRINT_END = 2048  # bytes kept of each end of a long commit frame (_print)
 _NONE = bytes(4)  # a commit's entry count (its bytes 9..12, after the type and step), when it has no entry
 _NO_RESTS: Mapping[int, tuple[float, ...]] = MappingProxyType({})
-_NO_ROWS = np.empty(0, ENTRY_DTYPE)  # an "L" frame's failed commit: counted, holding nothing
+_NO_ROWS = np.empty(0, ENTRY_DTYPE)  # a commit lost to damage ("W" frame): counted, holding nothing
 _NO_ROWS.flags.writeable = False
+_FAILED_ROWS = np.empty(0, ENTRY_DTYPE)  # an "L" frame's failed commit: counted, holding nothing (failed_write)
+_FAILED_ROWS.flags.writeable = False
 _new = tuple.__new__
 _DAMAGE = (ValueError, KeyError, TypeError, struct.error)
 
@@ -454,15 +456,23 @@ def file_runs(index: FileIndex) -> Iterator[FileItem | RunItem]:
     return _items(index, decode=True, runs=True)
 
 
+def failed_write(part: RawPart) -> bool:
+    """Whether ``part`` is a commit whose journal write failed (one an "L" frame lists): counted where it was, so
+    ``log_every`` windows stay the live ones, but holding none of its records."""
+    return part.rows is _FAILED_ROWS
+
+
 def _empties(
-    timeline: _Timeline, steps: Iterable[int], names: Names, decode: bool, *, counted: bool = True, tail: bool = False
+    timeline: _Timeline, steps: Iterable[int], names: Names, decode: bool, *, failed: bool, counted: bool = True,
+    tail: bool = False,
 ) -> Iterator[FileItem]:
-    """Empty commits at ``steps`` (failed, or lost to damage: ``counted`` and ``tail`` as :meth:`_Timeline.take`),
-    where the timeline keeps them."""
+    """Empty commits at ``steps`` (``failed`` writes, else lost to damage: ``counted`` and ``tail`` as
+    :meth:`_Timeline.take`), where the timeline keeps them."""
+    rows = _FAILED_ROWS if failed else _NO_ROWS
     for step in steps:
         taken = timeline.take(step, counted=counted, tail=tail)
         if taken is not None:
-            yield step, taken[0], taken[1], RawPart(_NO_ROWS, _NO_RESTS, names) if decode else None
+            yield step, taken[0], taken[1], RawPart(rows, _NO_RESTS, names) if decode else None
 
 
 def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem | RunItem]:
@@ -510,7 +520,8 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
                 continue
             for pos, payload in split_run(start, span, k):
                 if phantoms and pos in phantoms:  # commits lost to damage, counted (empty) where they were
-                    yield from _empties(timeline, phantoms[pos], names, decode, counted=False, tail=pos in index.tails)
+                    yield from _empties(timeline, phantoms[pos], names, decode, failed=False, counted=False,
+                                        tail=pos in index.tails)
                 kind = bytes(payload[:1])
                 header, prior = prior, (bytes(payload) if kind == b"H" else b"")
                 if kind == b"H":
@@ -521,7 +532,7 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
                         names = _names(payload[1:], names)[0]  # an error was reported by the first pass
                         table, body = names, bytes(payload)
                 elif kind == b"L" and pos not in bad:  # failed commits: empty ones, so windows count them
-                    yield from _empties(timeline, lost_steps(payload[1:]), names, decode)
+                    yield from _empties(timeline, lost_steps(payload[1:]), names, decode, failed=True)
                 elif kind in _COMMITS and pos not in bad:
                     step, n = STEP.unpack_from(payload, 1)
                     taken = timeline.take(step)
