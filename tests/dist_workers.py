@@ -423,13 +423,16 @@ def invalid_step_worker(rank: int, size: int, port: int, out: Any) -> None:
         results: list[Any] = []
         bus.log("x", float(rank))
         results.append(bus.commit(5))
+        per_update = Agg(micro="sum", update="mean")  # the refused commits end no update: one sum of 4 records
         for i, step in enumerate([(6, 4)[rank], (True, 6)[rank], 2], start=1):
             bus.log("x", float(10 * rank + i))
+            bus.log("u", 1.0, agg=per_update)
             try:
                 results.append(bus.commit(step))
             except (StepError, DistributedError) as exc:
                 results.append(f"{type(exc).__name__}: {exc}")
         bus.log("x", float(10 * rank + 4))
+        bus.log("u", 1.0, agg=per_update)
         results.append(bus.commit(6))
         bus.close()
         out.put((rank, results))

@@ -320,7 +320,8 @@ def test_an_invalid_step_on_one_rank_raises_on_every_rank_and_keeps_the_records(
             assert "shows here as step 4" in below
         assert boolean.startswith("StepError: commit step must be an int" if rank == 0 else "DistributedError")
         assert both.startswith("StepError: commit step 2 is less than the last step 5")
-        assert last == {"x": (1 + 11 + 2 + 12 + 3 + 13 + 4 + 14) / 8}  # every record since step 5, once
+        # every record since step 5, once; and one update (a refused commit ends none): 4.0, not the 1.0 of four
+        assert last == {"x": (1 + 11 + 2 + 12 + 3 + 13 + 4 + 14) / 8, "u": 4.0}
 
 
 def test_a_spec_disagreement_keeps_the_other_records_on_every_rank() -> None:
