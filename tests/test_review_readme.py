@@ -1,0 +1,37 @@
+"""README.md read as a new user does: what it shows runs and prints what it says."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+from metricbus.adapters.console import ConsoleAdapter
+
+from metricbus import MetricBus
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_says_where_read_jsonl_comes_from(tmp_path: Path) -> None:
+    """The README's import for read_jsonl works and reads back what the jsonl adapter wrote."""
+    found = re.search(r"`(from metricbus[\w.]* import read_jsonl)`", README.read_text(encoding="utf-8"))
+    assert found, "README.md names read_jsonl without saying where to import it from"
+    scope: dict[str, object] = {}
+    exec(found.group(1), scope)  # the README's own import line
+    path = tmp_path / "m.jsonl"
+    with MetricBus(adapters=[f"jsonl:{path}"], dist=None, strict=True) as bus:
+        bus.log("x", 0.1)
+        bus.commit(step=3)
+    assert scope["read_jsonl"](path) == [(3, {"x": 0.1})]  # type: ignore[operator]
+
+
+def test_readme_shows_the_console_form_of_a_histogram() -> None:
+    """The console prints a hist value as hist(n=..., p50=...), and the README says so (not just its count)."""
+    stream = io.StringIO()
+    with MetricBus(adapters=[ConsoleAdapter(stream=stream)], dist=None, strict=True) as bus:
+        bus.log("h", [1.0, 2.0, 3.0], agg="hist")
+        bus.commit(step=0)
+    line = next(line for line in stream.getvalue().splitlines() if line.startswith("step"))
+    assert "h hist(n=3, p50=" in line
+    assert "the console prints `hist(n=…, p50=…, p90=…, p99=…)`" in README.read_text(encoding="utf-8")
