@@ -405,7 +405,7 @@ class Delivery:
                 if worker.stopped is None:
                     return False
         for worker, done in waits:
-            while not done.wait(WAIT_SLICE_S):
+            while not done.wait(min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))):
                 now = time.monotonic()
                 self._watch(worker, now)
                 if worker.stopped is not None:

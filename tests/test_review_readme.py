@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import time
 from pathlib import Path
 
 from metricbus.adapters.console import ConsoleAdapter
@@ -35,3 +36,37 @@ def test_readme_shows_the_console_form_of_a_histogram() -> None:
     line = next(line for line in stream.getvalue().splitlines() if line.startswith("step"))
     assert "h hist(n=3, p50=" in line
     assert "the console prints `hist(n=…, p50=…, p90=…, p99=…)`" in README.read_text(encoding="utf-8")
+
+
+class _SlowAdapter:
+    """Takes ``write_s`` per write, so a flush after a commit has to wait for it."""
+
+    name = "slow"
+
+    def __init__(self, write_s: float) -> None:
+        self.write_s = write_s
+
+    def open(self, *, run: object) -> None:
+        pass
+
+    def write(self, *, step: int, metrics: object) -> None:
+        time.sleep(self.write_s)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, *, status: object) -> None:
+        pass
+
+
+def test_flush_returns_false_at_its_timeout_not_a_polling_slice_later() -> None:
+    """bus.flush(timeout_s=0.05) with a write still running returns False at about 0.05 s (it took 0.25 s)."""
+    with MetricBus(adapters=[_SlowAdapter(write_s=2.0)], dist=None) as bus:
+        bus.log("x", 1.0)
+        bus.commit(step=0)
+        start = time.monotonic()
+        flushed = bus.flush(timeout_s=0.05)
+        elapsed_s = time.monotonic() - start
+        assert flushed is False
+        assert elapsed_s < 0.2, elapsed_s
+        bus.close(timeout_s=0.1)
