@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 import time
 from pathlib import Path
 
+import pytest
 from metricbus.adapters.console import ConsoleAdapter
 
 from metricbus import MetricBus
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+TESTS = Path(__file__).resolve().parent
+README = TESTS.parent / "README.md"
 
 
 def test_readme_says_where_read_jsonl_comes_from(tmp_path: Path) -> None:
@@ -70,3 +73,32 @@ def test_flush_returns_false_at_its_timeout_not_a_polling_slice_later() -> None:
         assert flushed is False
         assert elapsed_s < 0.2, elapsed_s
         bus.close(timeout_s=0.1)
+
+
+def test_hf_epoch_is_one_series_when_evaluation_logs_at_a_training_log_step(tmp_path: Path) -> None:
+    """eval_steps == logging_steps: the training log and the evaluation both carry 'epoch'; it was kept twice
+    (train/epoch 0.125 and epoch 0.125 at step 2, the same at 4), now once, as train/epoch."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(TESTS))
+    import hf_workers
+    from transformers import TrainingArguments
+
+    from metricbus.integrations.hf import MetricBusCallback
+    from metricbus.testing import MemoryAdapter
+
+    memory = MemoryAdapter()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=4, gradient_accumulation_steps=2,
+        per_device_train_batch_size=2, logging_steps=2, report_to="none", save_strategy="no", seed=hf_workers.SEED,
+        disable_tqdm=True, dataloader_num_workers=0, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2,
+    )  # fmt: skip
+    bus = MetricBus(adapters=[memory], strict=True, dist=None)
+    trainer = hf_workers.TruthTrainer(
+        model=hf_workers.tiny_model(), args=args, train_dataset=hf_workers.dataset(),
+        eval_dataset=hf_workers.dataset(8), data_collator=hf_workers.collate, callbacks=[MetricBusCallback(bus)],
+    )  # fmt: skip
+    trainer.train()
+    bus.close()
+    epochs = [(step, name, value) for step, row in memory.rows for name, value in row.items() if "epoch" in name]
+    assert epochs == [(2, "train/epoch", 0.125), (4, "train/epoch", 0.25)]
+    assert any("eval_loss" in metrics for step, metrics in memory.rows if step == 2)

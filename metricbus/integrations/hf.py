@@ -159,7 +159,10 @@ class MetricBusCallback(TrainerCallback):
         for key, value in logs.items():
             if key in _REPLACED or isinstance(value, bool) or not isinstance(value, numbers.Real):
                 continue  # the Trainer's losses are replaced by the exact one; strings are not metrics
-            name, number = (f"{self.prefix}{key}" if training else key), float(value)
+            # 'epoch' is in every log of a step: one name for it, so the training log's and an evaluation's
+            # (or the end-of-training summary's) are one series and the repeat is left out below.
+            prefixed = training or key == "epoch"
+            name, number = (f"{self.prefix}{key}" if prefixed else key), float(value)
             if name in again:
                 if again[name] != number:  # the same value again (the Trainer's 'epoch') is no news
                     self._report(f"again:{name}", f"{name!r} was already logged at step {step}; this value is left out")
