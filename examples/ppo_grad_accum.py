@@ -282,22 +282,29 @@ def run_layout(job: Job) -> Rows:
 
 
 def how_to_look(out: Path, config: dict[str, Any]) -> list[str]:
-    """The commands that open what the run wrote."""
+    """The commands that open what the run wrote (an adapter given by its bare name: its default place)."""
     lines = [f"Run folder: {out}"]
-    adapters = [a if isinstance(a, str) else a.get("type", "") for a in config.get("adapters", [])]
+    options = {"tensorboard": "log_dir", "mlflow": "tracking_uri", "jsonl": "path"}  # a mapping's place
+    adapters = [
+        a if isinstance(a, str) else f"{a.get('type', '')}:{a.get(options.get(a.get('type', '')), '')}".rstrip(":")
+        for a in config.get("adapters", [])
+    ]
     env = os.environ.get("METRICBUS_ADAPTERS", "").strip()
     if env:
         lines.append(f"  (adapters from $METRICBUS_ADAPTERS={env}, not the config)")
         adapters = [] if env.lower() == "none" else [a.strip() for a in env.split(",") if a.strip()]
+    project = (config.get("run") or {}).get("project") or "metricbus"
     for spec in adapters:
-        if spec.startswith("tensorboard"):
-            lines.append(f"  tensorboard --logdir {spec.partition(':')[2] or out}")
-        elif spec.startswith("mlflow"):
-            lines.append(f"  mlflow ui --backend-store-uri {spec.partition(':')[2]}")
-        elif spec == "wandb":
+        name, _, value = spec.partition(":")
+        if name == "tensorboard":  # float64 scalar tensors: TensorBoard's default fast loader shows none of them
+            lines.append(f"  tensorboard --logdir {value or f'runs/{project}'} --load_fast=false")
+        elif name == "mlflow":
+            uri = value or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///runs/metricbus/mlflow.db"
+            lines.append(f"  mlflow ui --backend-store-uri {uri}")
+        elif name == "wandb":
             lines.append(f"  wandb offline run: {out}/wandb/offline-run-*  (wandb sync <that folder> to upload)")
-        elif spec.startswith("jsonl"):
-            lines.append(f"  jsonl: {spec.partition(':')[2]}")
+        elif name == "jsonl":
+            lines.append(f"  jsonl: {value or f'runs/{project}/<run id>/metrics.jsonl'}")
     journal = config.get("journal")
     if journal:
         lines.append(f"  metricbus show {journal}   |   metricbus replay {journal} --to console")

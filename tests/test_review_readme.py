@@ -102,3 +102,21 @@ def test_hf_epoch_is_one_series_when_evaluation_logs_at_a_training_log_step(tmp_
     epochs = [(step, name, value) for step, row in memory.rows for name, value in row.items() if "epoch" in name]
     assert epochs == [(2, "train/epoch", 0.125), (4, "train/epoch", 0.25)]
     assert any("eval_loss" in metrics for step, metrics in memory.rows if step == 2)
+
+
+def test_the_demo_says_how_to_open_what_it_wrote(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's closing hints: TensorBoard with --load_fast=false (the fast loader shows none of the float64
+    scalars), and the adapters' default places for bare names (it printed 'jsonl: ' and an empty MLflow URI)."""
+    sys.path.insert(0, str(TESTS.parent / "examples"))
+    from ppo_grad_accum import how_to_look
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("METRICBUS_ADAPTERS", "jsonl,tensorboard,mlflow")
+    lines = how_to_look(Path("out"), {"run": {"project": "demo"}, "journal": "out/journal"})
+    assert "  jsonl: runs/demo/<run id>/metrics.jsonl" in lines
+    assert "  tensorboard --logdir runs/demo --load_fast=false" in lines
+    assert "  mlflow ui --backend-store-uri sqlite:///runs/metricbus/mlflow.db" in lines
+    monkeypatch.delenv("METRICBUS_ADAPTERS")
+    config = {"adapters": ["tensorboard:out/tb", {"type": "jsonl", "path": "out/m.jsonl"}], "run": {}}
+    hints = ["  tensorboard --logdir out/tb --load_fast=false", "  jsonl: out/m.jsonl"]
+    assert how_to_look(Path("out"), config)[1:] == hints
