@@ -5,8 +5,10 @@ from __future__ import annotations
 import io
 import re
 import sys
+import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from metricbus.adapters.console import ConsoleAdapter
@@ -120,3 +122,27 @@ def test_the_demo_says_how_to_open_what_it_wrote(monkeypatch: pytest.MonkeyPatch
     config = {"adapters": ["tensorboard:out/tb", {"type": "jsonl", "path": "out/m.jsonl"}], "run": {}}
     hints = ["  tensorboard --logdir out/tb --load_fast=false", "  jsonl: out/m.jsonl"]
     assert how_to_look(Path("out"), config)[1:] == hints
+
+
+def test_readme_tensorboard_snippets_read_what_the_adapter_wrote(tmp_path: Path) -> None:
+    """The README's two TensorBoard readers, run as shown: the scalar block and the histogram one-liner (which
+    raised KeyError: it never loaded the folder)."""
+    pytest.importorskip("tensorboard")
+    text = README.read_text(encoding="utf-8")
+    block = re.search(r"\*\*Exact values in scripts:\*\*.*?```python\n(.*?)```", text, re.S)
+    line = re.search(r"In scripts: `(acc = EventAccumulator\(folder, size_guidance=\{\"histograms\": 0\}\).*?)`", text)
+    assert block, "README.md lost its TensorBoard scalar snippet"
+    assert line, "README.md lost its TensorBoard histogram snippet"
+    folder = str(tmp_path / "tb")
+    with MetricBus(adapters=[f"tensorboard:{folder}"], dist=None, strict=True) as bus:
+        bus.log("train/loss", 0.1)
+        bus.log("h", [1.0, 2.0, 3.0], agg="hist")
+        bus.commit(step=2)
+    scalars: dict[str, object] = {"folder": folder}
+    exec(textwrap.dedent(block.group(1)), scalars)  # the README's own lines (indented in its list)
+    assert scalars["points"] == [(2, 0.1)]
+    histograms: dict[str, object] = {"folder": folder, "tag": "h"}
+    exec(f"from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n{line.group(1)}",
+         histograms)  # fmt: skip
+    events: Any = histograms["events"]
+    assert [(e.step, e.histogram_value.num) for e in events] == [(2, 3.0)]
