@@ -160,6 +160,11 @@ class Delivery:
         self.on_gap = on_gap
         self.on_opened = on_opened  # after an adapter opened (the journal keeps its identity)
         self.on_rewound = on_rewound  # an adapter's cursor must go back to a step
+        # What becomes of the steps an adapter misses, for the messages that report them (on_delivered: a journal).
+        self.recovery = (
+            "the journal keeps the steps it misses for `metricbus sync`" if on_delivered is not None
+            else "the steps it misses are lost: this bus has no journal= to send them again from"
+        )  # fmt: skip
         self.on_open_error = check_open_error(on_open_error)
         self.retry_tries = retry_tries
         self.retry_base_s = retry_base_s
@@ -233,8 +238,9 @@ class Delivery:
         reason = f"{type(exc).__name__}: {exc}"
         self.gaps.append(Gap(worker.label, step, metric, reason))
         self.report(logging.ERROR, worker.label, "gap", "adapter %r rejected step %d%s: %s; step skipped for this "
-                    "adapter (gap recorded; its run will be closed as failed)", worker.label, step,
-                    "" if metric is None else f" (metric {metric!r})", reason)
+                    "adapter (%s; its run will be closed as failed)", worker.label, step,
+                    "" if metric is None else f" (metric {metric!r})", reason,
+                    "gap recorded" if self.on_gap is not None else "lost: this bus has no journal= to record it")
         self.keep(AdapterError(f"adapter {worker.label!r} rejected step {step}: {reason}"), exc)
         if self.on_gap is not None:
             try:
@@ -251,8 +257,7 @@ class Delivery:
             worker.stopped, worker.dead = why, dead
         worker.released += worker.release()
         self.report(logging.ERROR, worker.label, "stopped", "adapter %r degraded: %s; %d queued steps released "
-                    "(the journal keeps them for `metricbus sync`); commits no longer wait for it", worker.label,
-                    why, worker.released)
+                    "(%s); commits no longer wait for it", worker.label, why, worker.released, self.recovery)
         self.keep(AdapterError(f"adapter {worker.label!r} stopped: {why}"), cause)
 
     def label(self, index: int) -> str:
@@ -301,7 +306,7 @@ class Delivery:
         why = f"{type(exc).__name__}: {exc}" if exc is not None else str(worker.stopped)
         raise AdapterError(
             f"adapter {worker.label!r} could not open ({why}). Fix the cause, remove the adapter, or pass "
-            "on_open_error='warn' to train without it (the journal keeps its steps for `metricbus sync`)"
+            f"on_open_error='warn' to train without it ({self.recovery})"
         ) from exc
 
     def resume(self, index: int, *, rewind: int | None, steps: Sequence[tuple[int, Mapping[str, float]]]) -> None:
@@ -373,8 +378,8 @@ class Delivery:
             worker.dropped += 1
             why = "degraded" if worker.degraded else self._policy
             self.report(logging.WARNING, worker.label, "drop",
-                        "adapter %r: queue full, dropped step %d (%s); drops are counted and reported at close, "
-                        "and `metricbus sync` delivers them from the journal", worker.label, step, why)
+                        "adapter %r: queue full, dropped step %d (%s); drops are counted and reported at close; "
+                        "%s", worker.label, step, why, self.recovery)
             self._record_drop(worker, step, why)
 
     def _record_drop(self, worker: Worker, step: int, why: str) -> None:
@@ -445,8 +450,7 @@ class Delivery:
     def _report_close(self, worker: Worker, *, status: Status, timeout_s: float) -> None:
         if worker.dead:
             logger.error("adapter %r was stopped (%s): %d steps not delivered live (last acknowledged step %s); "
-                         "`metricbus sync` delivers them from the journal", worker.label, worker.stopped,
-                         worker.released + worker.lost, worker.acked)
+                         "%s", worker.label, worker.stopped, worker.released + worker.lost, worker.acked, self.recovery)
         elif worker.thread.is_alive():
             left = worker.submitted - worker.dropped - worker.delivered - worker.gaps
             worker.abandon.set()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from metricbus.adapters.console import ConsoleAdapter
 
-from metricbus import MetricBus
+from metricbus import AdapterError, MetricBus
 
 TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
@@ -146,3 +146,35 @@ def test_readme_tensorboard_snippets_read_what_the_adapter_wrote(tmp_path: Path)
          histograms)  # fmt: skip
     events: Any = histograms["events"]
     assert [(e.step, e.histogram_value.num) for e in events] == [(2, 3.0)]
+
+
+class _NoOpen(_SlowAdapter):
+    """Fails to open."""
+
+    name = "noopen"
+
+    def open(self, *, run: object) -> None:
+        raise OSError("backend unreachable")
+
+
+def test_adapter_reports_say_the_journal_keeps_the_steps_only_where_there_is_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An adapter that cannot open, or a step dropped at a full queue, on a bus without journal=: the message said
+    'the journal keeps its steps for `metricbus sync`'; those steps are lost, and it now says so."""
+    with pytest.raises(AdapterError) as no_journal:
+        MetricBus(adapters=[_NoOpen(write_s=0.0)], dist=None)
+    assert "journal keeps" not in str(no_journal.value)
+    assert "lost: this bus has no journal=" in str(no_journal.value)
+    with pytest.raises(AdapterError) as journaled:
+        MetricBus(adapters=[_NoOpen(write_s=0.0)], dist=None, journal=str(tmp_path / "journal"))
+    assert "the journal keeps the steps it misses for `metricbus sync`" in str(journaled.value)
+    with caplog.at_level("WARNING", logger="metricbus.delivery"):
+        bus = MetricBus(adapters=[_SlowAdapter(write_s=0.2)], dist=None, queue_size=1, queue_policy="drop")
+        for step in range(4):
+            bus.log("x", 1.0)
+            bus.commit(step=step)
+        bus.close(timeout_s=5)
+    drops = [r.getMessage() for r in caplog.records if "queue full" in r.getMessage()]
+    assert drops
+    assert all("lost: this bus has no journal=" in m and "from the journal" not in m for m in drops)
