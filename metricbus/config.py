@@ -221,6 +221,17 @@ def _make(spec: Any, *, where: str, origin: str) -> Any:
         raise _error(where, str(exc), origin) from exc
 
 
+def require_source(source: Any, *, how: str) -> None:
+    """Raise ConfigError where ``source`` is None and neither ``$METRICBUS_CONFIG`` nor ``$METRICBUS_ADAPTERS`` is
+    set: an integration's bus built from nothing has no adapters, so everything logged would go nowhere. ``how``:
+    how that integration is given a config instead (for the message)."""
+    if source is None and not os.environ.get(ENV_CONFIG) and not os.environ.get(ENV_ADAPTERS, "").strip():
+        raise ConfigError(
+            f"no metricbus config: set {ENV_CONFIG} to a config file, {ENV_ADAPTERS} (e.g. 'jsonl,tensorboard'; "
+            f"'none' for no adapters), or {how}"
+        )
+
+
 def _env_adapters() -> list[str] | None:
     text = os.environ.get(ENV_ADAPTERS, "").strip()
     if not text:

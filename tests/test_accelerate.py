@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,5 +103,6 @@ def test_tracker_never_uses_collectives() -> None:
         "import json, metricbus.integrations.accelerate as a; t = a.MetricBusTracker('p');"
         "t.store_init_configuration({}); print(json.dumps(t.tracker._ranks.collective)); t.finish()"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    env = {**os.environ, "METRICBUS_ADAPTERS": "none"}  # a config of some kind: none at all is a ConfigError
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert json.loads(out) is False

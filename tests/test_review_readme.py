@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from metricbus.adapters.console import ConsoleAdapter
 
-from metricbus import AdapterError, MetricBus
+from metricbus import AdapterError, ConfigError, MetricBus
 
 TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
@@ -178,3 +178,37 @@ def test_adapter_reports_say_the_journal_keeps_the_steps_only_where_there_is_one
     drops = [r.getMessage() for r in caplog.records if "queue full" in r.getMessage()]
     assert drops
     assert all("lost: this bus has no journal=" in m and "from the journal" not in m for m in drops)
+
+
+def test_accelerate_by_name_without_any_config_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accelerator(log_with="metricbus") with neither $METRICBUS_CONFIG, $METRICBUS_ADAPTERS nor config_source built
+    a bus without adapters and dropped every log silently; init_trackers now raises ConfigError saying what to set."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from metricbus.integrations.accelerate import REGISTERED
+
+    if not REGISTERED:
+        pytest.skip("this Accelerate has no register_tracker_class")
+    monkeypatch.delenv("METRICBUS_CONFIG", raising=False)
+    monkeypatch.delenv("METRICBUS_ADAPTERS", raising=False)
+    accelerator = Accelerator(cpu=True, log_with="metricbus")
+    with pytest.raises(ConfigError, match=r"no metricbus config.*METRICBUS_CONFIG.*METRICBUS_ADAPTERS.*config_source"):
+        accelerator.init_trackers("proj", config={"lr": 1e-3})
+
+
+def test_hf_callback_without_any_config_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MetricBusCallback() with neither $METRICBUS_CONFIG nor $METRICBUS_ADAPTERS trained with a bus that had no
+    adapters (nothing delivered, no warning); train() now raises ConfigError at its start, saying what to set."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(TESTS))
+    import hf_workers
+
+    from metricbus.integrations.hf import MetricBusCallback
+
+    monkeypatch.delenv("METRICBUS_CONFIG", raising=False)
+    monkeypatch.delenv("METRICBUS_ADAPTERS", raising=False)
+    trainer = hf_workers.build_trainer(tmp_path, MetricBusCallback(), logging_steps=2)
+    with pytest.raises(ConfigError, match=r"no metricbus config.*METRICBUS_CONFIG.*METRICBUS_ADAPTERS.*config="):
+        trainer.train()
+    assert trainer.state.global_step == 0

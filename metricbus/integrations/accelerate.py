@@ -19,7 +19,7 @@ from typing import Any
 from accelerate.tracking import GeneralTracker
 
 from metricbus.bus import MetricBus
-from metricbus.config import load_source
+from metricbus.config import load_source, require_source
 from metricbus.errors import MetricBusError, MetricTypeError, MetricValueError, SpecError
 
 NAME = "metricbus"
@@ -32,9 +32,10 @@ class MetricBusTracker(GeneralTracker):  # type: ignore[misc]  # accelerate is u
 
     The bus: ``bus=`` (one you built, ``dist=None``), else ``config_source`` (a path or mapping; with
     ``log_with="metricbus"`` pass it as ``init_kwargs={"metricbus": {"config_source": ...}}``), else
-    ``$METRICBUS_CONFIG`` / ``$METRICBUS_ADAPTERS``. It is opened at ``start()`` and given the run config at
-    ``store_init_configuration`` only if it has not opened yet, so a config passed to ``init_trackers`` reaches the
-    backends: the bus is built on the first of ``store_init_configuration`` or ``log``.
+    ``$METRICBUS_CONFIG`` / ``$METRICBUS_ADAPTERS`` (none of them: ConfigError, never a bus that delivers nowhere).
+    It is opened at ``start()`` and given the run config at ``store_init_configuration`` only if it has not opened
+    yet, so a config passed to ``init_trackers`` reaches the backends: the bus is built on the first of
+    ``store_init_configuration`` or ``log``.
     """
 
     name = NAME
@@ -113,6 +114,7 @@ class MetricBusTracker(GeneralTracker):  # type: ignore[misc]  # accelerate is u
         return self._bus
 
     def _build(self, hyperparameters: dict[str, Any]) -> MetricBus:
+        require_source(self.config_source, how='pass init_kwargs={"metricbus": {"config_source": ...}}')
         given, _ = load_source(self.config_source)
         overrides: dict[str, Any] = {}
         if "run" not in given:

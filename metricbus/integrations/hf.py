@@ -36,7 +36,7 @@ from transformers import TrainerCallback
 
 from metricbus.adapter import Status
 from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus
-from metricbus.config import load_source
+from metricbus.config import load_source, require_source
 from metricbus.errors import MetricBusError, MetricValueError, SpecError
 
 IGNORE_INDEX = -100
@@ -99,6 +99,7 @@ class MetricBusCallback(TrainerCallback):
     def ensure_bus(self, args: Any) -> MetricBus:
         """The bus, built from the config on first use (again for a later ``train()``, which closed the last one)."""
         if self.bus is None or (self._built and self.bus.closed):
+            require_source(self.config, how="pass MetricBusCallback(config=...) or MetricBusCallback(bus)")
             given, _ = load_source(self.config)
             overrides: dict[str, Any] = {}
             if "run" not in given:
