@@ -226,8 +226,9 @@ class Worker:
             step = item.rewind
             if not self._call("rewind", lambda: rewind(step=step)):
                 # The backend still holds the abandoned timeline from ``step`` on: writing the new one after it would
-                # leave both. Stop for this run; the cursor is already below ``step``, so `metricbus sync` rewinds it
-                # (resume) and sends the new steps once the cause is fixed.
+                # leave both. Stop for this run; the cursor is already below ``step`` with a rewind to ``step`` kept
+                # pending (Sink._catch_up), so `metricbus sync` rewinds it and sends the new steps once the cause is
+                # fixed.
                 self.lost += len(item.steps)
                 self.delivery.stop(self, f"rewind(step={step}) failed, so none of the resumed steps is written over "
                                    "the old ones", self.failure, dead=False)

@@ -14,6 +14,7 @@ in-memory :class:`~metricbus.journal.Journal` (``read_journal``) is accepted too
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import os
 import threading
@@ -399,6 +400,7 @@ class _Target:
     gaps: set[int] = field(default_factory=set)  # steps the backend rejected live: retried here
     resent: set[int] = field(default_factory=set)  # gaps written, not yet acknowledged
     identity: dict[str, str] | None = None  # the backend run the live bus (or a last sync) wrote to
+    rewind: int | None = None  # where a resume left its backend to be rewound before anything is sent
     flushed: int | None = None  # the last whole step flushed: acknowledged once durable (``durable_step``) or closed
 
     def wants(self, step: int) -> bool:
@@ -433,11 +435,11 @@ def sync(
     names = [str(getattr(a, "name", type(a).__name__)) for a in adapters]
     labels = [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
     targets = [
-        _Target(a, label, store.get(a), gaps=store.gaps(a), identity=store.identity(a))
+        _Target(a, label, store.get(a), gaps=store.gaps(a), identity=store.identity(a), rewind=store.pending_rewind(a))
         for a, label in zip(adapters, labels, strict=True)
     ]
     last = _last_step(journal)
-    pending = [t for t in targets if t.cursor is None or t.cursor < last or t.gaps]
+    pending = [t for t in targets if t.cursor is None or t.cursor < last or t.gaps or t.rewind is not None]
     opened: list[_Target] = []
     try:
         for target in pending:
@@ -460,13 +462,24 @@ def sync(
 
 
 def _start(target: _Target, run: RunInfo) -> bool:
-    """Tell the adapter its cursor and open it; False (the error kept) when either raised."""
+    """Tell the adapter its cursor, open it, and rewind it where a resume left a rewind pending (its backend holds
+    an abandoned timeline from there on: see :mod:`metricbus.journal.cursors`); False (the error kept, an opened
+    adapter closed as failed) when any of it raised."""
     try:
         resume_adapter(target.adapter, target.cursor, target.identity)
         target.adapter.open(run=run)
     except Exception as exc:
         target.error = exc
         return False
+    rewind = getattr(target.adapter, "rewind", None)
+    if target.rewind is not None and callable(rewind):
+        try:
+            rewind(step=target.rewind)
+        except Exception as exc:
+            target.error = exc
+            with contextlib.suppress(Exception):
+                target.adapter.close(status="failed")
+            return False
     return True
 
 

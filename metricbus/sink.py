@@ -131,7 +131,8 @@ class Sink:
         adapters = self.delivery.adapters
         # Backends this journal delivered to whose adapter this bus lacks: a rewind moves their cursors back too, so
         # `metricbus sync` later sends them the resumed timeline (else they keep the abandoned one's steps).
-        others = store.others(adapters) if previous.last_step is not None and step <= previous.last_step else {}
+        rewinding = previous.last_step is not None and step <= previous.last_step
+        others = store.others(adapters) if rewinding else {}
         if not adapters and not others:
             return None
         done = 0
@@ -142,10 +143,13 @@ class Sink:
                 if plan.rewind is not None:
                     store.rewind_other(key, plan.cursor)
             for index, (adapter, plan) in enumerate(zip(adapters, plans[: len(adapters)], strict=True)):
+                # a rewind an earlier run left pending (its backend holds an abandoned timeline from there on,
+                # below this plan's cursor): done first, as this plan's own would be
+                rewind = plan.rewind if plan.rewind is not None else store.pending_rewind(adapter)
                 if plan.rewind is not None:
-                    store.rewind(adapter, plan.cursor)
-                if plan.rewind is not None or plan.steps:
-                    self.delivery.resume(index, rewind=plan.rewind, steps=plan.steps)
+                    store.rewind(adapter, plan.cursor, abandoned=True)
+                if rewind is not None or plan.steps:
+                    self.delivery.resume(index, rewind=rewind, steps=plan.steps)
                 done = index + 1
         except Exception as exc:
             stuck = []
@@ -156,7 +160,7 @@ class Sink:
                     stuck.append(key)
             for index in range(done, len(adapters)):
                 try:
-                    store.rewind(adapters[index], step - 1)
+                    store.rewind(adapters[index], step - 1, abandoned=rewinding)
                 except Exception:
                     stuck.append(self.delivery.label(index))
                 why = f"could not catch it up with the resumed journal ({type(exc).__name__}: {exc})"

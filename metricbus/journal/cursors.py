@@ -4,6 +4,12 @@ A cursor never runs ahead of the data: it is advanced only after the adapter's `
 behind (a crash between the flush and the advance); an adapter that implements the optional
 ``resume(after_step=int | None)`` verb is told the cursor before it is opened (:func:`resume_adapter`) and drops
 what it holds after that step, so the steps sent again are not duplicated.
+
+A cursor moved back past steps its backend holds from an abandoned timeline (a run resumed from a checkpoint
+without that backend's adapter, or whose catch-up of it failed) also keeps a *pending rewind*, the first of those
+steps: the next sender (a resumed bus with that adapter, or ``metricbus sync``) calls the adapter's ``rewind`` there
+before it writes again (else wandb, whose history only grows, would not take the new steps, and MLflow would not
+tag the run rewound). The first step acknowledged at or after it clears it.
 """
 
 from __future__ import annotations
@@ -102,12 +108,14 @@ def _damaged(path: Path, why: str) -> dict[str, Any]:
 class CursorStore:
     """Per adapter, the last step its backend acknowledged and its backend run, in ``<journal>/cursors/<key>.json``.
 
-    The record is ``{"adapter": name, "key": key, "step": int | null, "identity": {...} | null}``.
+    The record is ``{"adapter": name, "key": key, "step": int | null, "identity": {...} | null, "rewind": int |
+    null}`` (``rewind``: the pending rewind, see the module docstring; absent in records written before it).
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory) / "cursors"
         self._held: dict[str, tuple[int | None, dict[str, str] | None]] = {}  # key -> (step, identity) last known
+        self._pending: dict[str, int | None] = {}  # key -> its pending rewind, last known
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
@@ -130,9 +138,10 @@ class CursorStore:
             return _damaged(path, "not JSON")
         if not isinstance(data, dict):
             return _damaged(path, "not a JSON object")
-        step = data.get("step")
-        if step is not None and (type(step) is not int or not -(2**63) <= step < 2**63):
-            return _damaged(path, f"its step {step!r} is not an int64")
+        for field in ("step", "rewind"):
+            value = data.get(field)
+            if value is not None and (type(value) is not int or not -(2**63) <= value < 2**63):
+                return _damaged(path, f"its {field} {value!r} is not an int64")
         return data
 
     def get(self, adapter: Any) -> int | None:
@@ -156,15 +165,41 @@ class CursorStore:
         name = str(getattr(adapter, "name", type(adapter).__name__))
         self._write_record(adapter_key(adapter), name, step=step, identity=identity)
 
-    def _write_record(self, key: str, name: str, *, step: int | None, identity: Mapping[str, str] | None) -> None:
-        """Replace the record of ``key`` atomically (tmp file + rename)."""
+    def _write_record(
+        self, key: str, name: str, *, step: int | None, identity: Mapping[str, str] | None, rewind: int | None = None
+    ) -> None:
+        """Replace the record of ``key`` atomically (tmp file + rename); its pending rewind is ``rewind`` where one
+        is given, else kept (cleared where ``step`` reaches it)."""
+        if rewind is None:
+            rewind = self._pending_of(key)
+        if rewind is not None and step is not None and step >= rewind:
+            rewind = None  # a step at or after it acknowledged: its sender rewound the backend first
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self._path(key)
         tmp = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        record = {"adapter": name, "key": key, "step": step, "identity": None if identity is None else dict(identity)}
+        record = {
+            "adapter": name,
+            "key": key,
+            "step": step,
+            "identity": None if identity is None else dict(identity),
+            "rewind": rewind,
+        }
         tmp.write_text(json.dumps(record), encoding="utf-8")
         os.replace(tmp, target)
         self._held[key] = (step, None if identity is None else dict(identity))
+        self._pending[key] = rewind
+
+    def _pending_of(self, key: str) -> int | None:
+        """The pending rewind of ``key``'s record: read once, then kept as this store writes it."""
+        if key not in self._pending:
+            value = self._record_at(self._path(key)).get("rewind")
+            self._pending[key] = None if value is None else int(value)
+        return self._pending[key]
+
+    def pending_rewind(self, adapter: Any) -> int | None:
+        """The step ``adapter``'s backend must be rewound to before anything is written to it again, or None
+        (see the module docstring)."""
+        return self._pending_of(adapter_key(adapter))
 
     def _current(self, adapter: Any) -> tuple[int | None, dict[str, str] | None]:
         """``(step, identity)`` of ``adapter``'s record: read once, then kept as this store writes it."""
@@ -180,13 +215,28 @@ class CursorStore:
             return
         self._write(adapter, step=int(step), identity=identity)
 
-    def rewind(self, adapter: Any, step: int | None) -> None:
+    def rewind(self, adapter: Any, step: int | None, *, abandoned: bool = False) -> None:
         """Move the cursor back to ``step`` (None: nothing acknowledged) if it is past it: the steps after it are
-        about to be sent again (a resume from a checkpoint, or a second commit at an acknowledged step)."""
+        about to be sent again (a resume from a checkpoint, or a second commit at an acknowledged step).
+        ``abandoned``: the backend holds those steps of a timeline a resume abandoned, so a pending rewind to the
+        step after ``step`` is kept until one is acknowledged there (the sender's ``rewind`` may yet fail)."""
         last, identity = self._current(adapter)
         if last is None or (step is not None and last <= step):
             return
-        self._write(adapter, step=None if step is None else int(step), identity=identity)
+        key = adapter_key(adapter)
+        name = str(getattr(adapter, "name", type(adapter).__name__))
+        new = None if step is None else int(step)
+        self._write_record(key, name, step=new, identity=identity, rewind=self._rewound(key, new, abandoned))
+
+    def _rewound(self, key: str, step: int | None, abandoned: bool) -> int | None:
+        """The pending rewind of ``key`` once its cursor moved back to ``step``: the lower of the one it had and,
+        where the backend holds the abandoned steps after ``step``, the step after it (the lowest step where
+        nothing is acknowledged)."""
+        held = self._pending_of(key)
+        if not abandoned:
+            return held
+        at = -(2**63) if step is None else step + 1
+        return at if held is None else min(held, at)
 
     def others(self, adapters: Any) -> dict[str, int]:
         """``{key: step}`` of the records of adapters not among ``adapters`` that acknowledged a step (damaged
@@ -214,7 +264,8 @@ class CursorStore:
         return found
 
     def rewind_other(self, key: str, step: int | None) -> None:
-        """:meth:`rewind` for the record of ``key`` (an adapter this bus does not have, see :meth:`others`)."""
+        """:meth:`rewind` for the record of ``key`` (an adapter this bus does not have, see :meth:`others`), whose
+        backend holds the abandoned steps after ``step``: a pending rewind is kept."""
         record = self._record_at(self._path(key))
         last = record.get("step")
         if last is None or (step is not None and last <= step):
@@ -222,7 +273,8 @@ class CursorStore:
         identity = record.get("identity")
         name = str(record.get("adapter") or key)
         kept = {str(k): str(v) for k, v in identity.items()} if isinstance(identity, dict) else None
-        self._write_record(key, name, step=None if step is None else int(step), identity=kept)
+        new = None if step is None else int(step)
+        self._write_record(key, name, step=new, identity=kept, rewind=self._rewound(key, new, True))
 
     def set_identity(self, adapter: Any, identity: Mapping[str, str] | None) -> None:
         """Keep what names ``adapter``'s backend run (after it opened), so a later process opens the same run."""
