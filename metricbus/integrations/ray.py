@@ -30,6 +30,8 @@ __all__ = ["gather_partials", "partial_of"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _MAX_REASON = 300  # characters of a Ray error kept in the message; the whole error is the exception's __cause__
+# ray.wait converts its timeout to int64 milliseconds: 1e18 s (or inf) overflows there. A wait this long is unbounded.
+_UNBOUNDED_S = 1e15
 
 
 def gather_partials(
@@ -40,16 +42,18 @@ def gather_partials(
     ``results`` maps worker names to what each worker's remote call returned (Ray ``ObjectRef``s, or values), or
     lists them in worker order (named ``worker 0``, ``worker 1``, ...). Each result is a
     :class:`~metricbus.partial.Partial`, a mapping holding one under ``key``, or an object whose ``meta_info``
-    mapping holds one there (verl's ``DataProto``). ``timeout_s`` bounds the whole wait (``None``: no bound; a
-    dead actor is reported as soon as Ray knows, without a timeout).
+    mapping holds one there (verl's ``DataProto``). ``timeout_s`` bounds the whole wait (``None`` or ``math.inf``:
+    no bound; a dead actor is reported as soon as Ray knows, without a timeout).
 
     Raises ``ValueError`` when two workers' results are the same ``ObjectRef`` or ``Partial`` (ingested twice, it
     would count as two workers). Raises :class:`~metricbus.errors.DistributedError` naming each worker that died,
     raised, did not finish within ``timeout_s`` or returned no partial, with Ray's reason; then nothing is
     returned, so the step is ingested from all of its workers or not at all.
     """
-    if timeout_s is not None and not timeout_s >= 0:
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not timeout_s >= 0):
         raise ValueError(f"gather_partials: timeout_s={timeout_s!r}; use a number of seconds >= 0, or None")
+    if timeout_s is not None and timeout_s >= _UNBOUNDED_S:
+        timeout_s = None  # math.inf: no bound (Ray itself would raise OverflowError)
     if isinstance(results, Mapping):
         names = [f"worker {name!r} (index {i})" for i, name in enumerate(results)]
         items = list(results.values())
