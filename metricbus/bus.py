@@ -34,6 +34,7 @@ from metricbus.errors import (
     SpecError,
     StepError,
 )
+from metricbus.ingest_nan import check_ingested_nan
 from metricbus.options import BusOptions
 from metricbus.partial import Partial, Updates, joined_workers
 from metricbus.ranks import Commit, LocalRanks, RankTransport, make_transport
@@ -43,7 +44,7 @@ from metricbus.rules import Rules, check_pattern
 from metricbus.shutdown import EXIT_TIMEOUT_S
 from metricbus.sink import Sink
 from metricbus.spec import NanPolicy, Spec, SpecLike, check_nan, parse_spec
-from metricbus.spec_table import SpecTable
+from metricbus.spec_table import Claim, SpecTable
 
 _NOT_STEPS = frozenset({"bool", "torch.bool"})  # numpy's and torch's booleans have an __index__ too (not a step)
 
@@ -239,7 +240,16 @@ class MetricBus:
             for part in batch:  # check all before taking any, so a bad call ingests nothing
                 if not isinstance(part, Partial):
                     raise MetricTypeError(f"ingest() takes Partial objects from export(), got {type(part).__name__}")
-            self._table.adopt(batch, first_worker=len(self._ingested))
+            collector, first = self._collector, len(self._ingested)
+
+            def check(decided: dict[str, Claim]) -> None:
+                # this bus's own records of a name were logged under its policy then, and the workers' summaries
+                # under theirs: either must fit the policy settled now
+                for name, claim in decided.items():
+                    collector.check_adopted_nan(name, claim.spec, claim.where)
+                check_ingested_nan(batch, nan_of=lambda name: collector.nan_of(decided[name].spec), first_worker=first)
+
+            self._table.adopt(batch, first_worker=first, check=check)
             self._collector.respec()
             self._ingested.extend(batch)
 

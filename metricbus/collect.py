@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import operator
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -217,6 +218,41 @@ class Collector:
                 acc = self.accs.get(name)
                 if respec and acc is not None:
                     self._respec(acc)
+
+    def check_adopted_nan(self, name: str, spec: Spec, what: str) -> None:
+        """Before ``spec`` (from ``what``, a worker's declaration ingest() adopts) replaces ``name``'s spec here:
+        its records buffered here are reduced under the new nan= policy when they are folded (so a worker's
+        nan='ignore' drops this bus's NaN records too), but those already reduced under the old one cannot follow
+        it (a SpecError, as for define()), and under nan='error' a buffered non-finite record is a MetricValueError
+        now, where log() would have raised."""
+        acc = self.accs.get(name)
+        nan = spec.nan or self._nan
+        if acc is None or nan == acc.nan:
+            return
+        with self.lock:
+            reduced = (
+                acc.state.count > 0
+                or any(name in update for update in self._done)
+                or (self._device is not None and name in self._device.names())
+            )
+            if reduced:
+                raise SpecError(
+                    f"{what} gives {name!r} nan={nan!r}, but records of it were already reduced here under "
+                    f"nan={acc.nan!r}; declare the same nan= policy on this bus (a rule or agg=) before logging "
+                    f"{name!r}. Nothing of this ingest() was taken"
+                )
+            finite = all(map(math.isfinite, (*acc.plain, *acc.values))) and all(
+                bool(np.isfinite(chunk).all()) for chunk in acc.chunks
+            )
+            if nan == "error" and not finite:
+                raise MetricValueError(
+                    f"{what} gives {name!r} nan='error', but this bus's own records of it hold a NaN or infinite "
+                    f"value (logged under nan={acc.nan!r}). Nothing of this ingest() was taken"
+                )
+
+    def nan_of(self, spec: Spec) -> str:
+        """The nan= policy ``spec`` has on this bus (its own, else the bus's)."""
+        return spec.nan or self._nan
 
     def _check_nan(self, acc: Accumulator, spec: Spec, what: str) -> None:
         """Refuse a spec (from ``what``) whose nan= policy differs from the one ``acc``'s records not yet committed

@@ -16,7 +16,7 @@ emit the same output name (``x`` as ``["mean", "max"]`` and a plain ``x/mean``) 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from metricbus.errors import MetricTypeError, SpecError
@@ -113,9 +113,16 @@ class SpecTable:
             return decide(name, held, offers, fixed=name in self._sealed)
         return decide(name, self.own(name, None), offers, fixed=False)
 
-    def adopt(self, partials: Sequence[Partial], *, first_worker: int) -> None:
+    def adopt(
+        self,
+        partials: Sequence[Partial],
+        *,
+        first_worker: int,
+        check: Callable[[dict[str, Claim]], None] | None = None,
+    ) -> None:
         """Settle the spec of every name in ingested ``partials`` (workers ``first_worker``, ``first_worker + 1``,
-        ...), or raise SpecError and change nothing."""
+        ...), or raise SpecError and change nothing; ``check`` sees every name's settled claim before anything
+        changes, and may raise too."""
         offers: dict[str, list[Claim]] = {}
         seen: set[bytes] = set()  # partials of one layout offer the same claims: the first one speaks for all
         for i, part in enumerate(partials):
@@ -131,6 +138,8 @@ class SpecTable:
         outputs: dict[str, str] = {}
         for name, claim in decided.items():
             self.check_outputs(name, claim.spec, outputs)
+        if check is not None:
+            check(decided)
         for name, claim in decided.items():
             self.fix(name, claim)
 
