@@ -100,8 +100,9 @@ def test_per_rank_files_merge_in_rank_order(tmp_path: Path) -> None:
     from metricbus.journal import open_journal
     from metricbus.rules import Rules
 
+    run = RunInfo()  # torch.distributed ranks share one run (the writer's id)
     writers = [
-        open_journal(path=str(tmp_path / "ranks"), fsync="never", rank=r, run=RunInfo(), rules=Rules(RULES).items(),
+        open_journal(path=str(tmp_path / "ranks"), fsync="never", rank=r, run=run, rules=Rules(RULES).items(),
                      log_every=3)
         for r in (0, 1)
     ]

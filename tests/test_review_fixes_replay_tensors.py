@@ -77,8 +77,9 @@ def test_a_clash_across_rank_files_raises(tmp_path: Path) -> None:
     from metricbus.adapter import RunInfo
     from metricbus.journal import open_journal
 
+    run = RunInfo()  # one run, as torch.distributed ranks share
     for rank, name in enumerate(("x", "x/max")):
-        writer = open_journal(path=str(tmp_path / "ranks"), fsync="never", rank=rank, run=RunInfo(), rules=[],
+        writer = open_journal(path=str(tmp_path / "ranks"), fsync="never", rank=rank, run=run, rules=[],
                               log_every=1)
         worker = MetricBus(dist=None)
         for step in range(3):

@@ -21,9 +21,10 @@ decoded when it is reached; :mod:`~metricbus.journal.scan`) by ``(step, n-th com
 
 Files of every format up to ``FORMAT_VERSION`` are read; a newer one is refused with a
 :class:`~metricbus.errors.JournalError` that says to upgrade. In a directory, a rank file that cannot be read at all
-(empty, foreign, no readable header) is skipped with a :class:`JournalWarning` naming it and why, and listed in
-``Journal.skipped``; the other ranks are read. A directory where no file is readable, or a single file path that is
-unreadable, is a ``JournalError``.
+(empty, foreign, no readable header), or one another run wrote (its last header's run id is not the one most
+files hold), is skipped with a :class:`JournalWarning` naming it and why, and listed in ``Journal.skipped``; the other
+ranks are read. A directory where no file is readable, or a single file path that is unreadable, is a
+``JournalError``.
 
 Ranks cut short. Every torch.distributed rank journals every commit (an empty one too), after the commit's
 collectives. A rank stopped in between (SIGKILL, OOM) leaves its file without the steps the other ranks' files hold
@@ -263,6 +264,33 @@ class JournalStream(_Meta):
         return self._outline.commits
 
 
+def _run_id(index: FileIndex) -> str | None:
+    """The run a rank file's last writer wrote (None where its header names none: such a file is not judged)."""
+    run = index.file.headers[-1].get("run")
+    value = run.get("id") if isinstance(run, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def _one_run(indexes: list[FileIndex], skipped: list[tuple[Path, str]]) -> list[FileIndex]:
+    """The files of the journal's run; a file another run wrote (copied or left in the folder) is added to
+    ``skipped``: merged, its entries would replace those of the rank its header names at the steps both hold.
+    Every writer of a run, resumed or not, writes its id; the journal's run is the one most files hold (on a tie,
+    the lowest rank file's)."""
+    ids = [_run_id(ix) for ix in indexes]
+    held = [i for i in ids if i is not None]
+    if len(set(held)) < 2:
+        return indexes
+    ours = max(dict.fromkeys(held), key=held.count)  # first seen wins a tie (files are in rank order)
+    kept = []
+    for index, theirs in zip(indexes, ids, strict=True):
+        if theirs is None or theirs == ours:
+            kept.append(index)
+        else:
+            skipped.append((index.file.path, f"{index.file.path} was written by run {theirs!r}, the journal's other "
+                            f"files by run {ours!r} (a file of another run in this folder: move it out)"))
+    return kept
+
+
 def _key(item: FileItem) -> tuple[int, int]:
     return item[0], item[1]
 
@@ -292,6 +320,7 @@ def stream_journal(directory: str | os.PathLike[str]) -> JournalStream:
         raise UnreadableError(
             f"{directory} holds no readable journal file: " + "; ".join(why for _, why in skipped)
         )
+    indexes = _one_run(indexes, skipped)
     for path, why in skipped:
         warnings.warn(f"journal {path}: skipped, the other ranks are read ({why})", JournalWarning, stacklevel=2)
     stream = JournalStream(directory, indexes, skipped)
