@@ -9,11 +9,12 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
+from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 
 from metricbus.adapter import RunInfo
 from metricbus.cli import main
 from metricbus.errors import JournalWarning
-from metricbus.journal import open_journal, rank_file, stream_journal
+from metricbus.journal import CursorStore, open_journal, rank_file, stream_journal
 from metricbus.replay import emitted
 from tests.test_journal_short import _tokens
 
@@ -73,3 +74,28 @@ def test_on_a_tie_the_lowest_rank_file_names_the_run(tmp_path: Path) -> None:
     with pytest.warns(JournalWarning, match="written by run 'run-b'"):
         stream = stream_journal(tmp_path)
     assert list(emitted(stream)) == [(step, {"tokens": 10.0}) for step in range(3)]
+
+
+def test_a_damaged_gaps_record_is_skipped_with_a_warning_not_a_backend_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gaps line whose step is 1e400 made sync exit 1 with 'a backend failed: OverflowError' (and one of 2.7 was
+    read as step 2, sent again though delivered); now each is a warning and the sound record (step 1) is retried."""
+    _write(tmp_path, rank=0, steps=range(4), run="run-a")
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setenv("METRICBUS_ADAPTERS", f"jsonl:{out}")
+    monkeypatch.delenv("METRICBUS_CONFIG", raising=False)
+    assert _cli("sync", str(tmp_path))[:2] == (0, "jsonl: sent 4 steps\n")
+    store = CursorStore(tmp_path)
+    store.add_gap(JsonlAdapter(path=out), 1, "rejected")
+    gaps = next((tmp_path / "cursors").glob("*.gaps.jsonl"))
+    with gaps.open("a", encoding="utf-8") as file:
+        file.write('{"step": 1e400, "reason": "x"}\n{"step": 2.7, "reason": "x"}\n')
+    code, stdout, err = _cli("sync", str(tmp_path))
+    assert (code, stdout) == (0, "jsonl: sent 1 steps\n"), err
+    assert err.splitlines() == [
+        f"metricbus: warning: delivery gaps file {gaps} is damaged: line {n}'s step {v} is not an int64; skipped, "
+        "so sync does not retry what it held there"
+        for n, v in ((2, "inf"), (3, "2.7"))
+    ]
+    assert [step for step, _ in read_jsonl(out)] == [0, 1, 2, 3, 1]

@@ -299,13 +299,28 @@ class CursorStore:
             text = self._gaps_path(adapter).read_text(encoding="utf-8")
         except OSError:
             return set()
+        except ValueError as exc:  # not UTF-8
+            self._damaged_gap(adapter, f"unreadable ({exc})")
+            return set()
         steps = set()
-        for line in text.splitlines():
+        for number, line in enumerate(text.splitlines(), 1):
             try:
-                steps.add(int(json.loads(line)["step"]))
+                step = json.loads(line)["step"]
             except (ValueError, KeyError, TypeError):
                 continue  # a torn last line
+            if type(step) is int and -(2**63) <= step < 2**63:
+                steps.add(step)
+            else:  # a step 1e400 (int() raised OverflowError) or 3.7 (int() made it another step)
+                self._damaged_gap(adapter, f"line {number}'s step {step!r} is not an int64")
         return steps
+
+    def _damaged_gap(self, adapter: Any, why: str) -> None:
+        """Warn (once) that ``adapter``'s gaps file is damaged: the steps it cannot read are not retried."""
+        path = self._gaps_path(adapter)
+        if (path, why) not in _WARNED:
+            _WARNED.add((path, why))
+            warnings.warn(f"delivery gaps file {path} is damaged: {why}; skipped, so sync does not retry what it "
+                          "held there", JournalWarning, stacklevel=3)
 
     def clear_gaps(self, adapter: Any, steps: set[int]) -> None:
         """Forget the gaps at ``steps`` (a sync delivered them); atomically, like the cursor."""
