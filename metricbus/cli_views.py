@@ -240,7 +240,14 @@ def inspect(journal: Source, out: TextIO) -> None:
             f"gap         rank {gap.rank}: step {steps_text} not journaled, or not known to be on disk "
             "(a write or an fsync failed)"
         )
+    holes = set(journal.holes)
     for gap in journal.short:
+        if gap in holes:
+            lines.append(
+                f"damaged     rank {gap.rank}: its file lost its commits at {span((gap.first_step, gap.last_step))} to "
+                "damaged bytes, the other ranks' hold them (replayed without it)"
+            )
+            continue
         lines.append(
             f"cut short   rank {gap.rank}: its file stops at step {gap.first_step - 1}, the other ranks' go on to step "
             f"{gap.last_step} (it stopped between a commit's collectives and its journal write, or its last frames "

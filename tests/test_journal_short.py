@@ -167,3 +167,39 @@ def test_a_rank_rejoining_a_later_resume_is_replayed_from_there(tmp_path: Path) 
     expected = [*((s, 20.0) for s in range(3)), (3, 10.0), (4, 10.0), *((s, 20.0) for s in range(5, 9))]
     assert _replayed(tmp_path) == expected
     assert read_journal(tmp_path).last_step == 8
+
+
+def _flip_commit(path: Path, *, step: int) -> None:
+    """Flip a byte in the middle of the commit frame of ``step`` in the rank file ``path``."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    pos = 8  # after the magic
+    while pos < len(data):
+        (length,) = struct.unpack_from("<I", data, pos)
+        if data[pos + 8 : pos + 9] in (b"P", b"S", b"R") and struct.unpack_from("<q", data, pos + 9)[0] == step:
+            data[pos + 8 + length // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+            return
+        pos += 8 + length
+    raise AssertionError(f"no commit frame of step {step} in {path}")
+
+
+def test_a_commit_lost_to_damage_in_one_rank_file_is_named_by_its_step(tmp_path: Path) -> None:
+    """Found by the journal-damage review: a flipped byte in rank 1's commit at step 5 replayed step 5 with 20.0 where
+    live had 30.0, and the only warning gave a byte offset; now the step is named, listed and shown by inspect."""
+    for rank in range(3):
+        _write(tmp_path, rank=rank, steps=range(10))
+    (rank_file,) = [p for p in tmp_path.glob("*.mbj") if p.name.endswith("1.mbj")]
+    _flip_commit(rank_file, step=5)
+    with pytest.warns(JournalWarning) as caught:
+        journal = read_journal(tmp_path)
+    messages = [str(w.message) for w in caught]
+    assert any("damaged record at byte" in m for m in messages)
+    assert any("rank 1's file lost its commits at step 5 to damaged bytes" in m for m in messages)
+    assert journal.short == [Gap(1, 5, 5)]
+    assert journal.holes == [Gap(1, 5, 5)]
+    assert dict(emitted(journal))[5] == {"tokens": 20.0}  # what is left, as before: the warning says so
+    out = io.StringIO()
+    inspect(journal, out)
+    assert "damaged     rank 1: its file lost its commits at step 5 to damaged bytes" in out.getvalue()

@@ -26,6 +26,10 @@ files hold), is skipped with a :class:`JournalWarning` naming it and why, and li
 ranks are read. A directory where no file is readable, or a single file path that is unreadable, is a
 ``JournalError``.
 
+Damage in the middle of a rank file (a flipped byte) loses the commits of the frames it hit: the steps between the
+commit read before it and the one read after it that other files hold are listed in ``short`` and ``holes`` and named
+in a :class:`JournalWarning`, as a rank cut short is (they are replayed without that rank's records).
+
 Ranks cut short. Every torch.distributed rank journals every commit (an empty one too), after the commit's
 collectives. A rank stopped in between (SIGKILL, OOM) leaves its file without the steps the other ranks' files hold
 after it, in the same segment (the writers that started at the same step): those steps are then replayed without
@@ -197,7 +201,8 @@ class JournalStream(_Meta):
         self.files = [ix.file for ix in indexes]
         self.skipped = skipped
         self.gaps = _merge_gaps(self.files)
-        self.short = cut_short(indexes)
+        self.holes = damaged_short(indexes)
+        self.short = sorted([*cut_short(indexes), *self.holes], key=lambda g: (g.rank, g.first_step))
         first = min(self.files, key=lambda rf: int(rf.headers[0].get("rank", 0)))
         self.header = first.headers[-1]
         stale = replace_across(indexes)  # the files whose last commit another file's resume replaced
@@ -324,10 +329,17 @@ def stream_journal(directory: str | os.PathLike[str]) -> JournalStream:
     for path, why in skipped:
         warnings.warn(f"journal {path}: skipped, the other ranks are read ({why})", JournalWarning, stacklevel=2)
     stream = JournalStream(directory, indexes, skipped)
+    holes = set(stream.holes)
     for gap in stream.short:
+        first, final = gap.first_step, gap.last_step
+        steps = f"step {first}" if first == final else f"steps {first}..{final}"
         warnings.warn(
-            f"journal {directory}: rank {gap.rank}'s file stops at step {gap.first_step - 1} where the other ranks' "
-            f"files go on to step {gap.last_step} in the same segment (the rank stopped between a commit's "
+            f"journal {directory}: rank {gap.rank}'s file lost its commits at {steps} to damaged bytes, where the "
+            "other ranks' files hold them: those steps are replayed without its records, so live may have emitted "
+            "other values there"
+            if gap in holes
+            else f"journal {directory}: rank {gap.rank}'s file stops at step {gap.first_step - 1} where the other "
+            f"ranks' files go on to step {gap.last_step} in the same segment (the rank stopped between a commit's "
             "collectives and its journal write, or its last frames were lost): those steps are replayed without its "
             "records, so live may have emitted other values there",
             JournalWarning,
@@ -357,6 +369,7 @@ class Journal(_Meta):
     breaks: frozenset[int] = frozenset()
     short: list[Gap] = field(default_factory=list)  # ranks cut short (see the module docstring)
     failed: frozenset[int] = frozenset()
+    holes: list[Gap] = field(default_factory=list)  # those of ``short`` lost to damage mid-segment
 
     @property
     def last_step(self) -> int | None:
@@ -370,7 +383,7 @@ class Journal(_Meta):
             keep -= 1
         return Journal(self.directory, self.header, self.files, self.commits[:keep], self.ranks, self.gaps,
                        self.skipped, frozenset(i for i in self.breaks if i < keep), self.short,
-                       frozenset(i for i in self.failed if i < keep))
+                       frozenset(i for i in self.failed if i < keep), self.holes)
 
     def __len__(self) -> int:
         return len(self.commits)
@@ -410,7 +423,7 @@ def read_journal(directory: str | os.PathLike[str]) -> Journal:
         if commit.failed:
             failed.add(i)
     return Journal(stream.directory, stream.header, stream.files, commits, sorted(ranks), stream.gaps,
-                   stream.skipped, frozenset(breaks), stream.short, frozenset(failed))
+                   stream.skipped, frozenset(breaks), stream.short, frozenset(failed), stream.holes)
 
 
 def _merge_gaps(files: list[RankFile]) -> list[Gap]:
@@ -453,6 +466,30 @@ def replace_across(indexes: list[FileIndex]) -> set[int]:
         if extra:
             ix.limits = limits_of(sorted([*ix.resets, *extra]))
     return stale
+
+
+def damaged_short(indexes: list[FileIndex]) -> list[Gap]:
+    """The steps a rank file lost to damage in the middle of a segment (``FileIndex.holes``) that another file's
+    segments hold (as :func:`cut_short`, by the segments' first and last steps): replayed without that rank."""
+    out: list[Gap] = []
+    for i, ix in enumerate(indexes):
+        rank = int(ix.file.headers[-1].get("rank", i))
+        for low, high in ix.holes:
+            spans = sorted(
+                (max(low, first), min(high, final))
+                for j, other in enumerate(indexes)
+                if j != i
+                for first, final, _ in other.segments
+                if first <= high and final >= low
+            )
+            merged: list[list[int]] = []
+            for a, b in spans:
+                if merged and a <= merged[-1][1] + 1:
+                    merged[-1][1] = max(merged[-1][1], b)
+                else:
+                    merged.append([a, b])
+            out.extend(Gap(rank, a, b) for a, b in merged)
+    return out
 
 
 def cut_short(indexes: list[FileIndex]) -> list[Gap]:

@@ -254,6 +254,7 @@ class FileIndex:
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     resets: list[tuple[int, int]] = field(default_factory=list)  # ``(ordinal, step)``: what ``limits`` is made of
     commits: int = 0  # commits counted (the ordinal after the last one)
+    holes: list[tuple[int, int]] = field(default_factory=list)  # steps (first, last) lost to damage mid-segment
 
 
 def index_file(path: Path) -> FileIndex:
@@ -270,8 +271,11 @@ def index_file(path: Path) -> FileIndex:
     sound: list[tuple[int, int]] = []
     start: int | None = len(MAGIC)
 
+    holes: list[tuple[int, int]] = []
+    hole: int | None = None  # damage after a commit at this step: the steps up to the next commit read are lost
+
     def damage(pos: int, resume: int | None) -> None:
-        nonlocal start
+        nonlocal start, hole
         if start is not None and start < pos:
             sound.append((start, pos))
         start = resume
@@ -280,6 +284,8 @@ def index_file(path: Path) -> FileIndex:
             _warn(path, f"torn or damaged record at byte {pos}; skipped the last {size - pos} bytes")
         else:
             _warn(path, f"damaged record at byte {pos}; skipped {resume - pos} bytes")
+            if hole is None:
+                hole = last
 
     with file:
         size = os.fstat(file.fileno()).st_size
@@ -296,7 +302,11 @@ def index_file(path: Path) -> FileIndex:
         opened_at = 0  # the ordinal of the first commit after that header
 
         def wrote(first: int, final: int) -> None:  # commits at steps first .. final were read in this segment
-            nonlocal opened
+            nonlocal opened, hole
+            if hole is not None:  # the first commit read after damage: the steps in between were in it
+                if first > hole + 1:
+                    holes.append((hole + 1, first - 1))
+                hole = None
             if opened or not segments:
                 segments.append([first, final, opened_at])
                 opened = False
@@ -332,6 +342,7 @@ def index_file(path: Path) -> FileIndex:
                             continue  # the second copy of the header just read
                         rf.headers.append(check_header(path, json.loads(bytes(payload[1:]))))
                         new_segment, before, opened, opened_at = True, b"", True, ordinal
+                        hole = None  # (a writer opened the file again: its commits replace, not continue)
                         every = _log_every(rf.headers[-1])
                         window = OpenWindow(every=every, damaged=rf.damaged) if every > 1 else None
                     elif kind == b"N":
@@ -397,7 +408,8 @@ def index_file(path: Path) -> FileIndex:
     if start is not None and start < size:
         sound.append((start, size))
     return FileIndex(rf, size, bad, limits_of(resets), last, long=long, sound=sound, phantoms=phantoms, tails=tails,
-                     segments=[(first, final, at) for first, final, at in segments], resets=resets, commits=ordinal)
+                     segments=[(first, final, at) for first, final, at in segments], resets=resets, commits=ordinal,
+                     holes=holes)
 
 
 def limits_of(resets: list[tuple[int, int]]) -> list[tuple[int, int]]:
