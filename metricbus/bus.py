@@ -253,6 +253,16 @@ class MetricBus:
             self._collector.respec()
             self._ingested.extend(batch)
 
+    def drop_ingested(self) -> int:
+        """Forget the partials ingested since the last commit (and those a refused commit kept), e.g. when a step's
+        gather from another group of workers failed and the step is skipped: else the next commit would reduce
+        them with its own. Returns how many were dropped. The specs they brought stay adopted."""
+        with self._lock:
+            self._check_open("drop_ingested")
+            dropped = len(self._ingested) + len(self._held)
+            self._ingested, self._held = [], []
+            return dropped
+
     # -- committing --------------------------------------------------------------------------------------------
 
     @property

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from metricbus import Agg, MetricBus, SpecError
+from metricbus.errors import ClosedError, StepError
 from metricbus.partial import Partial
 
 
@@ -183,3 +184,30 @@ def test_partials_kept_by_a_failed_commit_join_their_workers_next_ones(tmp_path:
     assert live == [(1, {"x": 5.5, "y": 5.0}), (2, {"x": 27.5, "y": 10.0})]
     driver.close()
     assert list(emitted(read_journal(tmp_path / "j"))) == live
+
+
+def test_drop_ingested_forgets_a_skipped_steps_partials() -> None:
+    """A driver ingests the critic's partials, then the actor's gather fails and the step is skipped: without
+    drop_ingested() the next commit counted the critic's twice (critic/tokens 40.0 where 20.0 is due; found by
+    the verl/Ray review)."""
+
+    def critic() -> Partial:
+        worker = MetricBus(dist=None, rules={"critic/tokens": "sum"})
+        worker.log("critic/tokens", 10.0)
+        part = worker.export()
+        worker.close()
+        return part
+
+    driver = MetricBus(dist=None)
+    driver.ingest([critic(), critic()])  # step 1's actor gather then raises: the step is skipped
+    assert driver.drop_ingested() == 2
+    driver.ingest([critic(), critic()])
+    assert driver.commit(step=2) == {"critic/tokens": 20.0}
+    driver.ingest([critic()])
+    with pytest.raises(StepError):
+        driver.commit(step=2)  # refused: its partial is kept for the next commit ...
+    assert driver.drop_ingested() == 1  # ... unless dropped
+    assert driver.commit(step=3) == {}
+    driver.close()
+    with pytest.raises(ClosedError):
+        driver.drop_ingested()
