@@ -50,7 +50,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from metricbus.adapter import RunInfo, Status
+from metricbus.adapter import RunInfo, Status, is_live_target
 from metricbus.errors import ConfigError
 from metricbus.histogram import Histogram
 
@@ -212,8 +212,7 @@ class JsonlAdapter:
         """Before a replay's open: refuse a path that is the live run's file (``live``: its jsonl identities)."""
         if self._path is None:  # the replay's own per-run file
             return
-        mine = os.path.realpath(self._path)
-        if any(os.path.realpath(known["path"]) == mine for known in live if known.get("path")):
+        if is_live_target(self._path, live=live, key="path"):
             raise ConfigError(
                 f"jsonl: {str(self._path)!r} is the live run's file (the journal's delivery cursor names it), and a "
                 "replay opens a run of its own: it never adds to the live file, where each step would then be "

@@ -45,7 +45,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
 
-from metricbus.adapter import RunInfo, Status
+from metricbus.adapter import RunInfo, Status, is_live_target
 from metricbus.errors import AdapterNotFoundError, ConfigError
 from metricbus.histogram import Histogram
 
@@ -293,8 +293,7 @@ class TensorBoardAdapter:
         """Before a replay's open: refuse a folder that is the live run's (``live``: its TensorBoard identities)."""
         if self._log_dir is None:  # the replay's own per-run folder
             return
-        mine = os.path.realpath(self._log_dir)
-        if any(os.path.realpath(known["log_dir"]) == mine for known in live if known.get("log_dir")):
+        if is_live_target(self._log_dir, live=live, key="log_dir"):
             raise ConfigError(
                 f"tensorboard: {self._log_dir!r} is the live run's folder (the journal's delivery cursor names it), "
                 "and a replay opens a run of its own: it never adds events to the live folder, where each step would "

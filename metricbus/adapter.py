@@ -43,9 +43,10 @@ Optional, looked up with ``getattr``:
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -55,6 +56,13 @@ Status = Literal["finished", "failed"]
 
 def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(value or {}))
+
+
+def is_live_target(target: str | os.PathLike[str], *, live: Sequence[Mapping[str, str]], key: str) -> bool:
+    """For an adapter's ``new_run``: True if ``target`` (a file or folder) is the one ``key`` names in one of the live
+    run's identities ``live`` (the same file after symlinks)."""
+    mine = os.path.realpath(target)
+    return any(os.path.realpath(known[key]) == mine for known in live if known.get(key))
 
 
 def new_run_id(now_ns: int | None = None) -> str:

@@ -230,11 +230,7 @@ class Collector:
         if acc is None or nan == acc.nan:
             return
         with self.lock:
-            reduced = (
-                acc.state.count > 0
-                or any(name in update for update in self._done)
-                or (self._device is not None and name in self._device.names())
-            )
+            reduced = acc.state.count > 0 or self._in_updates(name)
             if reduced:
                 raise SpecError(
                     f"{what} gives {name!r} nan={nan!r}, but records of it were already reduced here under "
@@ -262,16 +258,18 @@ class Collector:
         if nan == acc.nan:
             return
         name = acc.name
-        logged = (
-            acc.pending
-            or any(name in update for update in self._done)
-            or (self._device is not None and name in self._device.names())
-        )
+        logged = acc.pending or self._in_updates(name)
         if logged:
             raise SpecError(
                 f"{what} gives {name!r} nan={nan!r}, but its records were already logged under nan={acc.nan!r}; "
                 f"declare its spec before logging {name!r}, or give it the same nan= policy"
             )
+
+    def _in_updates(self, name: str) -> bool:
+        """True if ``name`` has records in an update already ended, or on the device (caller holds the lock)."""
+        return any(name in update for update in self._done) or (
+            self._device is not None and name in self._device.names()
+        )
 
     def _respec(self, acc: Accumulator) -> None:
         """``acc``'s name got another spec (adopted, or a declaration replaced the default): use its nan policy."""

@@ -275,12 +275,17 @@ class BusMachine(RuleBasedStateMachine):
             self.tmp.cleanup()
 
 
-BusMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("MB_EXAMPLES", "60")),  # 1,500 before a change here (~90 s)
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+def _settings(*, share: int, steps: int) -> settings:
+    """A machine's settings: ``MB_EXAMPLES`` (60; 3,000 before a change here, ~90 s a machine) over ``share``."""
+    return settings(
+        max_examples=int(os.environ.get("MB_EXAMPLES", "60")) // share,
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+BusMachine.TestCase.settings = _settings(share=1, steps=40)
 TestBus = BusMachine.TestCase
 
 
@@ -419,12 +424,7 @@ class DriverMachine(RuleBasedStateMachine):
             bus.close()
 
 
-DriverMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("MB_EXAMPLES", "60")) // 2,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+DriverMachine.TestCase.settings = _settings(share=2, steps=40)
 TestDriver = DriverMachine.TestCase
 
 
@@ -520,10 +520,5 @@ def _signless(rows: list[tuple[int, dict[str, bytes]]]) -> list[tuple[int, dict[
     return [(s, {k: _bits(0.0) if v == negative_zero else v for k, v in row.items()}) for s, row in rows]
 
 
-RunMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("MB_EXAMPLES", "60")) // 2,
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+RunMachine.TestCase.settings = _settings(share=2, steps=25)
 TestRuns = RunMachine.TestCase
