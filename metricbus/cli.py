@@ -28,7 +28,7 @@ from metricbus.cli_views import UsageError as _UsageError
 from metricbus.cli_views import inspect as _inspect
 from metricbus.cli_views import show as _show
 from metricbus.cli_views import span as _span
-from metricbus.errors import ConfigError, MetricBusError, SpecError
+from metricbus.errors import ConfigError, JournalError, MetricBusError, SpecError
 from metricbus.journal import JournalWarning, stream_journal
 from metricbus.journal.cursors import identity_of
 from metricbus.replay import (
@@ -250,7 +250,7 @@ def _sync(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C while closing the adapters
         err.write("interrupted; run sync again to resume\n")
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
+    except (BrokenPipeError, JournalError):  # (a cursor that cannot be written: not the backend's failure)
         raise
     except Exception as exc:
         raise _BackendError(f"{type(exc).__name__}: {exc} (cursors keep the acknowledged steps)") from exc

@@ -99,3 +99,30 @@ def test_a_damaged_gaps_record_is_skipped_with_a_warning_not_a_backend_failure(
         for n, v in ((2, "inf"), (3, "2.7"))
     ]
     assert [step for step, _ in read_jsonl(out)] == [0, 1, 2, 3, 1]
+
+
+def test_a_cursor_folder_that_cannot_be_written_is_no_backend_failure(tmp_path: Path) -> None:
+    """Found by the journal-damage review: 'cursors' a regular file made sync end 'a backend failed:
+    FileExistsError' (exit 1), blaming the backend; now one line naming the cursor and the folder (exit 2)."""
+    import json
+
+    from metricbus import MetricBus
+
+    journal, out = tmp_path / "j", tmp_path / "out.jsonl"
+    bus = MetricBus(dist=None, journal=str(journal), adapters=[f"jsonl:{out}"])
+    for step in range(3):
+        bus.log("x", float(step))
+        bus.commit(step)
+    bus.close()
+    for cursor in (journal / "cursors").iterdir():
+        cursor.unlink()
+    (journal / "cursors").rmdir()
+    (journal / "cursors").write_text("not a folder", encoding="utf-8")
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"adapters": [f"jsonl:{out}"]}), encoding="utf-8")
+    code, _, err = _cli("sync", str(journal), "--config", str(config))
+    assert code == 2
+    assert "cannot write the delivery cursor" in err
+    assert f"make {journal / 'cursors'} a writable folder" in err
+    assert "a backend failed" not in err
+    assert "Traceback" not in err

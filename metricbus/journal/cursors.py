@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from metricbus.errors import JournalWarning
+from metricbus.errors import JournalError, JournalWarning
 
 
 def adapter_key(adapter: Any) -> str:
@@ -174,7 +174,6 @@ class CursorStore:
             rewind = self._pending_of(key)
         if rewind is not None and step is not None and step >= rewind:
             rewind = None  # a step at or after it acknowledged: its sender rewound the backend first
-        self.directory.mkdir(parents=True, exist_ok=True)
         target = self._path(key)
         tmp = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         record = {
@@ -184,8 +183,16 @@ class CursorStore:
             "identity": None if identity is None else dict(identity),
             "rewind": rewind,
         }
-        tmp.write_text(json.dumps(record), encoding="utf-8")
-        os.replace(tmp, target)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(record), encoding="utf-8")
+            os.replace(tmp, target)
+        except OSError as exc:  # the journal's folder, not the backend: say where
+            raise JournalError(
+                f"cannot write the delivery cursor {target} ({exc.strerror or exc}); make {self.directory} a "
+                "writable folder: until then what the backend acknowledges is not recorded, and the next sync or "
+                "resume sends those steps again"
+            ) from exc
         self._held[key] = (step, None if identity is None else dict(identity))
         self._pending[key] = rewind
 
