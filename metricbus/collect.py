@@ -222,22 +222,26 @@ class Collector:
     def check_adopted_nan(self, name: str, spec: Spec, what: str) -> None:
         """Before ``spec`` (from ``what``, a worker's declaration ingest() adopts) replaces ``name``'s spec here:
         its records buffered here are reduced under the new nan= policy when they are folded (so a worker's
-        nan='ignore' drops this bus's NaN records too), but those already reduced under the old one cannot follow
-        it (a SpecError, as for define()), and under nan='error' a buffered non-finite record is a MetricValueError
-        now, where log() would have raised."""
+        nan='ignore' drops this bus's NaN records too). Those already reduced (folded at 256 buffered records, in an
+        ended update, or put back by a refused commit) are summaries: they fit the new policy where they hold no
+        NaN or infinite record and were reduced under a policy that dropped none (else a SpecError, as for
+        define(); so are tensor records, not read back to check). Under nan='error' a non-finite record of this
+        bus's is a MetricValueError now, where log() would have raised."""
         acc = self.accs.get(name)
         nan = spec.nan or self._nan
         if acc is None or nan == acc.nan:
             return
         with self.lock:
-            reduced = acc.state.count > 0 or self._in_updates(name)
-            if reduced:
+            reduced = [s for s in (acc.state, *(u[name] for u in self._done if name in u)) if s.count]
+            held_nan = not all(math.isfinite(s.min) and math.isfinite(s.max) for s in reduced)
+            on_device = self._device is not None and name in self._device.names()
+            if on_device or (reduced and (acc.nan == "ignore" or (held_nan and nan == "ignore"))):
                 raise SpecError(
                     f"{what} gives {name!r} nan={nan!r}, but records of it were already reduced here under "
                     f"nan={acc.nan!r}; declare the same nan= policy on this bus (a rule or agg=) before logging "
                     f"{name!r}. Nothing of this ingest() was taken"
                 )
-            finite = all(map(math.isfinite, (*acc.plain, *acc.values))) and all(
+            finite = not held_nan and all(map(math.isfinite, (*acc.plain, *acc.values))) and all(
                 bool(np.isfinite(chunk).all()) for chunk in acc.chunks
             )
             if nan == "error" and not finite:
