@@ -4,11 +4,17 @@ ingest(), steps lost to damage in a rank file, drop_ingested(). One regression t
 from __future__ import annotations
 
 import math
+import struct
+import warnings
+from pathlib import Path
 
 import pytest
 
 from metricbus import Agg, MetricBus
-from metricbus.errors import MetricValueError, SpecError, StepError
+from metricbus.adapter import RunInfo
+from metricbus.errors import JournalWarning, MetricValueError, SpecError, StepError
+from metricbus.journal import open_journal, read_journal
+from metricbus.journal.scan import Gap
 
 
 def _declared_error(value: float) -> object:
@@ -59,3 +65,59 @@ def test_a_declared_policy_still_refuses_the_drivers_reduced_nan() -> None:
             driver.ingest([part])
         assert math.isnan(driver.commit(0)["a"])
         driver.close()
+
+
+def _window_journal(path: Path, steps: list[int]) -> None:
+    """Three rank files of log_every=3 commits of 10 tokens at ``steps``, as torch.distributed ranks write them."""
+    run = RunInfo(id="review-windows")
+    for rank in range(3):
+        writer = open_journal(path=path, fsync="never", rank=rank, run=run, rules=[], log_every=3)
+        for step in steps:
+            bus = MetricBus(dist=None, rules={"tokens": "sum"})
+            bus.log("tokens", 10.0)
+            writer.append(step=step, entries=[(rank, bus.export())])
+            bus.close()
+        writer.close()
+
+
+def _flip_frame(path: Path, kind: bytes, *, step: int | None = None, nth: int = 0) -> None:
+    """Flip a byte in the middle of the ``nth`` frame of ``kind`` (a commit: the one of ``step``) of ``path``."""
+    data = bytearray(path.read_bytes())
+    pos, seen = 8, 0  # after the magic
+    while pos < len(data):
+        (length,) = struct.unpack_from("<I", data, pos)
+        if data[pos + 8 : pos + 9] == kind and (step is None or struct.unpack_from("<q", data, pos + 9)[0] == step):
+            if seen == nth:
+                data[pos + 8 + length // 2] ^= 0xFF
+                path.write_bytes(bytes(data))
+                return
+            seen += 1
+        pos += 8 + length
+    raise AssertionError(f"no {kind!r} frame in {path}")
+
+
+def _read_damaged(path: Path) -> tuple[list[Gap], list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", JournalWarning)
+        journal = read_journal(path)
+    return journal.holes, [str(w.message) for w in caught if "lost its commits" in str(w.message)]
+
+
+def test_a_log_every_window_names_the_steps_damage_took_and_only_those(tmp_path: Path) -> None:
+    """log_every=3, steps 0, 10, ..., 80 on three ranks: a flipped byte in rank 1's "W" frame (nothing lost, the
+    replay the same) was reported as 'lost its commits at steps 21..29'; its commit at step 20 lost was reported as
+    steps 11..19 (not 20), and its commit at step 4 of steps 0..8 not at all. The "W" frame lists the
+    window's steps: those it lost are now named exactly, and a damaged "W" frame alone names none."""
+    steps = list(range(0, 90, 10))
+    _window_journal(tmp_path / "w", steps)
+    _flip_frame(sorted((tmp_path / "w").glob("*.mbj"))[1], b"W")
+    assert _read_damaged(tmp_path / "w") == ([], [])
+    _window_journal(tmp_path / "c", steps)
+    _flip_frame(sorted((tmp_path / "c").glob("*.mbj"))[1], b"P", step=20)
+    holes, messages = _read_damaged(tmp_path / "c")
+    assert holes == [Gap(1, 20, 20)]
+    assert len(messages) == 1
+    assert "lost its commits at step 20 to damaged bytes" in messages[0]
+    _window_journal(tmp_path / "e", list(range(9)))
+    _flip_frame(sorted((tmp_path / "e").glob("*.mbj"))[1], b"P", step=4)
+    assert _read_damaged(tmp_path / "e")[0] == [Gap(1, 4, 4)]

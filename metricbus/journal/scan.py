@@ -284,7 +284,7 @@ def index_file(path: Path) -> FileIndex:
             _warn(path, f"torn or damaged record at byte {pos}; skipped the last {size - pos} bytes")
         else:
             _warn(path, f"damaged record at byte {pos}; skipped {resume - pos} bytes")
-            if hole is None:
+            if hole is None and window is None:  # (log_every > 1: the window's "W" frame names what was lost)
                 hole = last
 
     with file:
@@ -377,6 +377,7 @@ def index_file(path: Path) -> FileIndex:
                         if window is not None:
                             for where, lost in window.losses(listed, pos, rf.damaged).items():
                                 phantoms.setdefault(where, []).extend(lost)
+                                holes.extend(_runs(lost))  # the steps it lost, exactly (they may jump)
                                 if where == pos:  # the window's last commits: the file's last step so far
                                     tails.add(pos)
                                     last = lost[-1] if last is None else max(last, lost[-1])
@@ -410,6 +411,17 @@ def index_file(path: Path) -> FileIndex:
     return FileIndex(rf, size, bad, limits_of(resets), last, long=long, sound=sound, phantoms=phantoms, tails=tails,
                      segments=[(first, final, at) for first, final, at in segments], resets=resets, commits=ordinal,
                      holes=holes)
+
+
+def _runs(steps: list[int]) -> list[tuple[int, int]]:
+    """``steps`` (ascending) as ``(first, last)`` runs of consecutive or repeated steps."""
+    out: list[tuple[int, int]] = []
+    for step in steps:
+        if out and step <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], step)
+        else:
+            out.append((step, step))
+    return out
 
 
 def limits_of(resets: list[tuple[int, int]]) -> list[tuple[int, int]]:
