@@ -15,6 +15,7 @@ from metricbus.adapter import RunInfo
 from metricbus.errors import JournalWarning, MetricValueError, SpecError, StepError
 from metricbus.journal import open_journal, read_journal
 from metricbus.journal.scan import Gap
+from metricbus.replay import emitted
 
 
 def _declared_error(value: float) -> object:
@@ -121,3 +122,33 @@ def test_a_log_every_window_names_the_steps_damage_took_and_only_those(tmp_path:
     _window_journal(tmp_path / "e", list(range(9)))
     _flip_frame(sorted((tmp_path / "e").glob("*.mbj"))[1], b"P", step=4)
     assert _read_damaged(tmp_path / "e")[0] == [Gap(1, 4, 4)]
+
+
+def _resumed_journal(path: Path, segments: list[range]) -> None:
+    """Three rank files, each written by one writer per range of ``segments`` (a resume from a checkpoint)."""
+    run = RunInfo(id="review-resumed")
+    for rank in range(3):
+        for steps in segments:
+            writer = open_journal(path=path, fsync="never", rank=rank, run=run, rules=[], log_every=1)
+            for step in steps:
+                bus = MetricBus(dist=None, rules={"tokens": "sum"})
+                bus.log("tokens", 10.0)
+                writer.append(step=step, entries=[(rank, bus.export())])
+                bus.close()
+            writer.close()
+
+
+def test_damage_in_steps_a_resume_replaced_is_not_a_loss(tmp_path: Path) -> None:
+    """Steps 0..7, then a resume from step 4 (4..8), on three ranks: a flipped byte in rank 1's abandoned commit at
+    step 5 was warned 'rank 1's file lost its commits at step 5' (Journal.holes [Gap(1, 5, 5)]), though the resumed
+    timeline replaced it and the replay is the intact one. Steps a later commit of the file drops are not holes."""
+    _resumed_journal(tmp_path / "intact", [range(8), range(4, 9)])
+    intact = list(emitted(read_journal(tmp_path / "intact")))
+    _resumed_journal(tmp_path / "j", [range(8), range(4, 9)])
+    _flip_frame(sorted((tmp_path / "j").glob("*.mbj"))[1], b"P", step=5)  # the first writer's
+    assert _read_damaged(tmp_path / "j") == ([], [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JournalWarning)  # the damaged record's own warning
+        assert list(emitted(read_journal(tmp_path / "j"))) == intact
+    _flip_frame(sorted((tmp_path / "j").glob("*.mbj"))[1], b"P", step=5, nth=1)  # the resumed writer's: lost
+    assert _read_damaged(tmp_path / "j")[0] == [Gap(1, 5, 5)]

@@ -315,6 +315,7 @@ def index_file(path: Path) -> FileIndex:
         def reset(step: int) -> None:  # the commit read next (ordinal) drops the file's steps >= step
             resets.append((ordinal, step))
             rf.gaps = [g for g in (_clip(g, step) for g in rf.gaps) if g is not None]
+            holes[:] = [(low, min(high, step - 1)) for low, high in holes if low < step]  # replaced, not lost
         for at, span, k in FrameSource(file, size, reuse=True).frames(damage, runs=True):
             steps = _run_steps(span, k) if k > 1 else None
             repeats = steps is not None and int(steps[0]) == last and before  # its first commit, the one before?
