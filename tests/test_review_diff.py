@@ -152,3 +152,14 @@ def test_damage_in_steps_a_resume_replaced_is_not_a_loss(tmp_path: Path) -> None
         assert list(emitted(read_journal(tmp_path / "j"))) == intact
     _flip_frame(sorted((tmp_path / "j").glob("*.mbj"))[1], b"P", step=5, nth=1)  # the resumed writer's: lost
     assert _read_damaged(tmp_path / "j")[0] == [Gap(1, 5, 5)]
+
+
+def test_a_files_first_commit_lost_to_damage_is_named(tmp_path: Path) -> None:
+    """Steps 0..5 on three ranks: rank 1's commit at step 0 lost to a flipped byte replayed step 0 with 20 tokens
+    where live had 30, with no step named (nothing was read before the damage); the file's "K" frame says where its
+    first writer's commits start, so step 0 is named."""
+    _resumed_journal(tmp_path, [range(6)])
+    _flip_frame(sorted(tmp_path.glob("*.mbj"))[1], b"P", step=0)
+    holes, messages = _read_damaged(tmp_path)
+    assert holes == [Gap(1, 0, 0)]
+    assert len(messages) == 1

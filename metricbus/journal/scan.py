@@ -273,6 +273,7 @@ def index_file(path: Path) -> FileIndex:
 
     holes: list[tuple[int, int]] = []
     hole: int | None = None  # damage after a commit at this step: the steps up to the next commit read are lost
+    before_first: int | None = None  # the step before the file's first writer's first commit (its "K" frame)
 
     def damage(pos: int, resume: int | None) -> None:
         nonlocal start, hole
@@ -285,7 +286,7 @@ def index_file(path: Path) -> FileIndex:
         else:
             _warn(path, f"damaged record at byte {pos}; skipped {resume - pos} bytes")
             if hole is None and window is None:  # (log_every > 1: the window's "W" frame names what was lost)
-                hole = last
+                hole = last if last is not None else before_first
 
     with file:
         size = os.fstat(file.fileno()).st_size
@@ -386,6 +387,8 @@ def index_file(path: Path) -> FileIndex:
                             window = window.next(rf.damaged)
                     elif kind == b"K":  # a writer's first commit is at this step, read or not
                         (first,) = SEGMENT.unpack(payload[1:])
+                        if last is None:  # damage before any commit read: the steps from ``first`` on are lost
+                            before_first = first - 1
                         if opened or not segments:  # the writer's first commit is at ``first``, read or not
                             wrote(first, first)
                         if last is not None and first <= last:  # drops steps >= first
