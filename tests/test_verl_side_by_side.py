@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Iterator
+from fractions import Fraction
 from pathlib import Path
 from types import ModuleType
 
@@ -71,3 +72,43 @@ def test_main_prints_the_table(bench: ModuleType, capsys: pytest.CaptureFixture[
     assert out.startswith("$ .venv/bin/python benchmarks/verl_side_by_side.py --steps 1\n")
     assert sum(line.lstrip().startswith(("1x", "2x", "4x")) for line in out.splitlines()) == 24
     assert "Summary: metricbus max |rel err|" in out
+
+
+def test_a_verl_worker_groups_merged_result_gives_each_ranks_partial(bench: ModuleType) -> None:
+    """verl 0.9.1's own DataProto.concat (how its worker groups merge the ranks' results): a Partial directly under
+    meta_info["metrics"] fails in it (AttributeError: 'Partial' object has no attribute 'keys'), so each rank
+    returns meta_info={"metrics": {"metricbus": bus.export()}}, which concat makes a list; gather_partials takes
+    each as one worker, in rank order (before: 'returned no Partial'), bit for bit one bus logging everything."""
+    from metricbus import Agg, MetricBus
+    from metricbus.integrations.ray import VERL_KEY, gather_partials
+
+    data_proto = bench.load_verl().DataProto
+    rules = {"actor/pg_loss": Agg(micro="sum", update="mean", rank="mean"), "actor/tokens": "sum"}
+    whole = MetricBus(dist=None, rules=rules)
+    protos = []
+    for rank in range(3):
+        worker = MetricBus(dist=None, rules=rules)
+        for micro in range(2):
+            for b in (worker, whole):
+                b.log("actor/pg_loss", 0.1 * rank + 0.01 * micro)
+                b.log("actor/tokens", float(10 * rank + micro))
+        protos.append(data_proto(meta_info={"metrics": {VERL_KEY: worker.export()}}))
+        worker.close()
+    with pytest.raises(AttributeError, match="'Partial' object has no attribute 'keys'"):
+        data_proto.concat([data_proto(meta_info={"metrics": part.meta_info["metrics"][VERL_KEY]}) for part in protos])
+    merged = data_proto.concat(protos)
+    driver = MetricBus(dist=None)
+    driver.ingest(gather_partials([merged]))
+    out = driver.commit(0)
+    assert out["actor/tokens"] == whole.commit(0)["actor/tokens"] == 63.0
+    direct = MetricBus(dist=None)  # the ranks' results as each returned it: three workers
+    direct.ingest(gather_partials(protos))
+    assert out == direct.commit(0)
+    sums = [float(Fraction(0.1 * r) + Fraction(0.1 * r + 0.01)) for r in range(3)]  # each rank's sum, rounded
+    assert out["actor/pg_loss"] == float(sum(map(Fraction, sums)) / 3)  # their exact mean, rounded once
+    direct.close()
+    repeated = data_proto.concat([protos[0], protos[0]])
+    with pytest.raises(ValueError, match=r"worker 0, rank 0 and worker 0, rank 1 hold the same result"):
+        gather_partials([repeated])
+    driver.close()
+    whole.close()

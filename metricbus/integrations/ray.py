@@ -26,7 +26,9 @@ from typing import Any
 from metricbus.errors import DistributedError
 from metricbus.partial import Partial
 
-__all__ = ["gather_partials", "partial_of"]
+__all__ = ["VERL_KEY", "gather_partials", "partial_of", "partials_in"]
+
+VERL_KEY = "metricbus"  # a verl rank's partial: DataProto(meta_info={"metrics": {VERL_KEY: bus.export()}})
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _MAX_REASON = 300  # characters of a Ray error kept in the message; the whole error is the exception's __cause__
@@ -42,8 +44,10 @@ def gather_partials(
     ``results`` maps worker names to what each worker's remote call returned (Ray ``ObjectRef``s, or values), or
     lists them in worker order (named ``worker 0``, ``worker 1``, ...). Each result is a
     :class:`~metricbus.partial.Partial`, a mapping holding one under ``key``, or an object whose ``meta_info``
-    mapping holds one there (verl's ``DataProto``). ``timeout_s`` bounds the whole wait (``None`` or ``math.inf``:
-    no bound; a dead actor is reported as soon as Ray knows, without a timeout).
+    mapping holds one there (verl's ``DataProto``); there a mapping may hold it under ``"metricbus"``, or a list
+    of them, one per rank, as verl's worker groups merge ``meta_info={"metrics": {"metricbus": bus.export()}}``
+    (see :func:`partials_in`): each counts as one worker, in that order. ``timeout_s`` bounds the whole wait
+    (``None`` or ``math.inf``: no bound; a dead actor is reported as soon as Ray knows, without a timeout).
 
     Raises ``ValueError`` when two workers' results are the same ``ObjectRef`` or ``Partial`` (ingested twice, it
     would count as two workers). Raises :class:`~metricbus.errors.DistributedError` naming each worker that died,
@@ -64,17 +68,17 @@ def gather_partials(
     _refuse_repeats(names, [item if ray is not None and isinstance(item, ray.ObjectRef) else None for item in items])
     values, failed, causes = _fetch(items, timeout_s=timeout_s)
     out: list[Partial] = []
-    found: list[int | None] = [None] * len(items)
+    held: list[str] = []  # each partial's worker, for _refuse_repeats
     for i, value in enumerate(values):
         if i in failed:
             continue
-        part = partial_of(value, key=key)
-        if part is None:
+        parts = partials_in(value, key=key)
+        if parts is None:
             failed[i] = _no_partial(value, key=key)
-        else:
-            out.append(part)
-            found[i] = id(part)
-    _refuse_repeats(names, found)
+            continue
+        out.extend(parts)
+        held.extend(names[i] if len(parts) == 1 else f"{names[i]}, rank {j}" for j in range(len(parts)))
+    _refuse_repeats(held, [id(part) for part in out])
     if failed:
         lines = "\n".join(f"  {names[i]}: {failed[i]}" for i in sorted(failed))
         error = DistributedError(
@@ -102,15 +106,29 @@ def _refuse_repeats(names: list[str], keys: list[Any]) -> None:
 
 def partial_of(result: Any, *, key: str = "metrics") -> Partial | None:
     """The partial in one worker's result: the result itself, ``result[key]``, or ``result.meta_info[key]``."""
+    parts = partials_in(result, key=key)
+    return parts[0] if parts is not None and len(parts) == 1 else None
+
+
+def partials_in(result: Any, *, key: str = "metrics") -> list[Partial] | None:
+    """The partials in one result, each a worker in order: the result itself, ``result[key]``, or
+    ``result.meta_info[key]``; there, a Partial, or (what verl's ``DataProto.concat`` makes of the ranks'
+    ``meta_info={"metrics": {"metricbus": bus.export()}}`` when a worker group merges them) a mapping whose
+    ``"metricbus"`` holds one or a list of them. None where there is none."""
     if isinstance(result, Partial):
-        return result
+        return [result]
     meta = getattr(result, "meta_info", None)
     if isinstance(meta, Mapping):  # verl's DataProto(meta_info={"metrics": ...})
         result = meta
-    if isinstance(result, Mapping):
-        found = result.get(key)
-        if isinstance(found, Partial):
-            return found
+    if not isinstance(result, Mapping):
+        return None
+    found = result.get(key)
+    if isinstance(found, Mapping):  # verl's metrics dict, the partial under "metricbus" (one rank, or merged)
+        found = found.get(VERL_KEY)
+    if isinstance(found, Partial):
+        return [found]
+    if isinstance(found, (list, tuple)) and found and all(isinstance(part, Partial) for part in found):
+        return list(found)
     return None
 
 
