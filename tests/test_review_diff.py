@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import struct
 import warnings
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
@@ -68,17 +69,24 @@ def test_a_declared_policy_still_refuses_the_drivers_reduced_nan() -> None:
         driver.close()
 
 
-def _window_journal(path: Path, steps: list[int]) -> None:
-    """Three rank files of log_every=3 commits of 10 tokens at ``steps``, as torch.distributed ranks write them."""
-    run = RunInfo(id="review-windows")
+def _rank_journal(path: Path, segments: Sequence[Iterable[int]], *, log_every: int) -> None:
+    """Three rank files of commits of 10 tokens, one writer per item of ``segments`` (its steps; more than one: a
+    resume from a checkpoint), as torch.distributed ranks write them."""
+    run = RunInfo(id="review-ranks")
     for rank in range(3):
-        writer = open_journal(path=path, fsync="never", rank=rank, run=run, rules=[], log_every=3)
-        for step in steps:
-            bus = MetricBus(dist=None, rules={"tokens": "sum"})
-            bus.log("tokens", 10.0)
-            writer.append(step=step, entries=[(rank, bus.export())])
-            bus.close()
-        writer.close()
+        for steps in segments:
+            writer = open_journal(path=path, fsync="never", rank=rank, run=run, rules=[], log_every=log_every)
+            for step in steps:
+                bus = MetricBus(dist=None, rules={"tokens": "sum"})
+                bus.log("tokens", 10.0)
+                writer.append(step=step, entries=[(rank, bus.export())])
+                bus.close()
+            writer.close()
+
+
+def _window_journal(path: Path, steps: list[int]) -> None:
+    """Three rank files of log_every=3 commits of 10 tokens at ``steps``."""
+    _rank_journal(path, [steps], log_every=3)
 
 
 def _flip_frame(path: Path, kind: bytes, *, step: int | None = None, nth: int = 0) -> None:
@@ -126,16 +134,7 @@ def test_a_log_every_window_names_the_steps_damage_took_and_only_those(tmp_path:
 
 def _resumed_journal(path: Path, segments: list[range]) -> None:
     """Three rank files, each written by one writer per range of ``segments`` (a resume from a checkpoint)."""
-    run = RunInfo(id="review-resumed")
-    for rank in range(3):
-        for steps in segments:
-            writer = open_journal(path=path, fsync="never", rank=rank, run=run, rules=[], log_every=1)
-            for step in steps:
-                bus = MetricBus(dist=None, rules={"tokens": "sum"})
-                bus.log("tokens", 10.0)
-                writer.append(step=step, entries=[(rank, bus.export())])
-                bus.close()
-            writer.close()
+    _rank_journal(path, segments, log_every=1)
 
 
 def test_damage_in_steps_a_resume_replaced_is_not_a_loss(tmp_path: Path) -> None:
