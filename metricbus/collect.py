@@ -180,7 +180,7 @@ class Collector:
         else:
             spec = table.resolve(name, agg)  # raises for a different explicit spec
         if acc is None:
-            acc = Accumulator(name=name, spec=spec, nan=spec.nan or self._nan)
+            acc = Accumulator(name=name, spec=spec, nan=self.nan_of(spec))
             self.accs[name] = acc
             self._plain = None
             if name not in introduced and acc.nan == "propagate":
@@ -228,7 +228,7 @@ class Collector:
         define(); so are tensor records, not read back to check). Under nan='error' a non-finite record of this
         bus's is a MetricValueError now, where log() would have raised."""
         acc = self.accs.get(name)
-        nan = spec.nan or self._nan
+        nan = self.nan_of(spec)
         if acc is None or nan == acc.nan:
             return
         with self.lock:
@@ -250,7 +250,7 @@ class Collector:
                     f"value (logged under nan={acc.nan!r}). Nothing of this ingest() was taken"
                 )
 
-    def nan_of(self, spec: Spec) -> str:
+    def nan_of(self, spec: Spec) -> NanPolicy:
         """The nan= policy ``spec`` has on this bus (its own, else the bus's)."""
         return spec.nan or self._nan
 
@@ -258,7 +258,7 @@ class Collector:
         """Refuse a spec (from ``what``) whose nan= policy differs from the one ``acc``'s records not yet committed
         were logged under (they were checked or dropped at log() by it, and reduced by it): buffered, in an update
         already ended, or on the device."""
-        nan = spec.nan or self._nan
+        nan = self.nan_of(spec)
         if nan == acc.nan:
             return
         name = acc.name
@@ -286,7 +286,7 @@ class Collector:
                 acc.state = with_sketch(acc.state, unknown(acc.state.count))
         acc.sketched = micro_sketch(spec)
         acc.spec = spec
-        nan = acc.spec.nan or self._nan
+        nan = self.nan_of(acc.spec)
         acc.nan = nan  # buffered records are folded under it too (a fold of >= FOLD_AT records already happened)
         if nan == "propagate":
             self.fast[acc.name] = acc.plain

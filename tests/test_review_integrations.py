@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from metricbus import MetricBus
 from metricbus.testing import MemoryAdapter
+from tests.test_review_lifecycle import LIGHTNING_ADVICE
 
 TESTS = Path(__file__).resolve().parent
 
@@ -95,14 +96,7 @@ def test_hf_two_eval_datasets_at_one_step_keep_that_step(tmp_path: Path) -> None
     assert got == pytest.approx(expected, rel=1e-12)
 
 
-QUIET_LIGHTNING = [  # Lightning's advice for real runs, not about what these tests check
-    "ignore:.*does not have many workers.*",
-    "ignore:.*smaller than the logging interval.*",
-    "ignore:.*GPU available but not used.*",
-    "ignore:.*litlogger.*",
-    "ignore:.*no `val_dataloader`.*",
-    "ignore:.*configured so 1 batch will be used.*",
-]
+QUIET_LIGHTNING = [*LIGHTNING_ADVICE, "ignore:.*configured so 1 batch will be used.*"]
 
 
 @pytest.mark.filterwarnings(*QUIET_LIGHTNING)

@@ -22,7 +22,7 @@ from metricbus.testing import MemoryAdapter
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-QUIET_LIGHTNING = [  # Lightning's advice for real runs, not about what these tests check
+LIGHTNING_ADVICE = [  # Lightning's advice for real runs, not about what these tests check (test_review_integrations)
     "ignore:.*does not have many workers.*",
     "ignore:.*smaller than the logging interval.*",
     "ignore:.*GPU available but not used.*",
@@ -168,7 +168,7 @@ def test_hf_a_bus_past_the_trainers_step_fails_at_train_begin(tmp_path: Path) ->
     assert memory.rows == rows
 
 
-@pytest.mark.filterwarnings(*QUIET_LIGHTNING)
+@pytest.mark.filterwarnings(*LIGHTNING_ADVICE)
 def test_lightning_a_closed_bus_given_to_the_callback_fails_at_setup(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
