@@ -248,6 +248,13 @@ def inspect(journal: Source, out: TextIO) -> None:
                 "damaged bytes, the other ranks' hold them (replayed without it)"
             )
             continue
+        if (gap.rank, gap.first_step) in journal.within:
+            lines.append(
+                f"cut short   rank {gap.rank}: its file stops inside step {gap.first_step} (fewer commits there than "
+                f"the other ranks'), the other ranks' go on to step {gap.last_step} (it stopped between two commits, "
+                "or its last frames were lost; replayed without it)"
+            )
+            continue
         lines.append(
             f"cut short   rank {gap.rank}: its file stops at step {gap.first_step - 1}, the other ranks' go on to step "
             f"{gap.last_step} (it stopped between a commit's collectives and its journal write, or its last frames "

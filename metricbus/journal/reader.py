@@ -28,12 +28,16 @@ ranks are read. A directory where no file is readable, or a single file path tha
 
 Damage in the middle of a rank file (a flipped byte) loses the commits of the frames it hit: the steps between the
 commit read before it and the one read after it that other files hold are listed in ``short`` and ``holes`` and named
-in a :class:`JournalWarning`, as a rank cut short is (they are replayed without that rank's records).
+in a :class:`JournalWarning`, as a rank cut short is (they are replayed without that rank's records); so is a
+commit lost at the step of either of those two, where another file keeps more commits at that step
+(:func:`count_lost`: it is counted in its place, empty, so the commits after it merge with their own).
 
 Ranks cut short. Every torch.distributed rank journals every commit (an empty one too), after the commit's
 collectives. A rank stopped in between (SIGKILL, OOM) leaves its file without the steps the other ranks' files hold
 after it, in the same segment (the writers that started at the same step): those steps are then replayed without
-that rank's records, where live may have emitted them with its records. They are listed in ``short`` (one
+that rank's records, where live may have emitted them with its records (a file ending with fewer commits at its
+last step than another, the rank stopped between a step's two commits, is cut short from that step: ``within``).
+They are listed in ``short`` (one
 :class:`Gap` per rank and stretch; ``metricbus inspect`` shows them) and a :class:`JournalWarning` names them. A rank
 absent from a later segment (a run resumed with fewer ranks) is not cut short.
 """
@@ -201,11 +205,19 @@ class JournalStream(_Meta):
         self.files = [ix.file for ix in indexes]
         self.skipped = skipped
         self.gaps = _merge_gaps(self.files)
+        stale = replace_across(indexes)  # the files whose last commit another file's resume replaced
+        short, stops, within = cut_short(indexes)
+        for rank, final in count_lost(indexes, stops):  # also lacks commits at its last step: cut short from there
+            short = [Gap(rank, final, g.last_step) if g.rank == rank and g.first_step == final + 1 else g
+                     for g in short]
+            within.add((rank, final))
         self.holes = damaged_short(indexes)
-        self.short = sorted([*cut_short(indexes), *self.holes], key=lambda g: (g.rank, g.first_step))
+        self.short = sorted([*short, *self.holes], key=lambda g: (g.rank, g.first_step))
+        # (rank, step) of each gap of ``short`` that starts inside a step: that rank's file stops there, with fewer
+        # commits than another file holds at that step (the rank stopped between its training and evaluation commits)
+        self.within = frozenset(within)
         first = min(self.files, key=lambda rf: int(rf.headers[0].get("rank", 0)))
         self.header = first.headers[-1]
-        stale = replace_across(indexes)  # the files whose last commit another file's resume replaced
         steps = [ix.last_step for i, ix in enumerate(indexes) if ix.last_step is not None and i not in stale]
         self.last_step: int | None = max(steps) if steps else None  # (else a file's last commit is kept)
 
@@ -338,6 +350,11 @@ def stream_journal(directory: str | os.PathLike[str]) -> JournalStream:
             "other ranks' files hold them: those steps are replayed without its records, so live may have emitted "
             "other values there"
             if gap in holes
+            else f"journal {directory}: rank {gap.rank}'s file stops inside step {first}, with fewer commits there "
+            f"than the other ranks' files, which go on to step {final} in the same segment (the rank stopped between "
+            "two commits, or its last frames were lost): " + ("that step is" if first == final else "those steps are")
+            + " replayed without its records, so live may have emitted other values there"
+            if (gap.rank, first) in stream.within
             else f"journal {directory}: rank {gap.rank}'s file stops at step {gap.first_step - 1} where the other "
             f"ranks' files go on to step {gap.last_step} in the same segment (the rank stopped between a commit's "
             "collectives and its journal write, or its last frames were lost): those steps are replayed without its "
@@ -370,6 +387,7 @@ class Journal(_Meta):
     short: list[Gap] = field(default_factory=list)  # ranks cut short (see the module docstring)
     failed: frozenset[int] = frozenset()
     holes: list[Gap] = field(default_factory=list)  # those of ``short`` lost to damage mid-segment
+    within: frozenset[tuple[int, int]] = frozenset()  # as JournalStream.within
 
     @property
     def last_step(self) -> int | None:
@@ -383,7 +401,7 @@ class Journal(_Meta):
             keep -= 1
         return Journal(self.directory, self.header, self.files, self.commits[:keep], self.ranks, self.gaps,
                        self.skipped, frozenset(i for i in self.breaks if i < keep), self.short,
-                       frozenset(i for i in self.failed if i < keep), self.holes)
+                       frozenset(i for i in self.failed if i < keep), self.holes, self.within)
 
     def __len__(self) -> int:
         return len(self.commits)
@@ -423,7 +441,7 @@ def read_journal(directory: str | os.PathLike[str]) -> Journal:
         if commit.failed:
             failed.add(i)
     return Journal(stream.directory, stream.header, stream.files, commits, sorted(ranks), stream.gaps,
-                   stream.skipped, frozenset(breaks), stream.short, frozenset(failed), stream.holes)
+                   stream.skipped, frozenset(breaks), stream.short, frozenset(failed), stream.holes, stream.within)
 
 
 def _merge_gaps(files: list[RankFile]) -> list[Gap]:
@@ -468,6 +486,51 @@ def replace_across(indexes: list[FileIndex]) -> set[int]:
     return stale
 
 
+def count_lost(indexes: list[FileIndex], stops: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """Find the commits a rank file lost to damage at the steps of the commits read around the damage
+    (``FileIndex.mends``): a step's second commit (evaluation after training), or its first one. Where another file
+    keeps more commits at such a step than this one, the missing ones are added to this file's ``holes`` and counted
+    where they were, as empty commits (``FileIndex.phantoms``): so the commit read after the damage merges with the
+    other files' commit of its own place at that step (their evaluation with its evaluation, not with their
+    training), and the step is named as lost. Returns ``(rank, step)`` of each of ``stops`` (:func:`cut_short`)
+    whose file holds fewer commits at its last step than another file. One more pass over the frame headers of
+    every file, only where a journal of several files has such damage or a rank cut short."""
+    if len(indexes) < 2 or not (stops or any(ix.mends for ix in indexes)):
+        return []
+    wanted = {step for ix in indexes for before, after, _ in ix.mends for step in (before, after) if step is not None}
+    wanted.update(step for _, _, step in stops)
+    counts: list[dict[int, int]] = []
+    for ix in indexes:
+        count: dict[int, int] = {}
+        for step, _, _, _ in file_commits(ix, decode=False):
+            if step in wanted:
+                count[step] = count.get(step, 0) + 1
+        counts.append(count)
+    for i, ix in enumerate(indexes):
+        for before, after, at in ix.mends:
+            lost: list[int] = []
+            for step in (before, after) if before is not None and before != after else (after,):
+                most = max(c.get(step, 0) for j, c in enumerate(counts) if j != i)
+                lost.extend([step] * (most - counts[i].get(step, 0)))
+            if lost:
+                ix.phantoms.setdefault(at, []).extend(lost)
+                ix.holes.extend((step, step) for step in dict.fromkeys(lost))
+        ix.holes = _joined(ix.holes)
+    return [(rank, step) for i, rank, step in stops
+            if counts[i].get(step, 0) < max(c.get(step, 0) for j, c in enumerate(counts) if j != i)]
+
+
+def _joined(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(first, last)`` step spans, sorted, overlapping or adjacent ones joined."""
+    out: list[tuple[int, int]] = []
+    for low, high in sorted(spans):
+        if out and low <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], high))
+        else:
+            out.append((low, high))
+    return out
+
+
 def damaged_short(indexes: list[FileIndex]) -> list[Gap]:
     """The steps a rank file lost to damage in the middle of a segment (``FileIndex.holes``) that another file's
     segments hold (as :func:`cut_short`, by the segments' first and last steps): replayed without that rank."""
@@ -492,26 +555,38 @@ def damaged_short(indexes: list[FileIndex]) -> list[Gap]:
     return out
 
 
-def cut_short(indexes: list[FileIndex]) -> list[Gap]:
+def cut_short(indexes: list[FileIndex]) -> tuple[list[Gap], list[tuple[int, int, int]], set[tuple[int, int]]]:
     """The steps each rank file lacks that another file holds in a segment both started at the same step, before
-    any segment (of any file) starting at or below them replaced them (see the module docstring)."""
+    any segment (of any file) starting at or below them replaced them (see the module docstring); ``(file, rank,
+    step)`` of each file cut short, its segment's last step (whose commits :func:`count_lost` compares); and
+    ``(rank, step)`` of each file that ends at the others' last step with fewer commits there (the rank stopped
+    between a step's training and evaluation commits, or its last frame was lost): cut short at that step."""
     if len(indexes) < 2:
-        return []
+        return [], [], set()
     starts = sorted({first for ix in indexes for first, _, _ in ix.segments})
     out: list[Gap] = []
+    stops: list[tuple[int, int, int]] = []
+    within: set[tuple[int, int]] = set()
     for start in starts:
-        finals = {i: [final for first, final, _ in ix.segments if first == start] for i, ix in enumerate(indexes)}
+        finals = {i: [(final, ix.finals[k]) for k, (first, final, _) in enumerate(ix.segments) if first == start]
+                  for i, ix in enumerate(indexes)}
         most = max(len(f) for f in finals.values())
         # a file with fewer writers starting here than another missed the latest (a resume at the same step with
         # fewer ranks, or ranks added by an earlier one): which writer its segment was is unknown, so it is not compared
         ends = {i: f[-1] for i, f in finals.items() if len(f) == most}
         if len(ends) < 2:
             continue
-        latest = max(ends.values())
+        latest = max(final for final, _ in ends.values())
         later = [s for s in starts if start < s <= latest]
         if later:  # a later segment (a resume at that step) replaced the steps from there on
             latest = later[0] - 1
-        for i, final in ends.items():
+        full = max((n for final, n in ends.values() if final == latest), default=0)
+        for i, (final, n) in ends.items():
+            rank = int(indexes[i].file.headers[-1].get("rank", i))
             if final < latest:
-                out.append(Gap(int(indexes[i].file.headers[-1].get("rank", i)), final + 1, latest))
-    return sorted(out, key=lambda g: (g.rank, g.first_step))
+                out.append(Gap(rank, final + 1, latest))
+                stops.append((i, rank, final))
+            elif final == latest and n < full and not later:
+                out.append(Gap(rank, final, latest))
+                within.add((rank, final))
+    return sorted(out, key=lambda g: (g.rank, g.first_step)), stops, within

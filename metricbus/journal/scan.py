@@ -255,6 +255,12 @@ class FileIndex:
     resets: list[tuple[int, int]] = field(default_factory=list)  # ``(ordinal, step)``: what ``limits`` is made of
     commits: int = 0  # commits counted (the ordinal after the last one)
     holes: list[tuple[int, int]] = field(default_factory=list)  # steps (first, last) lost to damage mid-segment
+    # damage mid-segment (log_every 1) between commits at steps ``before`` (None: before the writer's first commit)
+    # and ``after``, the commit read after it at file offset ``at``: ``(before, after, at)``. Commits lost at those
+    # two steps themselves (a second commit at a step: evaluation after training) show only against the other files'
+    # counts of commits there (:func:`metricbus.journal.reader.count_lost`)
+    mends: list[tuple[int | None, int, int]] = field(default_factory=list)
+    finals: list[int] = field(default_factory=list)  # per segment: how many of its commits are at its last step
 
 
 def index_file(path: Path) -> FileIndex:
@@ -272,11 +278,13 @@ def index_file(path: Path) -> FileIndex:
     start: int | None = len(MAGIC)
 
     holes: list[tuple[int, int]] = []
+    mends: list[tuple[int | None, int, int]] = []
     hole: int | None = None  # damage after a commit at this step: the steps up to the next commit read are lost
+    hole_first = False  # that damage came before the writer's first commit read (``hole`` is its "K" step - 1)
     before_first: int | None = None  # the step before the file's first writer's first commit (its "K" frame)
 
     def damage(pos: int, resume: int | None) -> None:
-        nonlocal start, hole
+        nonlocal start, hole, hole_first
         if start is not None and start < pos:
             sound.append((start, pos))
         start = resume
@@ -286,7 +294,7 @@ def index_file(path: Path) -> FileIndex:
         else:
             _warn(path, f"damaged record at byte {pos}; skipped {resume - pos} bytes")
             if hole is None and window is None:  # (log_every > 1: the window's "W" frame names what was lost)
-                hole = last if last is not None else before_first
+                hole, hole_first = (last, False) if last is not None else (before_first, True)
 
     with file:
         size = os.fstat(file.fileno()).st_size
@@ -299,18 +307,22 @@ def index_file(path: Path) -> FileIndex:
         phantoms: dict[int, list[int]] = {}
         tails: set[int] = set()
         segments: list[list[int]] = []  # [first step, last step, first ordinal] of each segment's commits
+        finals: list[int] = []  # how many commits each segment holds at its last step
         opened = False  # a header was read since the last commit: the next commit (or "K" frame) opens a segment
         opened_at = 0  # the ordinal of the first commit after that header
 
-        def wrote(first: int, final: int) -> None:  # commits at steps first .. final were read in this segment
-            nonlocal opened, hole
+        def wrote(first: int, final: int, at: int, n: int = 1) -> None:  # commits at steps first .. final were
+            nonlocal opened, hole  # read in this segment, the first at file offset ``at``, ``n`` of them at ``final``
             if hole is not None:  # the first commit read after damage: the steps in between were in it
                 if first > hole + 1:
                     holes.append((hole + 1, first - 1))
+                mends.append((None if hole_first else hole, first, at))
                 hole = None
             if opened or not segments:
                 segments.append([first, final, opened_at])
+                finals.append(0)
                 opened = False
+            finals[-1] = finals[-1] + n if first == final == segments[-1][1] else n
             segments[-1][1] = final
 
         def reset(step: int) -> None:  # the commit read next (ordinal) drops the file's steps >= step
@@ -330,7 +342,7 @@ def index_file(path: Path) -> FileIndex:
                     stride = (len(span) + FRAME.size) // k
                     window.add((step, at + i * stride) for i, step in enumerate(steps.tolist()))
                 ordinal, last, new_segment, prior = ordinal + k, int(steps[-1]), False, b""
-                wrote(first, last)
+                wrote(first, last, at)
                 before = _print(split_run(at, span, k)[-1][1])
                 continue
             for pos, payload in split_run(at, span, k):
@@ -365,7 +377,7 @@ def index_file(path: Path) -> FileIndex:
                         if window is not None:
                             window.add(((step, pos),))
                         ordinal, last, new_segment, before = ordinal + 1, step, False, _print(payload)
-                        wrote(step, step)
+                        wrote(step, step, pos)
                     elif kind == b"L":  # commits whose write failed: each counts as an empty commit here
                         for step in lost_steps(payload[1:]):
                             if last is not None and step <= last and (new_segment or step < last):
@@ -373,7 +385,7 @@ def index_file(path: Path) -> FileIndex:
                             if window is not None:
                                 window.add(((step, pos),))
                             ordinal, last, new_segment, before = ordinal + 1, step, False, b""
-                            wrote(step, step)
+                            wrote(step, step, pos)
                     elif kind == b"W":  # the steps of the window just ended: what damage took is counted still
                         listed = window_steps(payload[1:])
                         if window is not None:
@@ -383,14 +395,14 @@ def index_file(path: Path) -> FileIndex:
                                 if where == pos:  # the window's last commits: the file's last step so far
                                     tails.add(pos)
                                     last = lost[-1] if last is None else max(last, lost[-1])
-                                    wrote(lost[0], last)
+                                    wrote(lost[0], last, pos, lost.count(last))
                             window = window.next(rf.damaged)
                     elif kind == b"K":  # a writer's first commit is at this step, read or not
                         (first,) = SEGMENT.unpack(payload[1:])
                         if last is None:  # damage before any commit read: the steps from ``first`` on are lost
                             before_first = first - 1
                         if opened or not segments:  # the writer's first commit is at ``first``, read or not
-                            wrote(first, first)
+                            wrote(first, first, pos, 0)
                         if last is not None and first <= last:  # drops steps >= first
                             reset(first)
                             last = first - 1  # so the segment's commits (at first, or later) reset nothing more
@@ -414,7 +426,7 @@ def index_file(path: Path) -> FileIndex:
         sound.append((start, size))
     return FileIndex(rf, size, bad, limits_of(resets), last, long=long, sound=sound, phantoms=phantoms, tails=tails,
                      segments=[(first, final, at) for first, final, at in segments], resets=resets, commits=ordinal,
-                     holes=holes)
+                     holes=holes, mends=mends, finals=finals)
 
 
 def _runs(steps: list[int]) -> list[tuple[int, int]]:
