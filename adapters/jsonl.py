@@ -158,6 +158,15 @@ def acknowledged_length(path: Path, after_step: int | None, *, keep_all: bool = 
     return 0
 
 
+def _lines_in(path: Path) -> int:
+    """How many complete lines the file ``path`` holds (0: none, or no such file)."""
+    try:
+        with path.open("rb") as handle:
+            return sum(block.count(b"\n") for block in iter(lambda: handle.read(_BLOCK), b""))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return 0
+
+
 def _checked_path(path: str | os.PathLike[str]) -> Path:
     """``path`` as a Path; ConfigError when it is empty or an existing directory."""
     text = os.fspath(path)
@@ -218,6 +227,14 @@ class JsonlAdapter:
                 "replay opens a run of its own: it never adds to the live file, where each step would then be "
                 "twice; give another path (jsonl:OTHER.jsonl) or none (jsonl: runs/<project>/<replay run "
                 "id>/metrics.jsonl); metricbus sync is what writes into the live run"
+            )
+        lines = _lines_in(self._path)
+        if lines:
+            raise ConfigError(
+                f"jsonl: {str(self._path)!r} already holds {lines} line(s) (an earlier replay's, or another run's), "
+                "and a replay opens a run of its own: it never appends to them, where a step replayed twice would "
+                "then be twice; give a new path (jsonl:OTHER.jsonl), none (jsonl: runs/<project>/<replay run "
+                "id>/metrics.jsonl), or remove the file first to replay into it again"
             )
 
     def open(self, *, run: RunInfo) -> None:

@@ -300,6 +300,19 @@ class TensorBoardAdapter:
                 "then be twice; give another folder (tensorboard:OTHER) or none (tensorboard: runs/<project>/<replay "
                 "run id>/tensorboard); metricbus sync is what writes into the live run"
             )
+        try:
+            events = sorted(p.name for p in Path(self._log_dir).iterdir() if "tfevents" in p.name and p.is_file())
+        except (FileNotFoundError, NotADirectoryError):
+            events = []
+        if events:
+            raise ConfigError(
+                f"tensorboard: {self._log_dir!r} already holds event files ({events[0]}"
+                + (f" and {len(events) - 1} more" if len(events) > 1 else "")
+                + ": an earlier replay's, or another run's), and a replay opens a run of its own: it never adds "
+                "events to them, where a step replayed twice would then be twice; give a new folder "
+                "(tensorboard:OTHER), none (tensorboard: runs/<project>/<replay run id>/tensorboard), or remove "
+                "the event files first to replay into it again"
+            )
 
     def open(self, *, run: RunInfo) -> None:
         """Decide the folder, hide the steps ``resume`` named, start an event file, write the run text and hparams."""

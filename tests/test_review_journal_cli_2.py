@@ -1,5 +1,6 @@
 """Review of the journal and the command line (second round): commits lost at a step that also holds commits read
-(a step's training or evaluation commit) on real gloo ranks."""
+(a step's training or evaluation commit) on real gloo ranks, and replays into a file or folder that already holds
+rows."""
 
 from __future__ import annotations
 
@@ -186,3 +187,47 @@ def test_an_undamaged_gloo_journal_replays_live_without_a_warning(
         assert stream.short == []
         assert stream.holes == []
         assert list(emitted(stream)) == gloo_journal[1]
+
+
+def test_replay_into_a_jsonl_file_that_holds_rows_is_refused(
+    gloo_journal: tuple[Path, list[tuple[int, dict[str, float]]]], tmp_path: Path
+) -> None:
+    """Found by the journal/CLI review: ``replay --to jsonl:X`` run twice appended every step again to X (each row
+    twice); the second replay is now refused (exit 2) saying what to do, and X is left as it was."""
+    target = tmp_path / "X.jsonl"
+    code, _, err = _cli("replay", str(gloo_journal[0]), "--to", f"jsonl:{target}")
+    assert code == 0, err
+    before = target.read_bytes()
+    assert [(step, dict(metrics)) for step, metrics in read_jsonl(target)] == gloo_journal[1]
+    code, _, err = _cli("replay", str(gloo_journal[0]), "--to", f"jsonl:{target}")
+    assert code == 2
+    assert f"jsonl: {str(target)!r} already holds {2 * STEPS} line(s)" in err
+    assert "give a new path (jsonl:OTHER.jsonl)" in err
+    assert "Traceback" not in err
+    assert target.read_bytes() == before
+
+
+def test_replay_into_a_tensorboard_folder_that_holds_events_is_refused(
+    gloo_journal: tuple[Path, list[tuple[int, dict[str, float]]]], tmp_path: Path
+) -> None:
+    """``replay --to tensorboard:DIR`` run twice added a second event file of the same steps; now refused (exit 2)."""
+    pytest.importorskip("tensorboard")
+    target = tmp_path / "tb"
+    code, _, err = _cli("replay", str(gloo_journal[0]), "--to", f"tensorboard:{target}")
+    assert code == 0, err
+    files = sorted(p.name for p in target.iterdir())
+    code, _, err = _cli("replay", str(gloo_journal[0]), "--to", f"tensorboard:{target}")
+    assert code == 2
+    assert f"tensorboard: {str(target)!r} already holds event files" in err
+    assert sorted(p.name for p in target.iterdir()) == files
+
+
+def test_replay_into_an_empty_jsonl_file_is_allowed(
+    gloo_journal: tuple[Path, list[tuple[int, dict[str, float]]]], tmp_path: Path
+) -> None:
+    """A file without a complete line (empty) is no earlier run's: the replay writes into it."""
+    target = tmp_path / "X.jsonl"
+    target.write_bytes(b"")
+    code, _, err = _cli("replay", str(gloo_journal[0]), "--to", f"jsonl:{target}")
+    assert code == 0, err
+    assert len(read_jsonl(target)) == 2 * STEPS
