@@ -114,7 +114,8 @@ class MetricBus:
             self.run = dataclasses.replace(self.run, id=shared[0], start_time_unix_ns=shared[1])
         self._sink = Sink(
             adapters=built if self._ranks.is_writer else [],
-            journal=opts.journal, fsync=opts.fsync, rank=self._ranks.rank, run=self.run, rules=self._rules.items(),
+            journal=opts.journal, fsync=opts.fsync, rank=self._ranks.rank, world=self._ranks.world, run=self.run,
+            rules=self._rules.items(),
             log_every=opts.log_every, strict=opts.strict, queue_size=opts.queue_size,
             queue_policy=opts.queue_policy, queue_timeout_s=opts.queue_timeout_s,
             write_timeout_s=opts.write_timeout_s, exit_timeout_s=opts.exit_timeout_s,

@@ -110,6 +110,7 @@ class TorchRanks:
         self._group = group
         self.rank: int = tdist.get_rank(group)
         self._size: int = tdist.get_world_size(group)
+        self.world = self._size
         self.is_writer: bool = self.rank == writer_rank
         self._agreed: dict[str, Claim] = {}  # the agreed table, identical on every rank
         self._specs: dict[str, Spec] = {}

@@ -69,6 +69,7 @@ class RankTransport(Protocol):
     is_writer: bool
     rank: int
     collective: bool  # True: exchange/any_pending are collectives that every participant must call together
+    world: int  # how many processes take part (each journals its own rank file where ``collective``)
 
     def exchange(self, commit: Commit) -> Exchange:
         """Every worker's states of this commit, in rank order."""
@@ -103,6 +104,7 @@ class LocalRanks:
     is_writer = True
     rank = 0
     collective = False
+    world = 1
 
     def exchange(self, commit: Commit) -> Exchange:
         """``[*ingested, own]``, merged column-wise at the rank level (``rejected`` are already left out)."""

@@ -35,6 +35,7 @@ class Sink:
         fsync: str,
         rank: int,
         run: RunInfo,
+        world: int = 1,
         rules: list[tuple[str, Spec]],
         log_every: int,
         strict: bool,
@@ -56,7 +57,7 @@ class Sink:
             from metricbus.journal import open_journal
 
             self._journal = open_journal(
-                path=journal, fsync=fsync, rank=rank, run=run, rules=rules, log_every=log_every
+                path=journal, fsync=fsync, rank=rank, run=run, rules=rules, log_every=log_every, world=world
             )
             if previous is None:
                 self.columns = self._journal.append_columns

@@ -231,3 +231,41 @@ def test_replay_into_an_empty_jsonl_file_is_allowed(
     code, _, err = _cli("replay", str(gloo_journal[0]), "--to", f"jsonl:{target}")
     assert code == 0, err
     assert len(read_jsonl(target)) == 2 * STEPS
+
+
+def test_a_missing_rank_file_of_a_gloo_journal_is_named(
+    gloo_journal: tuple[Path, list[tuple[int, dict[str, float]]]], tmp_path: Path
+) -> None:
+    """Found by the journal/CLI review: with rank 1's file gone (moved, not copied), replay and inspect read rank 0's
+    alone (tokens 6 at step 5 where live had 22) without a word; the header now keeps the group's size, so the
+    missing file is named, skipped and shown by inspect."""
+    journal = _copy(gloo_journal[0], tmp_path)
+    missing = journal / "rank-00001.mbj"
+    missing.unlink()
+    with pytest.warns(JournalWarning) as caught:
+        stream = stream_journal(journal)
+    assert [str(w.message).split(" (", 1)[0] for w in caught] == [
+        f"journal {missing}: skipped, the other ranks are read"
+    ]
+    why = "rank-00001.mbj is missing, where the run's headers say 2 ranks journaled a file each"
+    assert why in str(caught[0].message)
+    assert [path for path, _ in stream.skipped] == [missing]
+    assert [row for row in emitted(stream) if "tokens" in row[1]][-1] == (STEPS - 1, {"loss": 2.0, "tokens": 6.0})
+    code, out, err = _cli("inspect", str(journal))
+    assert code == 0
+    assert "skipped     rank-00001.mbj: rank-00001.mbj is missing" in out
+    assert f"metricbus: warning: journal {missing}: skipped" in err
+
+
+def test_a_single_process_journal_names_no_missing_rank(tmp_path: Path) -> None:
+    """A bus without torch.distributed writes no group size: its one rank file is the whole journal, no warning."""
+    from metricbus import MetricBus
+
+    with MetricBus(dist=None, journal=str(tmp_path / "j"), rules={"x": "sum"}) as bus:
+        bus.log("x", 1.0)
+        bus.commit(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JournalWarning)
+        stream = stream_journal(tmp_path / "j")
+    assert "world" not in stream.header
+    assert stream.skipped == []

@@ -334,9 +334,12 @@ def run_from_json(data: Any) -> RunInfo:
     )
 
 
-def make_header(*, rank: int, run: RunInfo, rules: Sequence[tuple[str, Spec]], log_every: int) -> dict[str, Any]:
-    """A file header; its keys are stable across versions (readers of any version look them up by name)."""
-    return {
+def make_header(
+    *, rank: int, run: RunInfo, rules: Sequence[tuple[str, Spec]], log_every: int, world: int = 1
+) -> dict[str, Any]:
+    """A file header; its keys are stable across versions (readers of any version look them up by name). ``world``
+    (written where above 1, read where present): how many ranks journal a file each, so a reader names a missing one."""
+    header: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "metricbus": __version__,
         "rank": int(rank),
@@ -344,3 +347,6 @@ def make_header(*, rank: int, run: RunInfo, rules: Sequence[tuple[str, Spec]], l
         "rules": [[pattern, spec_to_json(spec)] for pattern, spec in rules],
         "log_every": int(log_every),
     }
+    if world > 1:
+        header["world"] = int(world)
+    return header

@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError, JournalWarning
-from metricbus.journal.format import SUFFIX, run_from_json, spec_from_json
+from metricbus.journal.format import SUFFIX, rank_file, run_from_json, spec_from_json
 from metricbus.journal.frames import ENTRY_DTYPE
 from metricbus.journal.scan import (
     Entry,
@@ -308,6 +308,23 @@ def _one_run(indexes: list[FileIndex], skipped: list[tuple[Path, str]]) -> list[
     return kept
 
 
+def _missing_ranks(directory: Path, indexes: list[FileIndex], paths: list[Path]) -> list[tuple[Path, str]]:
+    """The rank files the run's headers say it journaled (``world``: a torch.distributed group's size, one file per
+    rank) that ``directory`` lacks (``paths``: the files it holds), as ``skipped`` entries: replayed without them,
+    the steps they journaled may differ from live."""
+    worlds = [h.get("world") for ix in indexes for h in ix.file.headers]
+    world = max((w for w in worlds if isinstance(w, int)), default=0)  # 0: no header says (no torch.distributed)
+    names = {path.name for path in paths}
+    out = []
+    for rank in range(world):
+        path = rank_file(directory, rank)
+        if path.name not in names:
+            out.append((path, f"{path.name} is missing, where the run's headers say {world} ranks journaled a file "
+                        "each: the steps it journaled are replayed without that rank's records, so live may have "
+                        "emitted other values there (put the file back, if it was moved)"))
+    return out
+
+
 def _key(item: FileItem) -> tuple[int, int]:
     return item[0], item[1]
 
@@ -338,6 +355,8 @@ def stream_journal(directory: str | os.PathLike[str]) -> JournalStream:
             f"{directory} holds no readable journal file: " + "; ".join(why for _, why in skipped)
         )
     indexes = _one_run(indexes, skipped)
+    if directory.is_dir():
+        skipped.extend(_missing_ranks(directory, indexes, paths))
     for path, why in skipped:
         warnings.warn(f"journal {path}: skipped, the other ranks are read ({why})", JournalWarning, stacklevel=2)
     stream = JournalStream(directory, indexes, skipped)

@@ -570,10 +570,12 @@ def open_journal(
     run: RunInfo,
     rules: list[tuple[str, Spec]],
     log_every: int,
+    world: int = 1,
 ) -> JournalWriter:
-    """The journal writer of ``rank`` in directory ``path``; its run, rules and log_every go into the header."""
+    """The journal writer of ``rank`` in directory ``path``; its run, rules, log_every and ``world`` (how many ranks
+    journal a file each: a torch.distributed group's size) go into the header."""
     check_fsync(fsync)
-    header = make_header(rank=rank, run=run, rules=rules, log_every=log_every)
+    header = make_header(rank=rank, run=run, rules=rules, log_every=log_every, world=world)
     return JournalWriter(path=path, fsync=fsync, rank=int(rank), header=header)
 
 
