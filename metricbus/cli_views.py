@@ -242,6 +242,12 @@ def inspect(journal: Source, out: TextIO) -> None:
         )
     holes = set(journal.holes)
     for gap in journal.short:
+        if gap in holes and len(journal.files) == 1:
+            lines.append(
+                f"damaged     rank {gap.rank}: its file lost its commits at {span((gap.first_step, gap.last_step))} to "
+                "damaged bytes (not replayed: those steps are missing, or hold other values than live)"
+            )
+            continue
         if gap in holes:
             lines.append(
                 f"damaged     rank {gap.rank}: its file lost its commits at {span((gap.first_step, gap.last_step))} to "

@@ -89,7 +89,8 @@ def test_replay_of_runs_equals_the_journal_read_whole(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("where", [0.3, 0.5, 0.97])
 def test_a_damaged_commit_inside_a_run_costs_that_commit_only(tmp_path: Path, where: float) -> None:
-    """A flipped byte in the middle of a run: one warning when opened, that commit skipped, the others replayed."""
+    """A flipped byte in the middle of a run: one warning when opened, and one naming its step, that commit skipped,
+    the others replayed."""
     write(tmp_path, range(300))
     path = rank_file(tmp_path, 0)
     data = bytearray(path.read_bytes())
@@ -97,10 +98,12 @@ def test_a_damaged_commit_inside_a_run_costs_that_commit_only(tmp_path: Path, wh
     data[at] ^= 0x5A
     path.write_bytes(bytes(data))
     stream, messages = quietly(stream_journal, tmp_path)
-    assert len(messages) == 1
+    assert len(messages) == 2
     assert "damaged record at byte" in messages[0]
     commits = quietly(timeline, tmp_path)[0]
     assert len(commits) == 299
+    (lost,) = set(range(300)) - {step for step, _, _ in commits}
+    assert f"the file lost its commits at step {lost} to damaged bytes" in messages[1]
     assert quietly(expanded, tmp_path)[0] == commits
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second pass warns of nothing

@@ -269,3 +269,42 @@ def test_a_single_process_journal_names_no_missing_rank(tmp_path: Path) -> None:
         stream = stream_journal(tmp_path / "j")
     assert "world" not in stream.header
     assert stream.skipped == []
+
+
+def _single_process_journal(path: Path, *, log_every: int) -> list[tuple[int, dict[str, float]]]:
+    """A one-process run of 9 steps (x: sum of 1.0 a step) journaled in ``path``; the rows it emitted live."""
+    from metricbus import MetricBus
+    from metricbus.testing import MemoryAdapter
+
+    live = MemoryAdapter()
+    with MetricBus(dist=None, journal=str(path), rules={"x": "sum"}, adapters=[live], log_every=log_every) as bus:
+        for step in range(9):
+            bus.log("x", 1.0)
+            bus.commit(step)
+    return [(step, dict(metrics)) for step, metrics in live.rows]
+
+
+@pytest.mark.parametrize("log_every", [1, 3])
+def test_a_commit_lost_in_a_single_process_journal_is_named_by_its_step(tmp_path: Path, log_every: int) -> None:
+    """Found by the journal/CLI review: a flipped byte in step 4's commit of a one-process journal was warned only
+    by a byte offset (holes were compared with other rank files, and there were none); now the step is named by
+    the warning, ``holes`` and inspect."""
+    journal = tmp_path / "j"
+    live = _single_process_journal(journal, log_every=log_every)
+    _flip(journal / "rank-00000.mbj", step=4, nth=0)
+    with pytest.warns(JournalWarning) as caught:
+        stream = stream_journal(journal)
+    assert [str(w.message) for w in caught][1:] == [
+        f"journal {journal}: the file lost its commits at step 4 to damaged bytes (the steps between the commits "
+        "read around them): their records are not replayed, so those steps are missing or hold other values than "
+        "live emitted"
+    ]
+    assert stream.holes == [Gap(0, 4, 4)]
+    rows = list(emitted(stream))
+    window = 4 // log_every * log_every + log_every - 1  # the step its window emits at
+    assert [row for row in rows if row[0] != window] == [row for row in live if row[0] != window]
+    assert dict(rows).get(window) == ({"x": float(log_every - 1)} if log_every > 1 else None)
+    code, out, err = _cli("inspect", str(journal))
+    assert code == 0
+    assert "damaged     rank 0: its file lost its commits at step 4 to damaged bytes (not replayed" in out
+    assert f"metricbus: warning: journal {journal}: the file lost its commits at step 4" in err

@@ -361,13 +361,18 @@ def stream_journal(directory: str | os.PathLike[str]) -> JournalStream:
         warnings.warn(f"journal {path}: skipped, the other ranks are read ({why})", JournalWarning, stacklevel=2)
     stream = JournalStream(directory, indexes, skipped)
     holes = set(stream.holes)
+    alone = len(stream.files) == 1
     for gap in stream.short:
         first, final = gap.first_step, gap.last_step
         steps = f"step {first}" if first == final else f"steps {first}..{final}"
         warnings.warn(
-            f"journal {directory}: rank {gap.rank}'s file lost its commits at {steps} to damaged bytes, where the "
-            "other ranks' files hold them: those steps are replayed without its records, so live may have emitted "
-            "other values there"
+            f"journal {directory}: the file lost its commits at {steps} to damaged bytes (the steps between the "
+            "commits read around them): their records are not replayed, so those steps are missing or hold other "
+            "values than live emitted"
+            if gap in holes and alone
+            else f"journal {directory}: rank {gap.rank}'s file lost its commits at {steps} to damaged bytes, where "
+            "the other ranks' files hold them: those steps are replayed without its records, so live may have "
+            "emitted other values there"
             if gap in holes
             else f"journal {directory}: rank {gap.rank}'s file stops inside step {first}, with fewer commits there "
             f"than the other ranks' files, which go on to step {final} in the same segment (the rank stopped between "
@@ -552,7 +557,13 @@ def _joined(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def damaged_short(indexes: list[FileIndex]) -> list[Gap]:
     """The steps a rank file lost to damage in the middle of a segment (``FileIndex.holes``) that another file's
-    segments hold (as :func:`cut_short`, by the segments' first and last steps): replayed without that rank."""
+    segments hold (as :func:`cut_short`, by the segments' first and last steps): replayed without that rank. In a
+    journal of one file, every step it lost (between the commits read around the damage; exact where a ``log_every``
+    window's "W" frame lists them): not replayed, the whole run's records there were in those commits."""
+    if len(indexes) == 1:
+        ix = indexes[0]
+        rank = int(ix.file.headers[-1].get("rank", 0))
+        return [Gap(rank, low, high) for low, high in _joined(ix.holes)]
     out: list[Gap] = []
     for i, ix in enumerate(indexes):
         rank = int(ix.file.headers[-1].get("rank", i))
