@@ -312,7 +312,8 @@ def replay(
     :func:`sync` is what delivers into the live run. So before any adapter opens, each is told so (its optional
     ``new_run`` verb, with what the live run's adapters of its name wrote to): ``MLFLOW_RUN_ID`` and
     ``WANDB_RUN_ID`` are ignored, and an option naming the live run's file, folder or run (``attach=True``) is a
-    :class:`~metricbus.errors.ConfigError`."""
+    :class:`~metricbus.errors.ConfigError`, as is a jsonl file or TensorBoard folder that already holds rows (an
+    earlier replay's: this one would add every step again)."""
     journal = _open(source)
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     info = run or replay_run(journal.run)

@@ -367,8 +367,8 @@ def stream_journal(directory: str | os.PathLike[str]) -> JournalStream:
         steps = f"step {first}" if first == final else f"steps {first}..{final}"
         warnings.warn(
             f"journal {directory}: the file lost its commits at {steps} to damaged bytes (the steps between the "
-            "commits read around them): their records are not replayed, so those steps are missing or hold other "
-            "values than live emitted"
+            "commits read around them; where steps jump, some may never have been committed): their records are not "
+            "replayed, so those steps are missing or hold other values than live emitted"
             if gap in holes and alone
             else f"journal {directory}: rank {gap.rank}'s file lost its commits at {steps} to damaged bytes, where "
             "the other ranks' files hold them: those steps are replayed without its records, so live may have "
