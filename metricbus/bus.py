@@ -171,13 +171,16 @@ class MetricBus:
         """
         if weight is None and agg is None:
             if type(value) is float:
+                fast = self._fast
                 try:
-                    buffer = self._fast.get(name)  # type: ignore[arg-type]
+                    buffer = fast.get(name)  # type: ignore[arg-type]
                 except TypeError:  # an unhashable name (a dict with a value): the general path says what is wrong
                     buffer = None
                 if buffer is not None:
                     buffer.append(value)  # atomic under the GIL; see metricbus.accumulate
-                    if len(buffer) >= FOLD_AT:
+                    if self._fast is not fast:  # close() began on another thread since the buffer was read
+                        self._collector.late(name, ((buffer, value),))
+                    elif len(buffer) >= FOLD_AT:
                         self._collector.fold(name)  # type: ignore[arg-type]
                     return
             elif value is None and type(name) is dict and self._collector.log_floats(name):
@@ -520,6 +523,10 @@ class MetricBus:
         with self._lock:
             if self._closed:
                 return
+            # first stop taking records: one another thread logs from now on raises ClosedError, where it would
+            # land after the last commit took the buffers and be lost (log() returned, nothing committed it)
+            self._fast = {}
+            self._collector.stop()
             try:
                 failure: Exception | None = None
                 if alone is not None:
@@ -535,9 +542,8 @@ class MetricBus:
                     raise failure
             finally:
                 self._closed = True
+                self._collector.drained()
                 shutdown.untrack(id(self))
-                self._fast = {}
-                self._collector.clear()
                 self._ranks.settle()
                 self._sink.close(status=status, timeout_s=timeout_s)
 

@@ -14,6 +14,7 @@ import contextlib
 import math
 import operator
 import struct
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
 from itertools import chain
@@ -23,7 +24,7 @@ import numpy as np
 
 from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT, Accumulator, PlainBuffers
-from metricbus.errors import MetricTypeError, MetricValueError, SpecError
+from metricbus.errors import ClosedError, MetricTypeError, MetricValueError, SpecError
 from metricbus.micro_columns import COLUMNS_FROM, MicroUpdate, Segments, packed_update, summarize_joined
 from metricbus.partial import Packed, Partial, Updates, from_packed, with_fields
 from metricbus.sketch import unknown
@@ -63,6 +64,8 @@ class Collector:
         self._apart: list[tuple[str, Accumulator]] = []
         self._segments: Segments | None = None  # the last update's, reused while the counts repeat
         self._open_taken = False  # the last take() returned, last, the update it ended (see restore())
+        self.closed = False  # close() began: log() raises ClosedError (checked under the lock, see stop())
+        self._drained = threading.Event()  # close() is past its last commit (see late())
 
     # -- logging (the caller's fast path appends to ``fast`` itself) ------------------------------------------
 
@@ -80,14 +83,18 @@ class Collector:
             if len(keys) < 2 or len(self._shapes) >= _MAX_SHAPES:  # one key: the caller's single fast path
                 return False
             shape = self._shapes[keys] = [operator.itemgetter(*keys), 0]
+        fast = self.fast
         try:
-            buffers = shape[0](self.fast)
+            buffers = shape[0](fast)
         except KeyError:  # a new name, or one whose nan policy keeps it off the fast path
             return False
         values = [*metrics.values()]  # one snapshot: what is checked is what is appended
         if [*map(type, values)].count(float) != len(values):
             return False
         _consume(map(_append, buffers, values))
+        if self.fast is not fast:  # close() began on another thread since the buffers were read
+            self.late(metrics, zip(buffers, values, strict=True))
+            return True
         shape[1] -= 1
         if shape[1] <= 0:
             longest = max(map(len, buffers))
@@ -107,6 +114,8 @@ class Collector:
                 flat = np.array(value, dtype=np.float64, order="C").reshape(-1)
                 if flat.size:
                     with self.lock:
+                        if self.closed:
+                            raise ClosedError(f"cannot log {name!r}: the bus is closed")
                         self._touched.add(name)
                         acc.add_array(flat)
                 return
@@ -117,6 +126,8 @@ class Collector:
         else:
             items = [(name, value)]
         with self.lock:
+            if self.closed:  # close() began on another thread: its last commit would not hold these records
+                raise ClosedError(f"cannot log {name!r}: the bus is closed")
             introduced: list[str] = []
             replaced: list[tuple[str, Claim]] = []
             staged = []
@@ -288,7 +299,7 @@ class Collector:
         acc.spec = spec
         nan = self.nan_of(acc.spec)
         acc.nan = nan  # buffered records are folded under it too (a fold of >= FOLD_AT records already happened)
-        if nan == "propagate":
+        if nan == "propagate" and not self.closed:
             self.fast[acc.name] = acc.plain
         else:
             self.fast.pop(acc.name, None)
@@ -370,6 +381,8 @@ class Collector:
     def fold(self, name: str) -> None:
         """The fast path filled ``name``'s buffer: fold it."""
         with self.lock:
+            if self.closed:  # records appended now are late ones (see late()): they stay where late() finds them
+                return
             self._touched.add(name)
             self.accs[name].fold()
 
@@ -558,9 +571,36 @@ class Collector:
                 names.update(self._device.names())
         return names
 
-    def clear(self) -> None:
-        """Drop the fast path (the bus is closed)."""
-        self.fast = {}
+    def stop(self) -> None:
+        """close() began: from now on log() raises ClosedError (the fast paths find no buffer, and the validated path
+        checks ``closed`` under the lock), so no record lands after close()'s last commit took the buffers."""
+        with self.lock:
+            self.closed = True
+            self.fast = {}
+            self._shapes.clear()
+
+    def drained(self) -> None:
+        """close() is past its last commit: a record still in a buffer now came after it (see late())."""
+        self._drained.set()
+
+    def late(self, name: Any, appended: Iterable[tuple[list[float], float]]) -> None:
+        """A lock-free ``log()`` appended ``appended`` (buffer, value) after reading the buffers from before close()
+        began: wait until close() is past its last commit; the records that commit took were committed, and those
+        still in their buffer (appended after it took them) came too late: removed, and ClosedError, as for a
+        ``log()`` that began after close(). One call's records are appended without a thread switch between them,
+        so they are all taken or all late. A value object is looked for by identity (the same object appended by
+        two late calls: either call's record is the same value)."""
+        self._drained.wait()
+        with self.lock:
+            found = False
+            for buffer, value in appended:
+                for i in range(len(buffer) - 1, -1, -1):
+                    if buffer[i] is value:
+                        del buffer[i]
+                        found = True
+                        break
+        if found:
+            raise ClosedError(f"cannot log {name!r}: the bus is closed")
 
 
 def _with_device(host: Mapping[str, Summary], names: tuple[str, ...], fields: Any, hosts: Any) -> Mapping[str, Summary]:
