@@ -244,6 +244,7 @@ class MetricBus:
             for part in batch:  # check all before taking any, so a bad call ingests nothing
                 if not isinstance(part, Partial):
                     raise MetricTypeError(f"ingest() takes Partial objects from export(), got {type(part).__name__}")
+            _check_once(batch, held=[*self._held, *self._ingested])
             collector, first = self._collector, len(self._ingested)
 
             def check(decided: dict[str, Claim]) -> None:
@@ -577,6 +578,24 @@ def _resolve(index: int, adapter: Any) -> Any:
         if str(exc).startswith("adapters["):
             raise
         raise type(exc)(f"adapters[{index}]: {exc}") from exc
+
+
+def _check_once(batch: Sequence[Partial], *, held: Sequence[Partial]) -> None:
+    """Refuse a Partial object ingested twice before a commit reduced it (in ``batch``, or ``held``: ingested since
+    the last commit, or kept by a refused one), which would count that worker's records twice. An empty Partial
+    holds no records: the same one may stand for several workers."""
+    seen = {id(part): "ingested since the last commit (a refused commit keeps them for the next)" for part in held}
+    for i, part in enumerate(batch):
+        if not len(part):
+            continue
+        where = seen.get(id(part))
+        if where is not None:
+            raise MetricValueError(
+                f"ingest(): partial {i} of this call (holding {', '.join(map(repr, part.names()[:3]))}"
+                f"{' ...' if len(part) > 3 else ''}) is the same Partial object as one {where}; each export() is one "
+                "worker's records, to be ingested once (else they count twice). Nothing of this call was ingested"
+            )
+        seen[id(part)] = f"earlier in this call (partial {i})"
 
 
 def _rejected(errors: Mapping[str, MetricValueError], *, what: str, kept: str) -> MetricValueError:
