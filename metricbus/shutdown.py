@@ -18,6 +18,13 @@ then restores the default action and sends SIGTERM to itself again, so the proce
 SIGTERM: exit status -15 / 143). When a Python-level handler was installed before (a trainer that saves a
 checkpoint and stops on its own), the buses are *flushed* instead, within the same grace period, and that handler
 is called: the program goes on, and its buses are closed when it ends.
+
+**Ctrl-C** (SIGINT). The same bus, where SIGINT has Python's default handler (``KeyboardInterrupt``), installs a
+handler that defers a SIGINT landing inside a bus call (the main thread holding its locks) until that call returns,
+then raises ``KeyboardInterrupt`` as the default handler would. A commit is then never cut between its journal write
+and the rest of it (a KeyboardInterrupt right after the write, where a Ctrl-C during a commit mostly lands, left the
+step journaled but neither delivered nor counted, and the next commit wrote that step again). A second SIGINT while
+one waits raises at once, so a call that hangs can still be left. A handler of the program's own is left alone.
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ _hooked = False
 _sigterm_done = False
 _previous: Any = None  # the SIGTERM handler installed before ours
 _exit_started: float | None = None  # when exit or SIGTERM handling began (None: not exiting)
-_deferred: tuple[int, FrameType | None] | None = None  # a SIGTERM that arrived inside a bus call
+_deferred: tuple[int, FrameType | None] | None = None  # a SIGTERM (or SIGINT) that arrived inside a bus call
+_sigint_done = False
 
 
 def track(key: int, closer: Callable[[Status], None]) -> None:
@@ -56,6 +64,7 @@ def track(key: int, closer: Callable[[Status], None]) -> None:
             _hooked = True
         _open[key] = (os.getpid(), closer)
     install_sigterm()
+    install_sigint()
 
 
 def untrack(key: int) -> None:
@@ -130,6 +139,33 @@ def install_sigterm() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+def install_sigint() -> None:
+    """Install the SIGINT handler once, from the main thread, where SIGINT has Python's default handler."""
+    global _sigint_done
+    with _lock:
+        if _sigint_done or threading.current_thread() is not threading.main_thread():
+            return
+        _sigint_done = True
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return  # the program's own handler, SIGINT ignored, or handled outside Python: leave it alone
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    """KeyboardInterrupt, as Python's default handler raises it; one that lands inside a bus call waits until the call
+    returns (:func:`after_call`), so no commit is cut in two. A second SIGINT while one waits raises at once (a call
+    that hangs can still be left); a deferred SIGTERM goes first."""
+    global _deferred
+    if _main_is_inside_a_bus():
+        if _deferred is None:
+            _deferred = (signum, frame)
+            return
+        if _deferred[0] != signum:  # a SIGTERM waits: its drain ends the process, or calls the program's handler
+            return
+        _deferred = None
+    signal.default_int_handler(signum, frame)
+
+
 def _grace_s() -> float:
     """The longest ``exit_timeout_s`` of this process's open buses, plus a margin for the journal."""
     sinks = [getattr(getattr(closer, "__self__", None), "_sink", None) for closer in _closers()]
@@ -173,7 +209,7 @@ def after_call() -> None:
     if _deferred is not None and threading.current_thread() is threading.main_thread():
         signum, frame = _deferred
         _deferred = None
-        _on_sigterm(signum, frame)
+        (_on_sigint if signum == signal.SIGINT else _on_sigterm)(signum, frame)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:

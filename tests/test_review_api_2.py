@@ -1,10 +1,13 @@
 """The public API under hostile and concurrent use, as a demanding trainer author would hit it (second review):
 records logged on another thread while ``close()`` runs are either in its last commit or refused; a Partial object
-ingested twice before a commit is refused."""
+ingested twice before a commit is refused; a Ctrl-C inside a commit is raised once the commit is whole."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +17,8 @@ from metricbus import MetricBus
 from metricbus.errors import ClosedError, MetricValueError, StepError
 from metricbus.partial import Partial
 from metricbus.testing import MemoryAdapter
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _log_while_closing(call: Any) -> tuple[int, float]:
@@ -119,3 +124,76 @@ def test_one_empty_partial_may_stand_for_several_workers() -> None:
     driver.ingest([empty])
     assert driver.commit() == {"x": 4.0}
     driver.close()
+
+
+CTRL_C_IN_COMMIT = """
+import os, signal, sys, threading
+from metricbus import MetricBus
+from metricbus.adapters.jsonl import read_jsonl
+from metricbus.replay import replay
+from metricbus.testing import MemoryAdapter
+
+journal, path = sys.argv[1], sys.argv[2]
+bus = MetricBus(dist=None, journal=journal, adapters=["jsonl:" + path], rules={{"c": "sum"}})
+bus.log("c", 1.0)
+bus.commit()
+real, armed = os.write, [{presses}]
+
+def write(fd, data):  # a Ctrl-C arriving while the main thread writes the journal (where one mostly lands)
+    written = real(fd, data)
+    if threading.current_thread() is threading.main_thread() and os.readlink(f"/proc/self/fd/{{fd}}").endswith(".mbj"):
+        while armed[0]:
+            armed[0] -= 1
+            signal.raise_signal(signal.SIGINT)
+    return written
+
+os.write = write
+bus.log("c", 10.0)
+try:
+    bus.commit()
+except KeyboardInterrupt:
+    print("interrupted, last step", bus.last_step)
+os.write = real
+bus.log("c", 100.0)
+bus.commit()
+bus.close()
+mem = MemoryAdapter()
+replay(journal, adapters=[mem])
+print("live", read_jsonl(path))
+print("replay", mem.rows)
+"""
+
+
+def _ctrl_c_in_commit(tmp_path: Path, presses: int) -> list[str]:
+    code = CTRL_C_IN_COMMIT.format(presses=presses)
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "j"), str(tmp_path / "m.jsonl")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_a_ctrl_c_during_a_commit_is_raised_once_the_commit_is_whole(tmp_path: Path) -> None:
+    """A SIGINT right after the journal write: the step is committed, delivered and counted, then KeyboardInterrupt."""
+    steps = [(0, {"c": 1.0}), (1, {"c": 10.0}), (2, {"c": 100.0})]
+    assert _ctrl_c_in_commit(tmp_path, presses=1) == ["interrupted, last step 1", f"live {steps}", f"replay {steps}"]
+
+
+def test_a_second_ctrl_c_while_one_waits_is_raised_at_once(tmp_path: Path) -> None:
+    """Two SIGINTs inside one commit: the second raises where it lands (a hung call can still be left)."""
+    assert _ctrl_c_in_commit(tmp_path, presses=2)[0] == "interrupted, last step 0"
+
+
+def test_a_programs_own_sigint_handler_is_left_alone() -> None:
+    """A bus with a journal installs its SIGINT handler only over Python's default one."""
+    code = (
+        "import signal, tempfile\nfrom metricbus import MetricBus\n"
+        "def mine(signum, frame): pass\nsignal.signal(signal.SIGINT, mine)\n"
+        "bus = MetricBus(dist=None, journal=tempfile.mkdtemp())\nassert signal.getsignal(signal.SIGINT) is mine\n"
+        "bus.close()\nbus = MetricBus(dist=None, journal=tempfile.mkdtemp())\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "other = MetricBus(dist=None, journal=tempfile.mkdtemp())\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\nbus.close()\nother.close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
