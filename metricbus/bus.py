@@ -225,7 +225,8 @@ class MetricBus:
 
         Each partial carries its worker's specs: a name this bus has no rule for takes the worker's declared
         spec. Two different declared specs (this bus's ``agg=`` or rule against a worker's, or two workers')
-        raise :class:`~metricbus.errors.SpecError` naming both, and nothing of the call is ingested.
+        raise :class:`~metricbus.errors.SpecError` naming both, and nothing of the call is ingested. So does a
+        :class:`~metricbus.errors.MetricValueError` for a Partial object ingested twice before a commit reduced it.
         """
         with self._lock:
             self._check_open("ingest")
