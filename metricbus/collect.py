@@ -110,7 +110,9 @@ class Collector:
         """Validate every record of the call, then buffer them all (or raise and record nothing)."""
         if type(value) is np.ndarray and type(name) is str and weight is None and agg is None:  # a known name's
             acc = self.accs.get(name)  # array: no staging
-            if acc is not None and value.dtype.kind in _REAL_KINDS and (acc.nan != "error" or value.size == 0):
+            dtype = value.dtype  # (a longdouble may hold a value beyond the double range: to_values checks it)
+            real = dtype.kind in _REAL_KINDS and dtype.itemsize <= 8
+            if acc is not None and real and (acc.nan != "error" or value.size == 0):
                 flat = np.array(value, dtype=np.float64, order="C").reshape(-1)
                 if flat.size:
                     with self.lock:
@@ -316,7 +318,7 @@ class Collector:
         """The validated records of one value: a list of floats (and weights), a float64 array (unit weights,
         copied: the caller may reuse its array), or a device tensor (and weight)."""
         metric = acc.name
-        if type(raw) is np.ndarray and weight is None and raw.dtype.kind in _REAL_KINDS:
+        if type(raw) is np.ndarray and weight is None and raw.dtype.kind in _REAL_KINDS and raw.dtype.itemsize <= 8:
             flat = np.array(raw, dtype=np.float64, order="C").reshape(-1)
             if acc.nan == "error" and not np.isfinite(flat).all():
                 check_finite(metric, flat.tolist())  # raises, naming the first non-finite value

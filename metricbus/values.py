@@ -100,13 +100,31 @@ def to_values(metric: str, value: object) -> list[float]:
     if isinstance(value, np.generic):
         if value.dtype.kind not in _REAL_DTYPE_KINDS:
             raise _type_error(metric, value, f" (dtype {value.dtype})")
+        if value.dtype.itemsize > 8:  # a longdouble
+            return _doubles(metric, np.asarray(value)).ravel().tolist()
         return [float(value)]
     if value is None or isinstance(value, (str, bytes, complex, dict, set)):
         raise _type_error(metric, value)
     if isinstance(value, (list, tuple, np.ndarray)) or is_tensor(value):
         array = _array(metric, value)
-        return array.astype(np.float64, copy=False).ravel().tolist()
+        return _doubles(metric, array).ravel().tolist()
     raise _type_error(metric, value)
+
+
+def _doubles(metric: str, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``array`` as float64; a finite longdouble beyond the double range is a MetricValueError naming ``metric`` (as
+    an int beyond it is), never an infinity it did not hold."""
+    if array.dtype.kind != "f" or array.dtype.itemsize <= 8:
+        return array.astype(np.float64, copy=False)
+    with np.errstate(over="ignore"):
+        doubles = array.astype(np.float64)
+    beyond = np.isinf(doubles) & np.isfinite(array)
+    if beyond.any():
+        raise MetricValueError(
+            f"value {array[beyond].flat[0]!r} ({array.dtype}) for {metric!r} is beyond the double range "
+            "(|x| <= 1.8e308): log a float"
+        )
+    return doubles
 
 
 def _real(metric: str, value: Any, what: str) -> float:

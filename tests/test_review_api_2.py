@@ -4,6 +4,7 @@ ingested twice before a commit is refused; a Ctrl-C inside a commit is raised on
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import threading
@@ -197,3 +198,24 @@ def test_a_programs_own_sigint_handler_is_left_alone() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.longdouble("1e400"), np.array([1.0, np.longdouble("-1e400")], dtype=np.longdouble),
+     [np.longdouble("1e400")], np.array([np.longdouble("1e400")])[::1]],
+    ids=["scalar", "array", "list", "view"],
+)  # fmt: skip
+def test_a_longdouble_beyond_the_double_range_is_refused_naming_the_metric(value: object) -> None:
+    """A finite longdouble beyond 1.8e308 is a MetricValueError naming the metric (as an int is), not a silent inf."""
+    bus = MetricBus(dist=None, rules={"x": "sum"})
+    bus.log("x", 2.0)
+    bus.log("x", np.ones(2, dtype=np.longdouble))
+    with pytest.raises(MetricValueError, match=r"for 'x' is beyond the double range"):
+        bus.log("x", value)
+    bus.log("x", np.array([np.longdouble("inf")]))  # an infinity it holds is one
+    bus.log("x", np.longdouble(0.5))
+    assert bus.commit() == {"x": math.inf}
+    bus.log("x", np.array([1.5, 2.0], dtype=np.longdouble))
+    assert bus.commit() == {"x": 3.5}
+    bus.close()
