@@ -204,7 +204,8 @@ class MetricBus:
             yield
         finally:
             if not self._closed:
-                self._collector.end_update()
+                with contextlib.suppress(ClosedError):  # close() began on another thread meanwhile
+                    self._collector.end_update()
 
     # -- exporting and ingesting (single-controller rank level) -----------------------------------------------
 

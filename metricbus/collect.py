@@ -463,6 +463,8 @@ class Collector:
     def end_update(self) -> None:
         """The records logged since the previous boundary form one optimizer update."""
         with self.lock:
+            if self.closed:  # it would take the records a late log() looks for (see late())
+                raise ClosedError("cannot end_update: the bus is closed")
             self._end_update()
 
     def take(self) -> tuple[Updates, dict[str, MetricValueError]]:

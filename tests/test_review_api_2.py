@@ -22,9 +22,10 @@ from metricbus.testing import MemoryAdapter
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _log_while_closing(call: Any) -> tuple[int, float]:
-    """Two threads log ``call(bus)`` in a loop while the main thread closes the bus: how many records the calls
-    that returned logged, and how many the bus delivered (every metric is a count)."""
+def _log_while_closing(call: Any, *, boundaries: bool = False) -> tuple[int, float]:
+    """Two threads log ``call(bus)`` in a loop (``boundaries``: a third ends updates) while the main thread closes
+    the bus: how many records the calls that returned logged, and how many the bus delivered (every metric is a
+    count)."""
     mem = MemoryAdapter()
     bus = MetricBus(dist=None, adapters=[mem], rules={"*": "count"})
     returned = [0, 0]
@@ -41,7 +42,15 @@ def _log_while_closing(call: Any) -> tuple[int, float]:
             if calls == 100:  # both threads are logging when close() begins, and go on until it refuses them
                 running[i].set()
 
+    def ender() -> None:
+        while True:
+            try:
+                bus.end_update()
+            except ClosedError:
+                return
+
     threads = [threading.Thread(target=logger, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=ender)] if boundaries else []
     for thread in threads:
         thread.start()
     for event in running:
@@ -77,6 +86,13 @@ def test_a_record_logged_on_another_thread_while_close_runs_is_committed_or_refu
     """A log() racing close() on another thread is in close()'s last commit or raises ClosedError, never lost."""
     for _ in range(20):
         returned, delivered = _log_while_closing(call)
+        assert delivered == returned
+
+
+def test_update_boundaries_on_a_third_thread_while_close_runs_lose_no_record() -> None:
+    """end_update() on another thread while close() runs takes no record a racing log() still looks for."""
+    for _ in range(20):
+        returned, delivered = _log_while_closing(_float, boundaries=True)
         assert delivered == returned
 
 
