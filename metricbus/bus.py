@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -480,6 +481,7 @@ class MetricBus:
         ``write_timeout_s`` or their thread died are not waited for (the journal keeps their steps for
         ``metricbus sync``). The bus stays open.
         """
+        timeout_s = _wait_s("flush", timeout_s)
         if self._closed:
             return True
         return self._sink.flush(timeout_s=timeout_s)
@@ -504,6 +506,7 @@ class MetricBus:
         so nothing hangs while the other ranks are elsewhere, and records logged since the last commit are not
         committed (a :class:`~metricbus.errors.MetricBusWarning` says which). Committed steps are never lost.
         """
+        timeout_s = _wait_s("close", timeout_s)  # before anything closes: a bad one leaves the bus open
         if self._closed:
             return
         alone = None
@@ -598,6 +601,25 @@ def _check_once(batch: Sequence[Partial], *, held: Sequence[Partial]) -> None:
                 "worker's records, to be ingested once (else they count twice). Nothing of this call was ingested"
             )
         seen[id(part)] = f"earlier in this call (partial {i})"
+
+
+def _wait_s(call: str, timeout_s: Any) -> float:
+    """``timeout_s`` of ``close()``/``flush()`` as a float >= 0 (``math.inf``: no bound); else a ConfigError, where a
+    NaN or negative one gave the adapters no time at all (their steps left to ``metricbus sync``, their runs not
+    ended) and a string raised a TypeError from inside close(), with the bus marked closed and half of it open."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        seconds = math.nan
+    else:
+        try:
+            seconds = float(timeout_s)
+        except OverflowError:  # an int beyond the double range: no bound, as math.inf
+            seconds = math.inf
+    if not seconds >= 0:
+        raise ConfigError(
+            f"{call}(timeout_s={timeout_s!r}): timeout_s must be a number of seconds >= 0 (math.inf: no bound); "
+            "the bus was left as it was"
+        )
+    return seconds
 
 
 def _rejected(errors: Mapping[str, MetricValueError], *, what: str, kept: str) -> MetricValueError:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from metricbus import MetricBus
-from metricbus.errors import ClosedError, MetricValueError, StepError
+from metricbus.errors import ClosedError, ConfigError, MetricValueError, StepError
 from metricbus.partial import Partial
 from metricbus.testing import MemoryAdapter
 
@@ -235,3 +235,24 @@ def test_a_longdouble_beyond_the_double_range_is_refused_naming_the_metric(value
     bus.log("x", np.array([1.5, 2.0], dtype=np.longdouble))
     assert bus.commit() == {"x": 3.5}
     bus.close()
+
+
+@pytest.mark.parametrize("timeout_s", [math.nan, -1.0, "5", None, True], ids=["nan", "negative", "str", "none", "bool"])
+def test_a_bad_close_or_flush_timeout_is_a_config_error_and_leaves_the_bus_open(
+    tmp_path: Path, timeout_s: object
+) -> None:
+    """Before, NaN or -1 gave the adapters no time (cursor never acknowledged), a string a TypeError mid-close."""
+    from metricbus.adapters.jsonl import read_jsonl
+
+    bus = MetricBus(dist=None, adapters=[f"jsonl:{tmp_path / 'm.jsonl'}"], journal=str(tmp_path / "j"))
+    bus.log("x", 1.0)
+    bus.commit()
+    bus.log("x", 2.0)
+    for call in (bus.flush, bus.close):
+        with pytest.raises(ConfigError, match=r"timeout_s must be a number of seconds >= 0"):
+            call(timeout_s=timeout_s)  # type: ignore[operator]
+    assert not bus.closed
+    bus.close(timeout_s=math.inf)
+    assert read_jsonl(tmp_path / "m.jsonl") == [(0, {"x": 1.0}), (1, {"x": 2.0})]
+    cursor = next((tmp_path / "j" / "cursors").glob("jsonl-*.json")).read_text()
+    assert '"step": 1' in cursor
