@@ -507,6 +507,10 @@ class MetricBus:
         committed (a :class:`~metricbus.errors.MetricBusWarning` says which). Committed steps are never lost.
         """
         timeout_s = _wait_s("close", timeout_s)  # before anything closes: a bad one leaves the bus open
+        if status not in ("finished", "failed"):  # (MLflow's adapter could not end its run with another one)
+            raise ConfigError(
+                f"close(status={status!r}): status must be 'finished' or 'failed'; the bus was left as it was"
+            )
         if self._closed:
             return
         alone = None

@@ -256,3 +256,15 @@ def test_a_bad_close_or_flush_timeout_is_a_config_error_and_leaves_the_bus_open(
     assert read_jsonl(tmp_path / "m.jsonl") == [(0, {"x": 1.0}), (1, {"x": 2.0})]
     cursor = next((tmp_path / "j" / "cursors").glob("jsonl-*.json")).read_text()
     assert '"step": 1' in cursor
+
+
+def test_an_unknown_close_status_is_a_config_error_and_leaves_the_bus_open() -> None:
+    """Before, close(status='failure') was taken: MLflow's adapter could not end its run with it (a KeyError)."""
+    mem = MemoryAdapter()
+    bus = MetricBus(dist=None, adapters=[mem])
+    bus.log("x", 1.0)
+    with pytest.raises(ConfigError, match=r"status must be 'finished' or 'failed'"):
+        bus.close(status="failure")  # type: ignore[arg-type]
+    assert not bus.closed
+    bus.close(status="failed")
+    assert mem.rows == [(0, {"x": 1.0})]
