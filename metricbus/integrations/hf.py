@@ -41,6 +41,8 @@ from metricbus.errors import MetricBusError, MetricValueError, SpecError
 
 IGNORE_INDEX = -100
 _REPLACED = frozenset({"loss", "train_loss"})  # the Trainer's float32 means of update means
+# Trainer.log adds these to every log (training, evaluation, the end-of-training summary): one series each
+_EVERY_LOG = frozenset({"epoch", "num_input_tokens_seen"})
 _log = logging.getLogger("metricbus.hf")
 
 
@@ -160,9 +162,9 @@ class MetricBusCallback(TrainerCallback):
         for key, value in logs.items():
             if key in _REPLACED or isinstance(value, bool) or not isinstance(value, numbers.Real):
                 continue  # the Trainer's losses are replaced by the exact one; strings are not metrics
-            # 'epoch' is in every log of a step: one name for it, so the training log's and an evaluation's
-            # (or the end-of-training summary's) are one series and the repeat is left out below.
-            prefixed = training or key == "epoch"
+            # 'epoch' (and 'num_input_tokens_seen') is in every log of a step: one name for it, so the training
+            # log's and an evaluation's (or the end-of-training summary's) are one series and the repeat is left out.
+            prefixed = training or key in _EVERY_LOG
             name, number = (f"{self.prefix}{key}" if prefixed else key), float(value)
             if name in again:
                 if again[name] != number:  # the same value again (the Trainer's 'epoch') is no news
