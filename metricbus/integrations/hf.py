@@ -91,6 +91,11 @@ class MetricBusCallback(TrainerCallback):
         self._step_values: dict[str, float] = {}  # what on_log committed at bus.last_step
         self._built = False  # whether the callback built the bus (it then builds a new one for another train())
         self._training = False  # between on_train_begin and on_train_end: logs after it are flushed at once
+        # Whether MetricBusTrainerMixin logged a micro-batch since the last training log / in this train(): where it
+        # did not (no mixin, labels not under 'labels', a compute_loss that bypasses it) the Trainer's own loss is
+        # forwarded, with a warning, rather than dropped.
+        self._window_micro = False
+        self._train_micro = False
         if bus is not None:
             self._declare(bus)
 
@@ -130,6 +135,7 @@ class MetricBusCallback(TrainerCallback):
                 "to have the callback build one from the config"
             )
         self._training = True
+        self._window_micro = self._train_micro = False
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The micro-batches since the last optimizer step are one update."""
@@ -159,9 +165,21 @@ class MetricBusCallback(TrainerCallback):
         # refuse and keep the records for the next commit, at a later step. Leave it out here instead.
         again = self._step_values if step == last else {}
         logged: dict[str, float] = {}
+        exact = self._window_micro if training else self._train_micro  # the mixin's train/loss replaces HF's
+        if training:
+            self._window_micro = False
         for key, value in logs.items():
-            if key in _REPLACED or isinstance(value, bool) or not isinstance(value, numbers.Real):
-                continue  # the Trainer's losses are replaced by the exact one; strings are not metrics
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                continue  # strings are not metrics
+            if key in _REPLACED:
+                if exact:
+                    continue  # the Trainer's loss is replaced by the exact one
+                self._report(
+                    "no-micro", f"the Trainer's {key!r} at step {step} is logged as it is (a mean of update means, "
+                    "not the exact token mean): no micro-batch loss was logged for it; subclass "
+                    "MetricBusTrainerMixin before Trainer (class MyTrainer(MetricBusTrainerMixin, Trainer)), keep "
+                    "the labels under 'labels', and call super().compute_loss() from an override",
+                )  # fmt: skip
             # 'epoch' (and 'num_input_tokens_seen') is in every log of a step: one name for it, so the training
             # log's and an evaluation's (or the end-of-training summary's) are one series and the repeat is left out.
             prefixed = training or key in _EVERY_LOG
@@ -243,6 +261,7 @@ class MetricBusTrainerMixin:
             losses, mask = self.metricbus_token_losses(outputs, labels, shift_labels)
             bus.log(callback.loss_name, losses, weight=mask)
             bus.log(callback.tokens_name, mask.sum())
+            callback._window_micro = callback._train_micro = True
         return (loss, outputs) if return_outputs else loss
 
     def metricbus_token_losses(self, outputs: Any, labels: Any, shift_labels: Any) -> tuple[Any, Any]:
