@@ -105,3 +105,36 @@ def test_hf_the_mixin_keeps_the_trainers_loss_out(tmp_path: Path, caplog: pytest
     assert all(abs(a - b) <= 1e-12 * b for a, b in zip(ours, exact, strict=True))
     assert not [m for _, m in memory.rows if "train_loss" in m]
     assert "not the exact token mean" not in caplog.text
+
+
+def test_hf_evaluate_before_train_is_logged_and_train_keeps_its_bus(tmp_path: Path) -> None:
+    """A baseline evaluate() before train() (bus built from the config) is delivered at step 0, in train()'s run."""
+    pytest.importorskip("transformers")
+    from metricbus.adapters.jsonl import read_jsonl
+    from transformers import TrainingArguments
+
+    from metricbus.integrations.hf import MetricBusCallback
+
+    sys.path.insert(0, str(TESTS))
+    import hf_workers
+
+    out = tmp_path / "m.jsonl"
+    callback = MetricBusCallback(config={"adapters": [f"jsonl:{out}"], "dist": None})
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=2, gradient_accumulation_steps=2,
+        per_device_train_batch_size=2, logging_steps=1, report_to="none", save_strategy="no", seed=hf_workers.SEED,
+        disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = hf_workers.TruthTrainer(
+        model=hf_workers.tiny_model(), args=args, train_dataset=hf_workers.dataset(),
+        eval_dataset=hf_workers.dataset(8), data_collator=hf_workers.collate, callbacks=[callback],
+    )  # fmt: skip
+    baseline = trainer.evaluate()
+    assert [m["eval_loss"] for _, m in read_jsonl(out) if "eval_loss" in m] == [baseline["eval_loss"]]
+    bus = callback.bus
+    trainer.train()
+    assert callback.bus is bus
+    callback.close()
+    rows = list(read_jsonl(out))
+    assert [step for step, m in rows if "eval_loss" in m] == [0]
+    assert [step for step, m in rows if "train/loss" in m] == [1, 2]

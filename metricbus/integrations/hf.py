@@ -37,7 +37,7 @@ from transformers import TrainerCallback
 from metricbus.adapter import Status
 from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus
 from metricbus.config import load_source, require_source
-from metricbus.errors import MetricBusError, MetricValueError, SpecError
+from metricbus.errors import ConfigError, MetricBusError, MetricValueError, SpecError
 
 IGNORE_INDEX = -100
 _REPLACED = frozenset({"loss", "train_loss"})  # the Trainer's float32 means of update means
@@ -74,10 +74,11 @@ class MetricBusCallback(TrainerCallback):
     ``bus``: a bus you built (built on every process, before training) and close yourself, after the last
     ``train()`` or ``evaluate()`` that logs into it (on every process: under DDP ``close()`` is a collective); a
     later ``train()`` may use it again only from a step at or after its last one (resuming from a checkpoint).
-    Else one is built at each ``train()``'s ``on_train_begin`` from ``config`` (a path, a mapping, or None for
-    ``$METRICBUS_CONFIG``/``$METRICBUS_ADAPTERS``) with the Trainer's ``run_name`` and sanitized arguments as the
-    run, unless the config has a ``run``; it stays open after ``train()`` for ``evaluate()`` and is closed by the
-    next ``train()``, by :meth:`close`, or at interpreter exit.
+    Else one is built at each ``train()``'s ``on_train_begin`` (or at an ``evaluate()`` before it, which that
+    ``train()`` keeps) from ``config`` (a path, a mapping, or None for ``$METRICBUS_CONFIG``/``$METRICBUS_ADAPTERS``)
+    with the Trainer's ``run_name`` and sanitized arguments as the run, unless the config has a ``run``; it stays
+    open after ``train()`` for ``evaluate()`` and is closed by the next ``train()``, by :meth:`close`, or at
+    interpreter exit.
     ``prefix`` starts every name this integration logs (``train/loss``, ``train/tokens``, ``train/grad_norm``).
     """
 
@@ -91,6 +92,7 @@ class MetricBusCallback(TrainerCallback):
         self._step_values: dict[str, float] = {}  # what on_log committed at bus.last_step
         self._built = False  # whether the callback built the bus (it then builds a new one for another train())
         self._training = False  # between on_train_begin and on_train_end: logs after it are flushed at once
+        self._trained = False  # whether the bus served a train() (a bus built by an evaluate() before it has not)
         # Whether MetricBusTrainerMixin logged a micro-batch since the last training log / in this train(): where it
         # did not (no mixin, labels not under 'labels', a compute_loss that bypasses it) the Trainer's own loss is
         # forwarded, with a warning, rather than dropped.
@@ -113,14 +115,17 @@ class MetricBusCallback(TrainerCallback):
                 overrides["run"] = {"name": args.run_name, "config": args.to_sanitized_dict()}
             self.bus = MetricBus.from_config(self.config, **overrides)
             self._built = True
+            self._trained = False
             self._step_values = {}
             self._declare(self.bus)
         return self.bus
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Close the bus an earlier ``train()`` built and build this one's (every process: a collective bus needs
-        every rank); a bus passed in must be open and not past the Trainer's step."""
-        self.close(status="failed" if self._training else "finished")  # still training: that train() raised
+        every rank), or keep the one an ``evaluate()`` before it built; a bus passed in must be open and not past
+        the Trainer's step."""
+        if self._trained:
+            self.close(status="failed" if self._training else "finished")  # still training: that train() raised
         bus = self.ensure_bus(args)
         if bus.closed:
             raise HFIntegrationError(
@@ -134,7 +139,7 @@ class MetricBusCallback(TrainerCallback):
                 f"{state.global_step} (a run's steps never go back); pass a new MetricBus for this train(), or none "
                 "to have the callback build one from the config"
             )
-        self._training = True
+        self._training = self._trained = True
         self._window_micro = self._train_micro = False
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -144,9 +149,15 @@ class MetricBusCallback(TrainerCallback):
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         """A training log commits the window at ``state.global_step``; other logs are committed there too."""
-        bus = self.bus
-        if bus is None or not logs:
+        if not logs:
             return
+        bus = self.bus
+        if bus is None:  # an evaluate() before train(): build the bus now (the train() after it keeps it)
+            try:
+                bus = self.ensure_bus(args)
+            except ConfigError as exc:
+                self._report("config", f"a log at step {state.global_step} is not logged: {exc}")
+                return
         if bus.closed:  # closed by its owner (or callback.close()) before this log, e.g. an evaluate() after it
             names = ", ".join(repr(key) for key in sorted(logs)[:6])
             self._report(
