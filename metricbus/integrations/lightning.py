@@ -35,7 +35,7 @@ from pytorch_lightning.loggers.logger import Logger
 from pytorch_lightning.utilities import rank_zero_only
 
 from metricbus.adapter import Adapter, RunInfo, Status
-from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus
+from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus, _wait_s
 from metricbus.errors import ClosedError, ConfigError, MetricBusError, MetricBusWarning
 from metricbus.options import BusOptions
 from metricbus.spec import SpecLike
@@ -188,6 +188,14 @@ class MetricBusLogger(Logger):
         }  # fmt: skip
         self._resume = resume
         BusOptions.build(**self._options, run=self._run, dist=None)  # fail at construction, not at the first log
+        for option, seconds in (("save_timeout_s", save_timeout_s), ("close_timeout_s", close_timeout_s)):
+            try:  # (else a bad one raised mid-fit at save(), or at finalize() once training was over)
+                _wait_s(option, seconds)
+            except ConfigError:
+                raise ConfigError(
+                    f"MetricBusLogger({option}={seconds!r}): {option} must be a number of seconds >= 0 (math.inf: "
+                    "no bound)"
+                ) from None
         if resume and journal is None:  # MetricBus refuses it too, but only at the first log, mid-fit
             raise ConfigError("resume: needs a journal (the run to continue is read from it); pass journal=DIR")
         self._config: dict[str, Any] = {}
