@@ -553,9 +553,11 @@ class MetricBus:
             finally:
                 self._closed = True
                 self._collector.drained()
-                shutdown.untrack(id(self))
-                self._ranks.settle()
-                self._sink.close(status=status, timeout_s=timeout_s)
+                try:
+                    self._ranks.settle()
+                    self._sink.close(status=status, timeout_s=timeout_s)
+                finally:  # last: a SIGINT or SIGTERM while the adapters drain waits for close() to end (see shutdown)
+                    shutdown.untrack(id(self))
 
     def _warn_uncommitted(self, why: str) -> None:
         listed = sorted(self._collector.pending_names())

@@ -24,7 +24,9 @@ handler that defers a SIGINT landing inside a bus call (the main thread holding 
 then raises ``KeyboardInterrupt`` as the default handler would. A commit is then never cut between its journal write
 and the rest of it (a KeyboardInterrupt right after the write, where a Ctrl-C during a commit mostly lands, left the
 step journaled but neither delivered nor counted, and the next commit wrote that step again). A second SIGINT while
-one waits raises at once, so a call that hangs can still be left. A handler of the program's own is left alone.
+one waits raises at once, so a call that hangs can still be left. A SIGTERM and a SIGINT landing in one call are
+both kept: the SIGTERM is handled first, then KeyboardInterrupt is raised. A handler of the program's own is left
+alone.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ _hooked = False
 _sigterm_done = False
 _previous: Any = None  # the SIGTERM handler installed before ours
 _exit_started: float | None = None  # when exit or SIGTERM handling began (None: not exiting)
-_deferred: tuple[int, FrameType | None] | None = None  # a SIGTERM (or SIGINT) that arrived inside a bus call
+# the SIGTERM and SIGINT that arrived inside a bus call, one of each at most (None: none waits)
+_deferred: tuple[tuple[int, FrameType | None], ...] | None = None
 _sigint_done = False
 
 
@@ -157,13 +160,20 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     that hangs can still be left); a deferred SIGTERM goes first."""
     global _deferred
     if _main_is_inside_a_bus():
-        if _deferred is None:
-            _deferred = (signum, frame)
+        if _defer(signum, frame):
             return
-        if _deferred[0] != signum:  # a SIGTERM waits: its drain ends the process, or calls the program's handler
-            return
-        _deferred = None
+        _deferred = tuple(item for item in _deferred or () if item[0] != signum) or None  # (a SIGTERM still waits)
     signal.default_int_handler(signum, frame)
+
+
+def _defer(signum: int, frame: FrameType | None) -> bool:
+    """Keep ``signum`` for :func:`after_call` and return True; False where one of that signal waits already."""
+    global _deferred
+    waiting = _deferred or ()
+    if any(kept == signum for kept, _ in waiting):
+        return False
+    _deferred = (*waiting, (signum, frame))
+    return True
 
 
 def _grace_s() -> float:
@@ -204,12 +214,14 @@ class BusLock:
 
 
 def after_call() -> None:
-    """Called by the bus when a call that held its locks returns: run a SIGTERM that arrived during that call."""
+    """Called by the bus when a call that held its locks returns: run the SIGTERM, then the SIGINT, that arrived
+    during that call (a SIGINT while a SIGTERM waited is not lost: the program's SIGTERM handler runs, then
+    KeyboardInterrupt is raised)."""
     global _deferred
     if _deferred is not None and threading.current_thread() is threading.main_thread():
-        signum, frame = _deferred
-        _deferred = None
-        (_on_sigint if signum == signal.SIGINT else _on_sigterm)(signum, frame)
+        waiting, _deferred = _deferred, None
+        for signum, frame in sorted(waiting, key=lambda item: item[0] == signal.SIGINT):
+            (_on_sigint if signum == signal.SIGINT else _on_sigterm)(signum, frame)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -220,9 +232,9 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     of its own that the handler waits for, bounded by the buses' ``exit_timeout_s``; what could not be delivered in
     time stays in the journal for ``metricbus sync``.
     """
-    global _exit_started, _deferred
+    global _exit_started
     if _main_is_inside_a_bus():
-        _deferred = (signum, frame)
+        _defer(signum, frame)
         return
     previous = _previous
     chained = callable(previous)
