@@ -159,7 +159,10 @@ def acknowledged_length(path: Path, after_step: int | None, *, keep_all: bool = 
 
 
 def _lines_in(path: Path) -> int:
-    """How many complete lines the file ``path`` holds (0: none, or no such file)."""
+    """How many complete lines the regular file ``path`` holds (0: none, no such file, or not a regular file: reading
+    a pipe, FIFO or terminal such as ``/dev/stdout`` would wait for input that never comes)."""
+    if not path.is_file():
+        return 0
     try:
         with path.open("rb") as handle:
             return sum(block.count(b"\n") for block in iter(lambda: handle.read(_BLOCK), b""))
