@@ -26,7 +26,7 @@ and the rest of it (a KeyboardInterrupt right after the write, where a Ctrl-C du
 step journaled but neither delivered nor counted, and the next commit wrote that step again). A second SIGINT while
 one waits raises at once, so a call that hangs can still be left. A SIGTERM and a SIGINT landing in one call are
 both kept: the SIGTERM is handled first, then KeyboardInterrupt is raised. A handler of the program's own is left
-alone.
+alone. Once the process's last open bus is closed (on the main thread), SIGINT has Python's default handler again.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ _previous: Any = None  # the SIGTERM handler installed before ours
 _exit_started: float | None = None  # when exit or SIGTERM handling began (None: not exiting)
 # the SIGTERM and SIGINT that arrived inside a bus call, one of each at most (None: none waits)
 _deferred: tuple[tuple[int, FrameType | None], ...] | None = None
-_sigint_done = False
 
 
 def track(key: int, closer: Callable[[Status], None]) -> None:
@@ -71,9 +70,12 @@ def track(key: int, closer: Callable[[Status], None]) -> None:
 
 
 def untrack(key: int) -> None:
-    """The bus was closed: nothing to do for it at exit."""
+    """The bus was closed: nothing to do for it at exit (the last one of this process gives SIGINT back to Python's
+    default handler, where ours is still the one installed and this is the main thread)."""
     with _lock:
         _open.pop(key, None)
+        if not _closers():
+            uninstall_sigint()
 
 
 def bounded(timeout_s: float, exit_timeout_s: float) -> float:
@@ -143,15 +145,25 @@ def install_sigterm() -> None:
 
 
 def install_sigint() -> None:
-    """Install the SIGINT handler once, from the main thread, where SIGINT has Python's default handler."""
-    global _sigint_done
+    """Install the SIGINT handler from the main thread, where SIGINT has Python's default handler; it stays while a
+    bus of this process is open (:func:`uninstall_sigint`), so code that looks for the default handler once no bus
+    is open (``asyncio.run`` installs its own Ctrl-C handling only over it) finds it again."""
     with _lock:
-        if _sigint_done or threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():
             return
-        _sigint_done = True
         if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            return  # the program's own handler, SIGINT ignored, or handled outside Python: leave it alone
+            return  # ours already, the program's own handler, SIGINT ignored, or handled outside Python: leave it
         signal.signal(signal.SIGINT, _on_sigint)
+
+
+def uninstall_sigint() -> None:
+    """Give SIGINT back to Python's default handler, where ours is the one installed (from the main thread only: a
+    bus closed on another thread leaves it, and it acts as the default handler does while no bus is open)."""
+    with _lock:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGINT) is _on_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:

@@ -209,7 +209,28 @@ def test_a_programs_own_sigint_handler_is_left_alone() -> None:
         "bus.close()\nbus = MetricBus(dist=None, journal=tempfile.mkdtemp())\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "other = MetricBus(dist=None, journal=tempfile.mkdtemp())\n"
-        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\nbus.close()\nother.close()\n"
+        "assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler\nbus.close()\nother.close()\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_default_sigint_handler_is_back_once_the_last_bus_closed() -> None:
+    """Ours only while a bus is open: asyncio.run, which handles Ctrl-C only over the default handler, finds it."""
+    code = (
+        "import asyncio, signal, tempfile\nfrom metricbus import MetricBus\n"
+        "first = MetricBus(dist=None, journal=tempfile.mkdtemp())\n"
+        "second = MetricBus(dist=None, journal=tempfile.mkdtemp())\n"
+        "ours = signal.getsignal(signal.SIGINT)\nassert ours is not signal.default_int_handler\n"
+        "first.close()\nassert signal.getsignal(signal.SIGINT) is ours\n"
+        "second.close()\nassert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+        "async def main():\n    return signal.getsignal(signal.SIGINT)\n"
+        "assert asyncio.run(main()) is not signal.default_int_handler  # asyncio's own\n"
+        "third = MetricBus(dist=None, journal=tempfile.mkdtemp())\n"
+        "assert signal.getsignal(signal.SIGINT) is ours\nthird.close()\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           check=False)
