@@ -45,6 +45,15 @@ values next to the old ones and sets the tag ``metricbus.rewind`` to ``S``. ``ge
 both values at each step both timelines wrote, and the run's latest value (``run.data.metrics``, the one with the
 largest (step, timestamp)) is the new one, unless the old timeline reached a larger step than the new one has.
 
+Requests run past ``request_timeout_s``. MLflow's HTTP client retries a request to a server it cannot reach for
+about four minutes (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, 7, with backoff) and waits up to 120 s for an answer, which
+the bus would take for a hung call (``write_timeout_s``, 30 s) and stop the adapter for the rest of the run. So
+``write`` sends each batch from a thread of its own and waits at most ``request_timeout_s`` (default 5 s) for it:
+a request still running then raises :class:`TimeoutError`, which the bus retries with backoff; the retry first waits
+for that request to end (again at most ``request_timeout_s``) and sends only what MLflow did not take. A server
+that is down for a while thus receives every step, in order, once each, when it is back, without a change to the
+environment (MLflow's settings stay the trainer's).
+
 Wide steps. MLflow takes at most 1000 metrics per batch (``MAX_METRICS_PER_BATCH``), and each batch is its own
 request and transaction, so a step with more is sent as several batches by the adapter itself. When one of them
 fails, MLflow already holds the batches before it; the retry of that step (the same ``write``) sends only the points
@@ -60,6 +69,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -89,6 +99,7 @@ TRACKING_SCHEMES = ("file", *DATABASE_SCHEMES, "http", "https", "databricks")
 # mlflow 3.17.2 mlflow/utils/validation.py: a REST batch holds at most this many metrics. MlflowClient.log_batch splits
 # a longer list into several requests itself, and a failure in a later one would leave the earlier ones applied.
 MAX_METRICS_PER_BATCH = 1000
+REQUEST_TIMEOUT_S = 5.0  # how long write() waits for one request (see the module docstring)
 INSTALL_HINT = "the mlflow adapter needs mlflow: pip install 'metricbus[mlflow]'"
 _STATUS = {"finished": "FINISHED", "failed": "FAILED"}
 _SQLITE_URI = re.compile(r"^sqlite(\+\w+)?:///(?P<path>[^?]*)")
@@ -173,10 +184,22 @@ class MlflowAdapter:
         experiment: str | None = None,
         run_name: str | None = None,
         attach: bool = False,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         _require_mlflow()
         if not isinstance(attach, bool):
             raise ConfigError(f"mlflow option attach must be true or false, not {attach!r}")
+        if (
+            isinstance(request_timeout_s, bool)
+            or not isinstance(request_timeout_s, (int, float))
+            or not 0 < request_timeout_s <= threading.TIMEOUT_MAX
+        ):
+            raise ConfigError(
+                f"mlflow option request_timeout_s must be a number of seconds > 0 (below the bus's write_timeout_s), "
+                f"not {request_timeout_s!r}"
+            )
+        self._request_timeout_s = float(request_timeout_s)
+        self._pending: _Request | None = None  # a batch whose request write() stopped waiting for
         for option, value in (("experiment", experiment), ("run_name", run_name)):
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"mlflow option {option} must be a non-empty string or unset, not {value!r}")
@@ -398,6 +421,7 @@ class MlflowAdapter:
         sends only what MLflow did not take."""
         if self._client is None:
             raise RuntimeError("MlflowAdapter.write() before open()")
+        self._settle()  # a request an earlier try left running: wait for it, keep what it logged
         now_ms = time.time_ns() // 1_000_000
         metric, names, step = self._metric, self._names, int(step)
         if not -(2**63) <= step < 2**63:  # sqlite fails with an INTERNAL_ERROR, which would be retried for ever
@@ -412,10 +436,33 @@ class MlflowAdapter:
         if sent:  # this step was written before, or tried: what MLflow took then is not logged again
             batch = [m for m in batch if _comparable(m.value) not in sent.get(m.key, ())]
         for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
-            part = batch[start : start + MAX_METRICS_PER_BATCH]
-            self._client.log_batch(self._run_id, metrics=part)  # one request, one transaction: all or nothing
-            for m in part:
-                sent.setdefault(m.key, set()).add(_comparable(m.value))
+            # one request, one transaction: all or nothing
+            self._pending = _Request(self._client, self._run_id, step, batch[start : start + MAX_METRICS_PER_BATCH])
+            self._settle(own=True)
+
+    def _settle(self, *, own: bool = False) -> None:
+        """Wait (at most ``request_timeout_s``) for the pending request; once it ended, mark what it logged as sent.
+
+        Still running: TimeoutError (transient: the bus retries the step, and the retry waits here again). ``own``:
+        the request this write just sent, whose failure is raised; an earlier try's failure is only forgotten (its
+        points are sent again)."""
+        pending = self._pending
+        if pending is None:
+            return
+        if not pending.done.wait(self._request_timeout_s):
+            raise TimeoutError(
+                f"MLflow did not answer the log_batch of step {pending.step} ({len(pending.part)} metrics) within "
+                f"request_timeout_s={self._request_timeout_s:g} s; the request goes on, and the retry waits for it "
+                f"before sending what MLflow did not take"
+            )
+        self._pending = None
+        if pending.error is not None:
+            if own:
+                raise pending.error
+            return
+        if pending.step == self._sent_step:
+            for m in pending.part:
+                self._sent.setdefault(m.key, set()).add(_comparable(m.value))
 
     def _points(self, metrics: Mapping[str, float]) -> Iterator[tuple[str, float, str | None]]:
         """``(name, value, part_of)`` of every metric; a Histogram gives its quantiles ``<key>/p50``, ... with
@@ -439,6 +486,7 @@ class MlflowAdapter:
         if self._client is None:
             raise RuntimeError("MlflowAdapter.rewind() before open()")
         client, step = self._client, int(step)
+        self._settle()  # what a request left running logs is read back below, not sent again
         self._held = self._held_points(client, client.get_run(self._run_id), step - 1)
         self._sent_step, self._sent = None, {}  # what the new timeline holds is in _held now
         client.set_tag(self._run_id, REWIND_TAG, str(step))
@@ -452,6 +500,27 @@ class MlflowAdapter:
             if not self._attach:
                 self._client.set_terminated(self._run_id, status=_STATUS[status])
             self._client = None
+
+
+class _Request:
+    """One ``log_batch`` running on a daemon thread of its own (a request hung in MLflow's retries never holds up
+    the interpreter's exit); ``done`` is set when it ended, ``error`` is what it raised."""
+
+    __slots__ = ("done", "error", "part", "step")
+
+    def __init__(self, client: Any, run_id: str | None, step: int, part: list[Any]) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.step, self.part = step, part
+        threading.Thread(target=self._run, args=(client, run_id), name="metricbus-mlflow-request", daemon=True).start()
+
+    def _run(self, client: Any, run_id: str | None) -> None:
+        try:
+            client.log_batch(run_id, metrics=self.part)
+        except BaseException as exc:  # raised by write(), as if it had called log_batch itself
+            self.error = exc
+        finally:
+            self.done.set()
 
 
 def _ensure_sqlite_folder(uri: str) -> None:

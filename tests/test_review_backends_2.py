@@ -1,0 +1,102 @@
+"""Second review of the backends and delivery: each behaviour read back through the backend's own reader."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from backend_env import free_port, isolate_env, poll_until, start_server, stop_server, wait_http
+
+from metricbus import MetricBus
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """HOME and friends inside tmp_path, telemetry off, no MLflow settings from the caller's environment."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    return isolate_env(monkeypatch, tmp_path)
+
+
+class MlflowServer:
+    """A real ``mlflow server`` (sqlite backend, one worker) on one port, which can be stopped and started again."""
+
+    def __init__(self, root: Path) -> None:
+        exe = shutil.which("mlflow", path=str(Path(sys.executable).parent))
+        assert exe is not None
+        self.root = root
+        self.uri = f"http://127.0.0.1:{free_port()}"
+        port = self.uri.rsplit(":", 1)[1]
+        self.args = [exe, "server", "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--host", "127.0.0.1"]
+        self.args += ["--port", port, "--workers", "1", "--default-artifact-root", str(root / "artifacts")]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = start_server(self.args, log=self.root / f"mlflow-server-{len(list(self.root.glob('*.log')))}.log")
+        wait_http(f"{self.uri}/health", proc=self.proc, timeout_s=90)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_server(self.proc)
+            self.proc = None
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
+    """A started server of this test's own (the test stops and restarts it)."""
+    server = MlflowServer(tmp_path / "server")
+    server.root.mkdir()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _history(uri: str, key: str) -> tuple[str, list[tuple[int, float]]]:
+    """(status, [(step, value), ...] in MLflow's order) of the one run the server holds."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    runs: list[Any] = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    (run,) = runs
+    points = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp))
+    return run.info.status, [(m.step, m.value) for m in points]
+
+
+@pytest.mark.slow
+def test_mlflow_server_down_longer_than_write_timeout_gets_every_step_when_back(
+    mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A server down for longer than write_timeout_s is retried, not stopped: every step once, in order, FINISHED."""
+    # MLflow's own retries of a refused connection (here 4, ~14 s; 7, ~4 min by default) outlast write_timeout_s
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "4")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    adapter = {"type": "mlflow", "tracking_uri": mlflow_server.uri, "request_timeout_s": 1}
+    bus = MetricBus(dist=None, journal=tmp_path / "journal", adapters=[adapter], write_timeout_s=5.0)
+    delivery = bus._sink.delivery
+    for step in range(5):
+        bus.log("loss", float(step))
+        bus.commit(step=step)
+    assert bus.flush(timeout_s=60)
+    mlflow_server.stop()
+    for step in range(5, 10):
+        bus.log("loss", float(step))
+        bus.commit(step=step)
+    # more failed tries of 1 s each than fit in write_timeout_s: a call that long would have been taken for hung
+    poll_until(lambda: delivery.failures.get("mlflow", 0) >= 7, timeout_s=120, what="seven failed tries")
+    mlflow_server.start()
+    for step in range(10, 15):
+        bus.log("loss", float(step))
+        bus.commit(step=step)
+    assert bus.flush(timeout_s=300)
+    assert delivery.failed == []
+    assert delivery.released == {}
+    bus.close(timeout_s=60)
+    assert _history(mlflow_server.uri, "loss") == ("FINISHED", [(s, float(s)) for s in range(15)])
+
