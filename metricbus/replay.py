@@ -25,7 +25,8 @@ from fnmatch import fnmatchcase
 
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.canonical import nans
-from metricbus.errors import JournalError, SpecError
+from metricbus.errors import AdapterError, JournalError, SpecError
+from metricbus.errors_classify import classify, permanent_errors_of
 from metricbus.journal import CursorStore, Journal
 from metricbus.journal.cursors import identity_of, resume_adapter
 from metricbus.journal.reader import Commit, CommitRun, JournalStream, stream_journal, timeline
@@ -399,6 +400,7 @@ class _Target:
     sent: int = 0
     error: BaseException | None = None
     gaps: set[int] = field(default_factory=set)  # steps the backend rejected live: retried here
+    rejected: dict[int, BaseException] = field(default_factory=dict)  # steps it rejected for good in this sync
     resent: set[int] = field(default_factory=set)  # gaps written, not yet acknowledged
     identity: dict[str, str] | None = None  # the backend run the live bus (or a last sync) wrote to
     rewind: int | None = None  # where a resume left its backend to be rewound before anything is sent
@@ -426,10 +428,14 @@ def sync(
     adapter's ``flush()`` returned: every ``flush_every`` steps, every ``flush_interval_s`` and at the end. So after
     any crash, of the trainer or of a sync, the next sync sends every journaled step once.
 
-    A write that raises stops that adapter (what it wrote before is flushed and acknowledged) and the error is
-    re-raised after the others are done. ``KeyboardInterrupt``, or ``stop`` set (checked between steps; the CLI
-    sets it on Ctrl-C), flushes and acknowledges what was written, closes the adapters and raises
-    :class:`SyncInterrupted`.
+    A write that raises a transient error (:mod:`metricbus.errors_classify`: the backend is down) stops that
+    adapter (what it wrote before is flushed and acknowledged) and the error is re-raised after the others are done.
+    A step the backend rejects for good (a permanent error, as live) is skipped for that adapter and kept as a gap
+    (retried by the next sync) while the later steps are sent; the adapter is then closed as failed and an
+    :class:`~metricbus.errors.AdapterError` naming it and the steps is raised at the end.
+
+    ``KeyboardInterrupt``, or ``stop`` set (checked between steps; the CLI sets it on Ctrl-C), flushes and
+    acknowledges what was written, closes the adapters and raises :class:`SyncInterrupted`.
     """
     journal = _open(source)
     store = _cursors(journal)
@@ -459,6 +465,16 @@ def sync(
     failed = next((t.error for t in targets if t.error is not None), None)
     if failed is not None:
         raise failed
+    rejecting = next((t for t in targets if t.rejected), None)
+    if rejecting is not None:
+        steps = sorted(rejecting.rejected)
+        first = rejecting.rejected[steps[0]]
+        shown = ", ".join(map(str, steps[:10])) + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
+        raise AdapterError(
+            f"adapter {rejecting.label!r} rejected step{'s' if len(steps) > 1 else ''} {shown} for good "
+            f"({type(first).__name__}: {first}); it sent every other step ({rejecting.sent} steps), and the next sync "
+            f"retries the rejected ones (kept as gaps) once the cause is fixed"
+        ) from first
     return {t.label: t.sent for t in targets}
 
 
@@ -525,7 +541,10 @@ def _send(
             try:
                 target.adapter.write(step=step, metrics=metrics)
             except Exception as exc:
-                target.error = exc
+                if classify(exc, permanent=permanent_errors_of(target.adapter)) == "transient":
+                    target.error = exc
+                else:
+                    _reject(target, store, step, exc)
                 continue
             if target.written != step:
                 target.written, target.at_written = step, 0
@@ -533,7 +552,7 @@ def _send(
             target.at_written += 1
             if last_of_step:
                 target.whole = step
-            if step in target.gaps:
+            if step in target.gaps and step not in target.rejected:
                 target.resent.add(step)
             wrote = True
         sent += wrote
@@ -548,6 +567,16 @@ def _send(
             raise failure
     if progress is not None:
         progress(reduced[1], reduced[1], sent)
+
+
+def _reject(target: _Target, store: CursorStore, step: int, exc: Exception) -> None:
+    """The backend rejected ``step`` for good: keep it a gap (recorded once), so the cursor may pass it and the next
+    sync retries it; the other steps go on."""
+    target.rejected.setdefault(step, exc)
+    target.resent.discard(step)  # another commit at this step was written: the step is still not whole there
+    if step not in target.gaps:
+        store.add_gap(target.adapter, step, f"{type(exc).__name__}: {exc}")
+        target.gaps.add(step)
 
 
 def _acknowledge(target: _Target, store: CursorStore) -> None:
@@ -607,7 +636,7 @@ def _finish(targets: list[_Target], store: CursorStore, *, status: Status) -> No
     for target in targets:
         _acknowledge(target, store)
         try:
-            target.adapter.close(status="failed" if target.error is not None else status)
+            target.adapter.close(status="failed" if target.error is not None or target.rejected else status)
         except Exception as exc:
             target.error = target.error or exc
             continue

@@ -11,8 +11,12 @@ from typing import Any
 
 import pytest
 from backend_env import free_port, isolate_env, poll_until, start_server, stop_server, wait_http
+from review_backends_workers import Picky, picky_rows
 
 from metricbus import MetricBus
+from metricbus.errors import AdapterError
+from metricbus.journal import CursorStore
+from metricbus.replay import sync
 
 
 @pytest.fixture(autouse=True)
@@ -100,3 +104,42 @@ def test_mlflow_server_down_longer_than_write_timeout_gets_every_step_when_back(
     bus.close(timeout_s=60)
     assert _history(mlflow_server.uri, "loss") == ("FINISHED", [(s, float(s)) for s in range(15)])
 
+
+def test_sync_sends_the_steps_after_one_the_backend_rejects_for_good(tmp_path: Path) -> None:
+    """A step the backend rejects in sync is a gap; the steps after it are sent, the run closed failed, sync raises."""
+    journal = tmp_path / "journal"
+    with MetricBus(dist=None, journal=journal) as bus:
+        for step in range(8):
+            bus.log("x", float(step))
+            bus.commit(step=step)
+    picky = Picky(str(tmp_path / "picky.jsonl"))
+    with pytest.raises(AdapterError, match=r"adapter 'picky' rejected step 3 for good \(ValueError: picky rejects"):
+        sync(journal, [picky])
+    rows = picky_rows(tmp_path / "picky.jsonl")
+    assert rows == [*([s, {"x": float(s)}] for s in (0, 1, 2, 4, 5, 6, 7)), ["closed", "failed"]]
+    store = CursorStore(journal)
+    assert (store.get(picky), store.gaps(picky)) == (7, {3})
+    picky.bad = -1  # the cause fixed: the next sync sends the gap, and only it
+    assert sync(journal, [picky]) == {"picky": 1}
+    assert picky_rows(tmp_path / "picky.jsonl")[len(rows) :] == [[3, {"x": 3.0}], ["closed", "finished"]]
+    assert store.gaps(picky) == set()
+
+
+def test_sync_after_a_crash_is_not_stopped_by_a_step_rejected_live(tmp_path: Path) -> None:
+    """A trainer killed after a live rejection: sync retries the gap and still sends every step the cursor lacks."""
+    workers = Path(__file__).with_name("review_backends_workers.py")
+    args = [sys.executable, str(workers), "picky", str(tmp_path)]
+    done = subprocess.run(args, check=False, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    picky = Picky(str(tmp_path / "picky.jsonl"))
+    store = CursorStore(tmp_path / "journal")
+    assert (store.get(picky), store.gaps(picky)) == (5, {3})
+    live = len(picky_rows(tmp_path / "picky.jsonl"))
+    with pytest.raises(AdapterError, match="rejected step 3 for good"):
+        sync(tmp_path / "journal", [picky])
+    rows = picky_rows(tmp_path / "picky.jsonl")
+    steps = [row[0] for row in rows if row[0] != "closed"]
+    assert sorted(steps) == [0, 1, 2, 4, 5, 6, 7, 8, 9], steps  # each once
+    assert rows[-1] == ["closed", "failed"]
+    assert live <= 6
+    assert (store.get(picky), store.gaps(picky)) == (9, {3})
