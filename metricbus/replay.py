@@ -372,6 +372,8 @@ def _close_all(adapters: Sequence[Adapter], *, status: Status, raise_error: bool
 
 FLUSH_EVERY = 1000  # sync flushes (and then acknowledges) at least every this many steps per adapter ...
 FLUSH_INTERVAL_S = 2.0  # ... and at least this often, so a killed sync redoes little
+SYNC_TRIES = 5  # a write failing with transient errors is tried this often before sync stops that adapter ...
+SYNC_RETRY_BASE_S, SYNC_RETRY_CAP_S = 0.1, 2.0  # ... waiting this long, doubling, in between
 SyncProgress = Callable[[int, int, int], None]  # (commits reduced, commits in the journal, steps sent)
 
 
@@ -428,8 +430,9 @@ def sync(
     adapter's ``flush()`` returned: every ``flush_every`` steps, every ``flush_interval_s`` and at the end. So after
     any crash, of the trainer or of a sync, the next sync sends every journaled step once.
 
-    A write that raises a transient error (:mod:`metricbus.errors_classify`: the backend is down) stops that
-    adapter (what it wrote before is flushed and acknowledged) and the error is re-raised after the others are done.
+    A write that raises a transient error (:mod:`metricbus.errors_classify`: the backend is down) is tried again
+    with backoff (:data:`SYNC_TRIES` in all); one that still fails stops that adapter (what it wrote before is
+    flushed and acknowledged) and the error is re-raised after the others are done.
     A step the backend rejects for good (a permanent error, as live) is skipped for that adapter and kept as a gap
     (retried by the next sync) while the later steps are sent; the adapter is then closed as failed and an
     :class:`~metricbus.errors.AdapterError` naming it and the steps is raised at the end.
@@ -539,7 +542,7 @@ def _send(
             if not target.wants(step):
                 continue
             try:
-                target.adapter.write(step=step, metrics=metrics)
+                _write(target.adapter, step, metrics, stop)
             except Exception as exc:
                 if classify(exc, permanent=permanent_errors_of(target.adapter)) == "transient":
                     target.error = exc
@@ -567,6 +570,23 @@ def _send(
             raise failure
     if progress is not None:
         progress(reduced[1], reduced[1], sent)
+
+
+def _write(adapter: Adapter, step: int, metrics: Mapping[str, float], stop: threading.Event | None) -> None:
+    """``adapter.write``, a transient failure (a backend briefly away, a request still running) tried again with
+    backoff, :data:`SYNC_TRIES` times in all, as live delivery does; the last failure, or a permanent one, raised."""
+    for tries in itertools.count(1):
+        try:
+            adapter.write(step=step, metrics=metrics)
+            return
+        except Exception as exc:
+            if tries >= SYNC_TRIES or classify(exc, permanent=permanent_errors_of(adapter)) == "permanent":
+                raise
+        delay = min(SYNC_RETRY_CAP_S, SYNC_RETRY_BASE_S * 2 ** (tries - 1))
+        if stop is not None and stop.wait(delay):
+            raise KeyboardInterrupt
+        if stop is None:
+            time.sleep(delay)
 
 
 def _reject(target: _Target, store: CursorStore, step: int, exc: Exception) -> None:

@@ -50,6 +50,32 @@ def picky_rows(path: Path) -> list[Any]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
+class Flaky:
+    """A backend whose first ``fails`` writes raise ConnectionError (transient), then writes go to memory."""
+
+    name = "flaky"
+    fails = 2
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.closed: str | None = None
+
+    def open(self, *, run: Any) -> None:
+        pass
+
+    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
+        if self.fails > 0:
+            self.fails -= 1
+            raise ConnectionError("flaky backend away for a moment")
+        self.steps.append(step)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, *, status: str) -> None:
+        self.closed = status
+
+
 class Hung:
     """A backend whose write of step ``hang_at`` never returns (until ``release`` is set); keeps the rest in memory."""
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from backend_env import free_port, isolate_env, poll_until, start_server, stop_server, wait_http
-from review_backends_workers import Picky, picky_rows
+from review_backends_workers import Flaky, Picky, picky_rows
 
 from metricbus import MetricBus
 from metricbus.errors import AdapterError
@@ -78,11 +78,14 @@ def test_mlflow_server_down_longer_than_write_timeout_gets_every_step_when_back(
     mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A server down for longer than write_timeout_s is retried, not stopped: every step once, in order, FINISHED."""
-    # MLflow's own retries of a refused connection (here 4, ~14 s; 7, ~4 min by default) outlast write_timeout_s
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "4")
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri=mlflow_server.uri).create_experiment("metricbus")  # a warm server: open() is quick
+    # MLflow's own retries of a refused connection (here 5, ~30 s; 7, ~4 min by default) outlast write_timeout_s
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     adapter = {"type": "mlflow", "tracking_uri": mlflow_server.uri, "request_timeout_s": 1}
-    bus = MetricBus(dist=None, journal=tmp_path / "journal", adapters=[adapter], write_timeout_s=5.0)
+    bus = MetricBus(dist=None, journal=tmp_path / "journal", adapters=[adapter], write_timeout_s=10.0)
     delivery = bus._sink.delivery
     for step in range(5):
         bus.log("loss", float(step))
@@ -93,7 +96,7 @@ def test_mlflow_server_down_longer_than_write_timeout_gets_every_step_when_back(
         bus.log("loss", float(step))
         bus.commit(step=step)
     # more failed tries of 1 s each than fit in write_timeout_s: a call that long would have been taken for hung
-    poll_until(lambda: delivery.failures.get("mlflow", 0) >= 7, timeout_s=120, what="seven failed tries")
+    poll_until(lambda: delivery.failures.get("mlflow", 0) >= 12, timeout_s=180, what="12 failed tries")
     mlflow_server.start()
     for step in range(10, 15):
         bus.log("loss", float(step))
@@ -143,3 +146,42 @@ def test_sync_after_a_crash_is_not_stopped_by_a_step_rejected_live(tmp_path: Pat
     assert rows[-1] == ["closed", "failed"]
     assert live <= 6
     assert (store.get(picky), store.gaps(picky)) == (9, {3})
+
+
+def test_sync_tries_a_transiently_failing_write_again(tmp_path: Path) -> None:
+    """A write that fails with a transient error is tried again by sync (as live), not the end of that backend."""
+    journal = tmp_path / "journal"
+    with MetricBus(dist=None, journal=journal) as bus:
+        for step in range(5):
+            bus.log("x", float(step))
+            bus.commit(step=step)
+    flaky = Flaky()
+    assert sync(journal, [flaky]) == {"flaky": 5}
+    assert (flaky.steps, flaky.closed) == ([0, 1, 2, 3, 4], "finished")
+
+
+def test_mlflow_write_that_outlived_its_wait_is_retried_once_per_point(tmp_path: Path) -> None:
+    """A wide step whose requests outlive request_timeout_s, retried until write returns: each point logged once."""
+    from metricbus.adapters.mlflow import MlflowAdapter
+    from mlflow.tracking import MlflowClient
+
+    from metricbus.adapter import RunInfo
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    adapter = MlflowAdapter(tracking_uri=uri, request_timeout_s=1e-9)
+    adapter.open(run=RunInfo())
+    timeouts = 0
+    for step in range(2):
+        metrics = {f"m{i:04d}": float(i + step) for i in range(2500)}
+        while True:
+            try:
+                adapter.write(step=step, metrics=metrics)
+                break
+            except TimeoutError:
+                timeouts += 1
+    adapter.close(status="finished")
+    assert timeouts > 0
+    client = MlflowClient(tracking_uri=uri)
+    for key in ("m0000", "m0999", "m1000", "m2499"):
+        points = [(m.step, m.value) for m in client.get_metric_history(adapter.run_id, key)]
+        assert sorted(points) == [(0, float(key[1:])), (1, float(key[1:]) + 1)]
