@@ -456,8 +456,9 @@ class Delivery:
             worker.abandon.set()
             with contextlib.suppress(queue.Full):  # wakes a thread that emptied its queue meanwhile
                 worker.queue.put_nowait(_Stop(status))
-            logger.error("adapter %r did not drain within %.3g s: %d steps not delivered (last delivered step %s)",
-                         worker.label, timeout_s, left, worker.last_step)
+            logger.error("adapter %r did not drain within %.3g s: %d steps not delivered (last delivered step %s, "
+                         "last acknowledged step %s); %s", worker.label, timeout_s, left, worker.last_step,
+                         worker.acked, self.recovery)
         if worker.dropped:
             logger.warning("adapter %r: %d steps dropped at a full queue (queue_policy %r)", worker.label,
                            worker.dropped, self._policy)

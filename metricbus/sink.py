@@ -212,7 +212,11 @@ class Sink:
             if self._journal is not None:
                 self._journal.close()
         finally:
-            self.delivery.close(status=status, timeout_s=timeout_s)
+            try:
+                self.delivery.close(status=status, timeout_s=timeout_s)
+            finally:
+                if self._journal is not None:
+                    self._journal.release_cursors()
 
 
 def _nothing_written(*, step: int, rank: int, layout: bytes, fields: Any) -> bool:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from backend_env import free_port, isolate_env, poll_until, start_server, stop_server, wait_http
-from review_backends_workers import Flaky, Picky, picky_rows
+from review_backends_workers import Flaky, Hung, Picky, picky_rows
 
 from metricbus import MetricBus
 from metricbus.errors import AdapterError
@@ -185,3 +187,28 @@ def test_mlflow_write_that_outlived_its_wait_is_retried_once_per_point(tmp_path:
     for key in ("m0000", "m0999", "m1000", "m2499"):
         points = [(m.step, m.value) for m in client.get_metric_history(adapter.run_id, key)]
         assert sorted(points) == [(0, float(key[1:])), (1, float(key[1:]) + 1)]
+
+
+def test_a_hung_adapter_returning_after_close_and_sync_leaves_their_cursor(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """close() gives up on a hung write and says so; sync delivers; the write returning later moves no cursor back."""
+    journal = tmp_path / "journal"
+    hung = Hung(hang_at=2)
+    bus = MetricBus(dist=None, journal=journal, adapters=[hung])
+    for step in range(10):
+        bus.log("x", float(step))
+        bus.commit(step=step)
+    with caplog.at_level(logging.ERROR, logger="metricbus.delivery"):
+        bus.close(timeout_s=0.5)
+    assert any("'hung' did not drain" in r.getMessage() and "metricbus sync" in r.getMessage() for r in caplog.records)
+    again = Hung(hang_at=2)
+    again.release.set()
+    assert sync(journal, [again]) == {"hung": 10}
+    hung.release.set()  # the stuck write returns: its thread flushes, closes the adapter and acknowledges step 2
+    poll_until(lambda: not any(t.name == "metricbus-hung" for t in threading.enumerate()), what="the thread ended")
+    assert hung.closed == "failed"
+    assert CursorStore(journal).get(again) == 9
+    last = Hung(hang_at=2)
+    last.release.set()
+    assert sync(journal, [last]) == {"hung": 0}

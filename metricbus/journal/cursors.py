@@ -116,6 +116,9 @@ class CursorStore:
         self.directory = Path(directory) / "cursors"
         self._held: dict[str, tuple[int | None, dict[str, str] | None]] = {}  # key -> (step, identity) last known
         self._pending: dict[str, int | None] = {}  # key -> its pending rewind, last known
+        # False: this store is the only writer of its records (a live bus), so what it last wrote is what they hold.
+        # True: another process (a `metricbus sync`, a resumed bus) may write them too: each change reads them first.
+        self.shared = False
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
@@ -198,7 +201,7 @@ class CursorStore:
 
     def _pending_of(self, key: str) -> int | None:
         """The pending rewind of ``key``'s record: read once, then kept as this store writes it."""
-        if key not in self._pending:
+        if key not in self._pending or self.shared:
             value = self._record_at(self._path(key)).get("rewind")
             self._pending[key] = None if value is None else int(value)
         return self._pending[key]
@@ -211,7 +214,7 @@ class CursorStore:
     def _current(self, adapter: Any) -> tuple[int | None, dict[str, str] | None]:
         """``(step, identity)`` of ``adapter``'s record: read once, then kept as this store writes it."""
         key = adapter_key(adapter)
-        if key not in self._held:
+        if key not in self._held or self.shared:
             self._held[key] = (self.get(adapter), self.identity(adapter))
         return self._held[key]
 

@@ -489,8 +489,17 @@ class JournalWriter:
         self.cursors.advance(adapter, step)
 
     def skipped(self, index: int, adapter: Any, step: int, reason: str) -> None:
-        """``adapter``'s backend rejected ``step`` for good: keep the gap so a later ``metricbus sync`` retries it."""
-        self.cursors.add_gap(adapter, step, reason)
+        """``adapter``'s backend rejected ``step`` for good: keep the gap so a later ``metricbus sync`` retries it
+        (once the bus closed: nothing, see :meth:`release_cursors`)."""
+        if not self.cursors.shared:
+            self.cursors.add_gap(adapter, step, reason)
+
+    def release_cursors(self) -> None:
+        """The bus closed: a delivery thread it abandoned (a call stuck past ``close()``'s timeout) that returns
+        later may still acknowledge what it wrote, but only past what the cursor records hold by then (a `metricbus
+        sync` may have moved them since), and records no gap (its cursor stays below that step, which the next sync
+        sends anyway)."""
+        self.cursors.shared = True
 
     def opened(self, index: int, adapter: Any) -> None:
         """Keep what names ``adapter``'s backend run (its optional ``identity``), so a resume or a sync reopens it."""
