@@ -390,14 +390,29 @@ class MlflowAdapter:
                 )
 
     def _new_params(self, found: Any, run: RunInfo, param: Any) -> list[Any]:
-        """The config params the run lacks; a differing value already there is kept (MLflow cannot change it)."""
-        names, have, params, kept = mlflow_mapper(), found.data.params, [], []
+        """The config params the run lacks; a differing value already there is kept (MLflow cannot change it). Two
+        config keys that land on one param key (``{"opt": {"lr": 1}, "opt.lr": 2}``, ``"a b"`` and ``"a_b"``): the
+        first one's value is logged, with a warning naming both (MLflow refuses a batch holding a key twice, which
+        would keep the run from opening)."""
+        have, params, kept, clashes = found.data.params, [], [], []
+        first: dict[str, str] = {}  # param key -> the config key that gave it
         for key, text in flatten_config(run.config):
-            name, value = names(key), text[:MAX_PARAM_VALUE_CHARS]
+            name, value = mlflow_key(key), text[:MAX_PARAM_VALUE_CHARS]
+            if name in first:
+                earlier = first[name]
+                clashes.append(f"{key!r} twice" if earlier == key else f"{earlier!r} and {key!r} (both {name!r})")
+                continue
+            first[name] = key
             if name not in have:
                 params.append(param(name, value))
             elif have[name] != value:
                 kept.append(f"{name}={have[name]!r} (new {value!r})")
+        if clashes:
+            logger.warning(
+                "mlflow run %s: config keys that give one MLflow param: %s; the first one's value is logged",
+                found.info.run_id,
+                "; ".join(clashes),
+            )
         if kept:
             logger.warning(
                 "mlflow run %s keeps its params %s: MLflow refuses to change a param's value",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -17,8 +20,11 @@ from review_backends_workers import Flaky, Hung, Picky, picky_rows
 
 from metricbus import MetricBus
 from metricbus.errors import AdapterError
-from metricbus.journal import CursorStore
+from metricbus.journal import CursorStore, read_journal
 from metricbus.replay import sync
+from tests.identity_trainer import records
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -83,11 +89,11 @@ def test_mlflow_server_down_longer_than_write_timeout_gets_every_step_when_back(
     from mlflow.tracking import MlflowClient
 
     MlflowClient(tracking_uri=mlflow_server.uri).create_experiment("metricbus")  # a warm server: open() is quick
-    # MLflow's own retries of a refused connection (here 5, ~30 s; 7, ~4 min by default) outlast write_timeout_s
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")
+    # MLflow's own retries of a refused connection (here 4, ~14 s; 7, ~4 min by default) outlast write_timeout_s
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "4")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     adapter = {"type": "mlflow", "tracking_uri": mlflow_server.uri, "request_timeout_s": 1}
-    bus = MetricBus(dist=None, journal=tmp_path / "journal", adapters=[adapter], write_timeout_s=10.0)
+    bus = MetricBus(dist=None, journal=tmp_path / "journal", adapters=[adapter], write_timeout_s=5.0)
     delivery = bus._sink.delivery
     for step in range(5):
         bus.log("loss", float(step))
@@ -98,7 +104,7 @@ def test_mlflow_server_down_longer_than_write_timeout_gets_every_step_when_back(
         bus.log("loss", float(step))
         bus.commit(step=step)
     # more failed tries of 1 s each than fit in write_timeout_s: a call that long would have been taken for hung
-    poll_until(lambda: delivery.failures.get("mlflow", 0) >= 12, timeout_s=180, what="12 failed tries")
+    poll_until(lambda: delivery.failures.get("mlflow", 0) >= 6, timeout_s=180, what="six failed tries")
     mlflow_server.start()
     for step in range(10, 15):
         bus.log("loss", float(step))
@@ -212,3 +218,57 @@ def test_a_hung_adapter_returning_after_close_and_sync_leaves_their_cursor(
     last = Hung(hang_at=2)
     last.release.set()
     assert sync(journal, [last]) == {"hung": 0}
+
+
+@pytest.mark.slow
+def test_a_sync_sigkilled_midway_then_synced_again_holds_each_step_once_everywhere(tmp_path: Path) -> None:
+    """SIGKILL `metricbus sync` after its first acknowledgement, sync again: TensorBoard, jsonl, MLflow and wandb,
+    read back with their own readers, hold every step once, bit for bit, in one run; a third sync sends nothing."""
+    from test_run_identity import _check_backends, _expected, _settled, _sync
+
+    steps = 1500
+    config = {
+        "adapters": ["tensorboard", "jsonl", {"type": "mlflow", "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+                     {"type": "wandb", "mode": "offline", "dir": str(tmp_path)}],
+        "journal": str(tmp_path / "journal"),
+    }
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    with MetricBus(dist=None, journal=tmp_path / "journal", run={"project": "ident", "config": {"lr": 0.5}}) as bus:
+        for step in range(steps):
+            for name, values in records(step, 1.0).items():
+                for value in values:
+                    bus.log(name, value)
+            bus.commit(step)
+    args = [sys.executable, "-m", "metricbus", "sync", str(tmp_path / "journal"), "--config", str(tmp_path / "c.json")]
+    child = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    store = CursorStore(tmp_path / "journal")
+    cursors = tmp_path / "journal" / "cursors"
+    poll_until(lambda: any(store._record_at(p).get("step") is not None for p in cursors.glob("*.json")),
+               timeout_s=120, what="a first acknowledgement")
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL  # killed before the end of the 1500 steps
+    _settled(tmp_path / "wandb")  # the killed sync's wandb-core writes out what it had, then stops
+    _sync(tmp_path)
+    journal = read_journal(tmp_path / "journal")
+    expected = _expected([(range(steps), 1.0)])
+    _check_backends(tmp_path, expected, run_id=journal.run.id)
+    assert "sent 0 steps" in _sync(tmp_path)
+
+
+def test_mlflow_opens_with_config_keys_that_give_one_param(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A nested and a dotted config key (or 'a?b' and 'a_b') give one param: the first value, a warning, no failure."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = {"optim": {"lr": 0.1}, "optim.lr": 0.2, "a?b": 1, "a_b": 2, "seed": 7}
+    with caplog.at_level(logging.WARNING, logger="metricbus.adapters.mlflow"):
+        bus = MetricBus(dist=None, adapters=[{"type": "mlflow", "tracking_uri": uri}], run={"config": config})
+        bus.log("x", 1.0)
+        bus.commit(step=0)
+        bus.close()
+    (run,) = MlflowClient(tracking_uri=uri).search_runs(["1"])
+    assert run.data.params == {"optim.lr": "0.1", "a_b": "1", "seed": "7"}
+    assert run.info.status == "FINISHED"
+    assert "'optim.lr' twice; 'a?b' and 'a_b' (both 'a_b')" in caplog.text
