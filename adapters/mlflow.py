@@ -391,7 +391,7 @@ class MlflowAdapter:
 
     def _new_params(self, found: Any, run: RunInfo, param: Any) -> list[Any]:
         """The config params the run lacks; a differing value already there is kept (MLflow cannot change it). Two
-        config keys that land on one param key (``{"opt": {"lr": 1}, "opt.lr": 2}``, ``"a b"`` and ``"a_b"``): the
+        config keys that land on one param key (``{"opt": {"lr": 1}, "opt.lr": 2}``, ``"a?b"`` and ``"a_b"``): the
         first one's value is logged, with a warning naming both (MLflow refuses a batch holding a key twice, which
         would keep the run from opening)."""
         have, params, kept, clashes = found.data.params, [], [], []
