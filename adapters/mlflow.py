@@ -50,7 +50,9 @@ about four minutes (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, 7, with backoff) and wa
 the bus would take for a hung call (``write_timeout_s``, 30 s) and stop the adapter for the rest of the run. So
 ``write`` sends each batch from a thread of its own and waits at most ``request_timeout_s`` (default 5 s) for it:
 a request still running then raises :class:`TimeoutError`, which the bus retries with backoff; the retry first waits
-for that request to end (again at most ``request_timeout_s``) and sends only what MLflow did not take. A server
+for that request to end (again at most ``request_timeout_s``) and sends only what MLflow did not take. A point sent
+again keeps the timestamp of its first request, so where that request failed on the client (MLflow's read timeout)
+but the server committed it anyway, the SQL store (sqlite, or a server's database) holds the row once. A server
 that is down for a while thus receives every step, in order, once each, when it is back, without a change to the
 environment (MLflow's settings stay the trainer's).
 
@@ -230,6 +232,7 @@ class MlflowAdapter:
         # the points of step ``_sent_step`` MLflow took: a write retried after a failed batch skips them
         self._sent_step: int | None = None
         self._sent: dict[str, set[float]] = {}
+        self._tried: dict[tuple[str, float], int] = {}  # (key, value) of step ``_sent_step`` -> its first timestamp
         self._warned: set[str] = set()  # histogram keys already warned about
 
     @property
@@ -437,16 +440,22 @@ class MlflowAdapter:
         if self._client is None:
             raise RuntimeError("MlflowAdapter.write() before open()")
         self._settle()  # a request an earlier try left running: wait for it, keep what it logged
-        now_ms = time.time_ns() // 1_000_000
         metric, names, step = self._metric, self._names, int(step)
         if not -(2**63) <= step < 2**63:  # sqlite fails with an INTERNAL_ERROR, which would be retried for ever
             raise MetricValueError(f"step {step} is outside MLflow's int64 step range; MLflow cannot store it")
-        batch = [metric(names(key, part_of=of), float(value), now_ms, step) for key, value, of in self._points(metrics)]
+        if self._sent_step != step:
+            self._sent_step, self._sent, self._tried = step, {}, {}
+        # a point sent again has the timestamp it was first sent with: a request that failed on our side (a read
+        # timeout) but that the server committed anyway holds the very same row, which MLflow's SQL stores do not
+        # add twice (a new timestamp would make it a second point at this step)
+        now_ms, tried = time.time_ns() // 1_000_000, self._tried
+        batch = []
+        for key, value, of in self._points(metrics):
+            name, number = names(key, part_of=of), float(value)
+            batch.append(metric(name, number, tried.setdefault((name, _comparable(number)), now_ms), step))
         if self._held:
             held = self._held
             batch = [m for m in batch if _comparable(m.value) not in held.get((m.key, step), ())]
-        if self._sent_step != step:
-            self._sent_step, self._sent = step, {}
         sent = self._sent
         if sent:  # this step was written before, or tried: what MLflow took then is not logged again
             batch = [m for m in batch if _comparable(m.value) not in sent.get(m.key, ())]
@@ -503,7 +512,7 @@ class MlflowAdapter:
         client, step = self._client, int(step)
         self._settle()  # what a request left running logs is read back below, not sent again
         self._held = self._held_points(client, client.get_run(self._run_id), step - 1)
-        self._sent_step, self._sent = None, {}  # what the new timeline holds is in _held now
+        self._sent_step, self._sent, self._tried = None, {}, {}  # what the new timeline holds is in _held now
         client.set_tag(self._run_id, REWIND_TAG, str(step))
 
     def flush(self) -> None:

@@ -1,0 +1,62 @@
+"""Second review of the MLflow adapter's requests sent from their own threads: read back with MlflowClient."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from backend_env import isolate_env
+
+from metricbus.adapter import RunInfo
+from tests.test_review_backends_2 import MlflowServer, _history
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """HOME and friends inside tmp_path, telemetry off, no MLflow settings from the caller's environment."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    return isolate_env(monkeypatch, tmp_path)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
+    """A started server of this test's own ."""
+    server = MlflowServer(tmp_path / "server")
+    server.root.mkdir()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_mlflow_retry_of_a_request_the_server_committed_after_the_client_gave_up_logs_the_point_once(
+    mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log_batch that failed on the client (read timeout) but that the slow server committed later: one point."""
+    from metricbus.adapters.mlflow import MlflowAdapter
+    from mlflow.exceptions import MlflowException
+
+    adapter = MlflowAdapter(tracking_uri=mlflow_server.uri, request_timeout_s=60)
+    adapter.open(run=RunInfo())
+    for step in range(3):
+        adapter.write(step=step, metrics={"loss": float(step)})
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")  # the client gives up on a slow answer after 1 s ...
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # ... at once
+    lock = sqlite3.connect(mlflow_server.root / "server.db", isolation_level=None)
+    try:
+        lock.execute("BEGIN EXCLUSIVE")  # the server's insert waits for this lock (its busy timeout is 5 s or more)
+        with pytest.raises(MlflowException, match="timed out"):  # the client's read timeout: the request ended
+            adapter.write(step=3, metrics={"loss": 3.0})
+    finally:
+        lock.execute("ROLLBACK")  # the server's insert of that request goes on now, and commits
+        lock.close()
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT")
+    adapter.write(step=3, metrics={"loss": 3.0})  # the retry, as delivery or sync makes it
+    adapter.write(step=4, metrics={"loss": 4.0})
+    adapter.close(status="finished")
+    assert _history(mlflow_server.uri, "loss") == ("FINISHED", [(s, float(s)) for s in range(5)])
