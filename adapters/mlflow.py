@@ -74,7 +74,8 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import MappingProxyType
@@ -461,7 +462,8 @@ class MlflowAdapter:
             batch = [m for m in batch if _comparable(m.value) not in sent.get(m.key, ())]
         for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
             # one request, one transaction: all or nothing
-            self._pending = _Request(self._client, self._run_id, step, batch[start : start + MAX_METRICS_PER_BATCH])
+            part = batch[start : start + MAX_METRICS_PER_BATCH]
+            self._pending = _Request(partial(self._client.log_batch, self._run_id, metrics=part), step, part)
             self._settle(own=True)
 
     def _settle(self, *, own: bool = False) -> None:
@@ -519,28 +521,41 @@ class MlflowAdapter:
         """Nothing to do: every batch is sent synchronously."""
 
     def close(self, *, status: Status) -> None:
-        """Mark the run FINISHED or FAILED (an attached run is left to the trainer that started it)."""
+        """Mark the run FINISHED or FAILED (an attached run is left to the trainer that started it). Like a batch,
+        the request waits at most ``request_timeout_s``: a server that stopped answering raises TimeoutError (the
+        request goes on; the run stays RUNNING until it ends or the next sync closes the run) instead of holding
+        ``metricbus sync`` for MLflow's retries (minutes)."""
         if self._client is not None and self._run_id is not None:
             if not self._attach:
-                self._client.set_terminated(self._run_id, status=_STATUS[status])
+                state = _STATUS[status]
+                call = _Request(partial(self._client.set_terminated, self._run_id, status=state), -1, [])
+                if not call.done.wait(self._request_timeout_s):
+                    raise TimeoutError(
+                        f"MLflow did not answer the request to mark run {self._run_id} {state} within "
+                        f"request_timeout_s={self._request_timeout_s:g} s; the run stays RUNNING until that request "
+                        f"ends, or the next metricbus sync closes it"
+                    )
+                if call.error is not None:
+                    raise call.error
             self._client = None
 
 
 class _Request:
-    """One ``log_batch`` running on a daemon thread of its own (a request hung in MLflow's retries never holds up
-    the interpreter's exit); ``done`` is set when it ended, ``error`` is what it raised."""
+    """One request (``send``: the ``log_batch`` of ``part`` at ``step``, or the run's ``set_terminated``) running on
+    a daemon thread of its own (a request hung in MLflow's retries never holds up the interpreter's exit); ``done``
+    is set when it ended, ``error`` is what it raised."""
 
     __slots__ = ("done", "error", "part", "step")
 
-    def __init__(self, client: Any, run_id: str | None, step: int, part: list[Any]) -> None:
+    def __init__(self, send: Callable[[], object], step: int, part: list[Any]) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.step, self.part = step, part
-        threading.Thread(target=self._run, args=(client, run_id), name="metricbus-mlflow-request", daemon=True).start()
+        threading.Thread(target=self._run, args=(send,), name="metricbus-mlflow-request", daemon=True).start()
 
-    def _run(self, client: Any, run_id: str | None) -> None:
+    def _run(self, send: Callable[[], object]) -> None:
         try:
-            client.log_batch(run_id, metrics=self.part)
+            send()
         except BaseException as exc:  # raised by write(), as if it had called log_batch itself
             self.error = exc
         finally:

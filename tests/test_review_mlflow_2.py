@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sqlite3
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from backend_env import isolate_env
+from backend_env import isolate_env, poll_until
 
+from metricbus import MetricBus
 from metricbus.adapter import RunInfo
+from metricbus.replay import sync
 from tests.test_review_backends_2 import MlflowServer, _history
 
 
@@ -60,3 +65,38 @@ def test_mlflow_retry_of_a_request_the_server_committed_after_the_client_gave_up
     adapter.write(step=4, metrics={"loss": 4.0})
     adapter.close(status="finished")
     assert _history(mlflow_server.uri, "loss") == ("FINISHED", [(s, float(s)) for s in range(5)])
+
+
+@pytest.mark.slow
+def test_sync_against_a_server_that_stops_answering_ends_instead_of_waiting_out_mlflows_retries(
+    mlflow_server: MlflowServer, tmp_path: Path
+) -> None:
+    """A server paused mid-sync: sync ends with TimeoutError while it is still paused; a later sync logs all once."""
+    from metricbus.adapters.mlflow import MlflowAdapter
+
+    journal = tmp_path / "journal"
+    with MetricBus(dist=None, journal=journal, adapters=[]) as bus:
+        for step in range(3):
+            bus.log("loss", float(step))
+            bus.commit(step=step)
+    server = mlflow_server.proc
+    assert server is not None
+
+    class PausesTheServerOnceOpen(MlflowAdapter):
+        def open(self, *, run: RunInfo) -> None:
+            super().open(run=run)
+            os.killpg(server.pid, signal.SIGSTOP)  # each request now waits (MLflow: 120 s, 7 retries)
+
+    try:
+        with pytest.raises(TimeoutError):  # the writes, then the close's set_terminated, each waited 1 s at most
+            sync(journal, [PausesTheServerOnceOpen(tracking_uri=mlflow_server.uri, request_timeout_s=1)])
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+    # the first sync's requests end now that the server answers: let them, so its FAILED comes before the next FINISHED
+    poll_until(
+        lambda: not any(t.name == "metricbus-mlflow-request" for t in threading.enumerate()),
+        timeout_s=120,
+        what="the paused requests ended",
+    )
+    sync(journal, [MlflowAdapter(tracking_uri=mlflow_server.uri)])
+    assert _history(mlflow_server.uri, "loss") == ("FINISHED", [(s, float(s)) for s in range(3)])
