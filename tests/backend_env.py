@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
 import subprocess
+import sys
 import time
 import urllib.request
 import zlib
@@ -185,3 +187,26 @@ def wandb_history_of(records: list[Any]) -> list[dict[str, Any]]:
             items = record.history.item
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
     return rows
+
+
+class MlflowServer:
+    """A real ``mlflow server`` (sqlite backend, one worker) on one port, which can be stopped and started again."""
+
+    def __init__(self, root: Path) -> None:
+        exe = shutil.which("mlflow", path=str(Path(sys.executable).parent))
+        assert exe is not None
+        self.root = root
+        self.uri = f"http://127.0.0.1:{free_port()}"
+        port = self.uri.rsplit(":", 1)[1]
+        self.args = [exe, "server", "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--host", "127.0.0.1"]
+        self.args += ["--port", port, "--workers", "1", "--default-artifact-root", str(root / "artifacts")]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = start_server(self.args, log=self.root / f"mlflow-server-{len(list(self.root.glob('*.log')))}.log")
+        wait_http(f"{self.uri}/health", proc=self.proc, timeout_s=90)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_server(self.proc)
+            self.proc = None

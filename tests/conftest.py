@@ -6,9 +6,12 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from backend_env import MlflowServer
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",  # no usage reporting
@@ -69,3 +72,17 @@ def ray_cluster() -> Iterator[Any]:
         finally:
             ray.shutdown()
             shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
+    """A real ``mlflow server`` of this test's own, started (the test may stop and restart it)."""
+    from backend_env import MlflowServer
+
+    server = MlflowServer(tmp_path / "server")
+    server.root.mkdir()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

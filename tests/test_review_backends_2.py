@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from backend_env import free_port, isolate_env, poll_until, start_server, stop_server, wait_http
+from backend_env import MlflowServer, isolate_env, poll_until
 from review_backends_workers import Flaky, Hung, Picky, picky_rows
 
 from metricbus import MetricBus
@@ -33,41 +31,6 @@ def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     return isolate_env(monkeypatch, tmp_path)
-
-
-class MlflowServer:
-    """A real ``mlflow server`` (sqlite backend, one worker) on one port, which can be stopped and started again."""
-
-    def __init__(self, root: Path) -> None:
-        exe = shutil.which("mlflow", path=str(Path(sys.executable).parent))
-        assert exe is not None
-        self.root = root
-        self.uri = f"http://127.0.0.1:{free_port()}"
-        port = self.uri.rsplit(":", 1)[1]
-        self.args = [exe, "server", "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--host", "127.0.0.1"]
-        self.args += ["--port", port, "--workers", "1", "--default-artifact-root", str(root / "artifacts")]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = start_server(self.args, log=self.root / f"mlflow-server-{len(list(self.root.glob('*.log')))}.log")
-        wait_http(f"{self.uri}/health", proc=self.proc, timeout_s=90)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_server(self.proc)
-            self.proc = None
-
-
-@pytest.fixture
-def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
-    """A started server of this test's own (the test stops and restarts it)."""
-    server = MlflowServer(tmp_path / "server")
-    server.root.mkdir()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _history(uri: str, key: str) -> tuple[str, list[tuple[int, float]]]:

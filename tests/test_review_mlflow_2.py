@@ -6,16 +6,15 @@ import os
 import signal
 import sqlite3
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from backend_env import isolate_env, poll_until
+from backend_env import MlflowServer, isolate_env, poll_until
 
 from metricbus import MetricBus
 from metricbus.adapter import RunInfo
 from metricbus.replay import sync
-from tests.test_review_backends_2 import MlflowServer, _history
+from tests.test_review_backends_2 import _history
 
 
 @pytest.fixture(autouse=True)
@@ -24,18 +23,6 @@ def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     return isolate_env(monkeypatch, tmp_path)
-
-
-@pytest.fixture
-def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
-    """A started server of this test's own ."""
-    server = MlflowServer(tmp_path / "server")
-    server.root.mkdir()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.slow
