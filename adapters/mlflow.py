@@ -83,6 +83,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from metricbus.adapter import RunInfo, Status
+from metricbus.delivery import check_seconds
 from metricbus.errors import AdapterNotFoundError, ConfigError, MetricBusWarning, MetricValueError
 from metricbus.histogram import Histogram
 
@@ -192,16 +193,13 @@ class MlflowAdapter:
         _require_mlflow()
         if not isinstance(attach, bool):
             raise ConfigError(f"mlflow option attach must be true or false, not {attach!r}")
-        if (
-            isinstance(request_timeout_s, bool)
-            or not isinstance(request_timeout_s, (int, float))
-            or not 0 < request_timeout_s <= threading.TIMEOUT_MAX
-        ):
+        try:
+            self._request_timeout_s = check_seconds("request_timeout_s", request_timeout_s)
+        except ValueError:
             raise ConfigError(
                 f"mlflow option request_timeout_s must be a number of seconds > 0 (below the bus's write_timeout_s), "
                 f"not {request_timeout_s!r}"
-            )
-        self._request_timeout_s = float(request_timeout_s)
+            ) from None
         self._pending: _Request | None = None  # a batch whose request write() stopped waiting for
         for option, value in (("experiment", experiment), ("run_name", run_name)):
             if value is not None and (not isinstance(value, str) or not value.strip()):

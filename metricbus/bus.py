@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -22,7 +21,7 @@ from metricbus.accumulate import FOLD_AT
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.canonical import nans
 from metricbus.collect import Collector
-from metricbus.delivery import WRITE_TIMEOUT_S
+from metricbus.delivery import WRITE_TIMEOUT_S, as_seconds
 from metricbus.errors import (
     AdapterNotFoundError,
     ClosedError,
@@ -481,7 +480,7 @@ class MetricBus:
         ``write_timeout_s`` or their thread died are not waited for (the journal keeps their steps for
         ``metricbus sync``). The bus stays open.
         """
-        timeout_s = _wait_s("flush", timeout_s)
+        timeout_s = check_wait_s("flush", timeout_s)
         if self._closed:
             return True
         return self._sink.flush(timeout_s=timeout_s)
@@ -506,7 +505,7 @@ class MetricBus:
         so nothing hangs while the other ranks are elsewhere, and records logged since the last commit are not
         committed (a :class:`~metricbus.errors.MetricBusWarning` says which). Committed steps are never lost.
         """
-        timeout_s = _wait_s("close", timeout_s)  # before anything closes: a bad one leaves the bus open
+        timeout_s = check_wait_s("close", timeout_s)  # before anything closes: a bad one leaves the bus open
         if status not in ("finished", "failed"):  # (MLflow's adapter could not end its run with another one)
             raise ConfigError(
                 f"close(status={status!r}): status must be 'finished' or 'failed'; the bus was left as it was"
@@ -609,18 +608,12 @@ def _check_once(batch: Sequence[Partial], *, held: Sequence[Partial]) -> None:
         seen[id(part)] = f"earlier in this call (partial {i})"
 
 
-def _wait_s(call: str, timeout_s: Any) -> float:
+def check_wait_s(call: str, timeout_s: Any) -> float:
     """``timeout_s`` of ``close()``/``flush()`` as a float >= 0 (``math.inf``: no bound); else a ConfigError, where a
     NaN or negative one gave the adapters no time at all (their steps left to ``metricbus sync``, their runs not
     ended) and a string raised a TypeError from inside close(), with the bus marked closed and half of it open."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        seconds = math.nan
-    else:
-        try:
-            seconds = float(timeout_s)
-        except OverflowError:  # an int beyond the double range: no bound, as math.inf
-            seconds = math.inf
-    if not seconds >= 0:
+    seconds = as_seconds(timeout_s)  # (an int beyond the double range: no bound, as math.inf)
+    if seconds is None or not seconds >= 0:
         raise ConfigError(
             f"{call}(timeout_s={timeout_s!r}): timeout_s must be a number of seconds >= 0 (math.inf: no bound); "
             "the bus was left as it was"

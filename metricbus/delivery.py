@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -92,16 +93,22 @@ def check_seconds(option: str, value: object) -> float:
     return seconds
 
 
-def _seconds(value: object) -> float | None:
-    """``value`` as a float a thread can wait (not NaN, at most ``threading.TIMEOUT_MAX``; negative stays), else
-    None."""
+def as_seconds(value: object) -> float | None:
+    """``value`` as a float (an int beyond the double range: ``math.inf``; NaN and negatives stay), or None for what
+    is not a number (a bool included)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:
-        seconds = float(value)
+        return float(value)
     except OverflowError:  # an int beyond the double range
-        return None
-    return seconds if seconds <= threading.TIMEOUT_MAX else None
+        return math.inf
+
+
+def _seconds(value: object) -> float | None:
+    """``value`` as a float a thread can wait (not NaN, at most ``threading.TIMEOUT_MAX``; negative stays), else
+    None."""
+    seconds = as_seconds(value)
+    return seconds if seconds is not None and seconds <= threading.TIMEOUT_MAX else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from pytorch_lightning.loggers.logger import Logger
 from pytorch_lightning.utilities import rank_zero_only
 
 from metricbus.adapter import Adapter, RunInfo, Status
-from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus, _wait_s
+from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus, check_wait_s
 from metricbus.errors import ClosedError, ConfigError, MetricBusError, MetricBusWarning
 from metricbus.options import BusOptions
 from metricbus.spec import SpecLike
@@ -190,7 +190,7 @@ class MetricBusLogger(Logger):
         BusOptions.build(**self._options, run=self._run, dist=None)  # fail at construction, not at the first log
         for option, seconds in (("save_timeout_s", save_timeout_s), ("close_timeout_s", close_timeout_s)):
             try:  # (else a bad one raised mid-fit at save(), or at finalize() once training was over)
-                _wait_s(option, seconds)
+                check_wait_s(option, seconds)
             except ConfigError:
                 raise ConfigError(
                     f"MetricBusLogger({option}={seconds!r}): {option} must be a number of seconds >= 0 (math.inf: "
