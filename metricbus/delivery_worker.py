@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from metricbus.adapter import Adapter, Status
 from metricbus.errors import AdapterError
-from metricbus.errors_classify import classify, metric_named, permanent_errors_of
+from metricbus.errors_classify import backoff_s, classify, metric_named, permanent_errors_of
 
 if TYPE_CHECKING:
     from metricbus.delivery import Delivery
@@ -295,7 +295,7 @@ class Worker:
                     return
             finally:
                 self.busy_since = None
-            delay = min(d.retry_cap_s, d.retry_base_s * 2 ** (tries - 1))
+            delay = backoff_s(tries=tries, base_s=d.retry_base_s, cap_s=d.retry_cap_s)
             if self.abandon.wait(delay) or self.stopped is not None:
                 self.lost += 1
                 return

@@ -90,3 +90,9 @@ def metric_named(exc: BaseException, names: Callable[[], list[str]]) -> str | No
         return given
     text = str(exc)
     return next((n for n in names() if f"'{n}'" in text or f'"{n}"' in text), None)
+
+
+def backoff_s(*, tries: int, base_s: float, cap_s: float) -> float:
+    """How long to wait before trying a transient failure again after ``tries`` failed tries: ``base_s`` doubling,
+    at most ``cap_s`` (live delivery and ``metricbus sync`` alike)."""
+    return min(cap_s, base_s * float(2 ** (tries - 1)))

@@ -26,7 +26,7 @@ from fnmatch import fnmatchcase
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.canonical import nans
 from metricbus.errors import AdapterError, JournalError, SpecError
-from metricbus.errors_classify import classify, permanent_errors_of
+from metricbus.errors_classify import backoff_s, classify, permanent_errors_of
 from metricbus.journal import CursorStore, Journal
 from metricbus.journal.cursors import identity_of, resume_adapter
 from metricbus.journal.reader import Commit, CommitRun, JournalStream, stream_journal, timeline
@@ -582,7 +582,7 @@ def _write(adapter: Adapter, step: int, metrics: Mapping[str, float], stop: thre
         except Exception as exc:
             if tries >= SYNC_TRIES or classify(exc, permanent=permanent_errors_of(adapter)) == "permanent":
                 raise
-        delay = min(SYNC_RETRY_CAP_S, SYNC_RETRY_BASE_S * 2 ** (tries - 1))
+        delay = backoff_s(tries=tries, base_s=SYNC_RETRY_BASE_S, cap_s=SYNC_RETRY_CAP_S)
         if stop is not None and stop.wait(delay):
             raise KeyboardInterrupt
         if stop is None:
