@@ -94,5 +94,9 @@ def metric_named(exc: BaseException, names: Callable[[], list[str]]) -> str | No
 
 def backoff_s(*, tries: int, base_s: float, cap_s: float) -> float:
     """How long to wait before trying a transient failure again after ``tries`` failed tries: ``base_s`` doubling,
-    at most ``cap_s`` (live delivery and ``metricbus sync`` alike)."""
-    return min(cap_s, base_s * float(2 ** (tries - 1)))
+    at most ``cap_s`` (live delivery and ``metricbus sync`` alike). Any number of tries: past 1,024 the doubling
+    alone is beyond the double range (``2 ** 1024`` made a float raised OverflowError, which ended live delivery's
+    worker after ~35 minutes of a backend down at the default 2 s cap): the cap."""
+    if tries > 1024:
+        return cap_s
+    return min(cap_s, base_s * 2.0 ** (tries - 1))  # (a product beyond the double range is inf: the cap)

@@ -25,7 +25,7 @@ from metricbus import AdapterError, MetricBus
 from metricbus.adapter import RunInfo
 from metricbus.delivery import Delivery, Gap
 from metricbus.errors import MetricValueError
-from metricbus.errors_classify import classify
+from metricbus.errors_classify import backoff_s, classify
 from metricbus.testing import MemoryAdapter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -461,3 +461,12 @@ def test_import_installs_no_sigterm_handler() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_backoff_stays_at_its_cap_however_many_tries_failed() -> None:
+    """A backend down for hours: the delay doubles to the cap and stays there (2 ** 1024 as a float raised
+    OverflowError, which ended the live worker after ~1,025 tries, ~35 minutes at the default 2 s cap)."""
+    delays = [backoff_s(tries=tries, base_s=0.05, cap_s=2.0) for tries in (1, 2, 6, 7, 1024, 1025, 10**6)]
+    assert delays == [0.05, 0.1, 1.6, 2.0, 2.0, 2.0, 2.0]
+    assert backoff_s(tries=1100, base_s=1e-300, cap_s=5.0) == 5.0
+    assert backoff_s(tries=1024, base_s=1e-300, cap_s=5.0) == 5.0  # 1e-300 * 2 ** 1023 = 9e7
