@@ -200,6 +200,13 @@ def test_a_second_ctrl_c_while_one_waits_is_raised_at_once(tmp_path: Path) -> No
     assert _ctrl_c_in_commit(tmp_path, presses=2)[0] == "interrupted, last step 0"
 
 
+def _runs_clean(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (signal handlers are per process); its asserts must hold."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_programs_own_sigint_handler_is_left_alone() -> None:
     """A bus with a journal installs its SIGINT handler only over Python's default one."""
     code = (
@@ -212,9 +219,7 @@ def test_a_programs_own_sigint_handler_is_left_alone() -> None:
         "assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler\nbus.close()\nother.close()\n"
         "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode == 0, done.stderr
+    _runs_clean(code)
 
 
 def test_the_default_sigint_handler_is_back_once_the_last_bus_closed() -> None:
@@ -232,9 +237,7 @@ def test_the_default_sigint_handler_is_back_once_the_last_bus_closed() -> None:
         "assert signal.getsignal(signal.SIGINT) is ours\nthird.close()\n"
         "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert done.returncode == 0, done.stderr
+    _runs_clean(code)
 
 
 @pytest.mark.parametrize(
