@@ -226,6 +226,10 @@ class MetricBusCallback(TrainerCallback):
             self._step_values = {}  # the step holds only the mixin's records, never a forwarded name
         self._flush("train()")
 
+    def micro_logged(self) -> None:
+        """The mixin logged a micro-batch's token losses: this window's and this train()'s loss is the exact one."""
+        self._window_micro = self._train_micro = True
+
     def close(self, *, status: Status = "finished") -> None:
         """Close the bus this callback built (under DDP on every process: a collective); a bus passed in is left
         to its owner. Without this call the next ``train()`` or interpreter exit closes it."""
@@ -272,7 +276,7 @@ class MetricBusTrainerMixin:
             losses, mask = self.metricbus_token_losses(outputs, labels, shift_labels)
             bus.log(callback.loss_name, losses, weight=mask)
             bus.log(callback.tokens_name, mask.sum())
-            callback._window_micro = callback._train_micro = True
+            callback.micro_logged()
         return (loss, outputs) if return_outputs else loss
 
     def metricbus_token_losses(self, outputs: Any, labels: Any, shift_labels: Any) -> tuple[Any, Any]:
