@@ -72,6 +72,7 @@ from metricbus.journal.scan import (
     file_commits,
     file_runs,
     index_file,
+    joined_spans,
     limits_of,
 )
 from metricbus.partial import Partial
@@ -539,20 +540,9 @@ def count_lost(indexes: list[FileIndex], stops: list[tuple[int, int, int]]) -> l
             if lost:
                 ix.phantoms.setdefault(at, []).extend(lost)
                 ix.holes.extend((step, step) for step in dict.fromkeys(lost))
-        ix.holes = _joined(ix.holes)
+        ix.holes = joined_spans(ix.holes)
     return [(rank, step) for i, rank, step in stops
             if counts[i].get(step, 0) < max(c.get(step, 0) for j, c in enumerate(counts) if j != i)]
-
-
-def _joined(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``(first, last)`` step spans, sorted, overlapping or adjacent ones joined."""
-    out: list[tuple[int, int]] = []
-    for low, high in sorted(spans):
-        if out and low <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], high))
-        else:
-            out.append((low, high))
-    return out
 
 
 def damaged_short(indexes: list[FileIndex]) -> list[Gap]:
@@ -563,7 +553,7 @@ def damaged_short(indexes: list[FileIndex]) -> list[Gap]:
     if len(indexes) == 1:
         ix = indexes[0]
         rank = int(ix.file.headers[-1].get("rank", 0))
-        return [Gap(rank, low, high) for low, high in _joined(ix.holes)]
+        return [Gap(rank, low, high) for low, high in joined_spans(ix.holes)]
     out: list[Gap] = []
     for i, ix in enumerate(indexes):
         rank = int(ix.file.headers[-1].get("rank", i))

@@ -431,12 +431,17 @@ def index_file(path: Path) -> FileIndex:
 
 def _runs(steps: list[int]) -> list[tuple[int, int]]:
     """``steps`` (ascending) as ``(first, last)`` runs of consecutive or repeated steps."""
+    return joined_spans([(step, step) for step in steps])
+
+
+def joined_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(first, last)`` step spans, sorted, overlapping or adjacent ones joined."""
     out: list[tuple[int, int]] = []
-    for step in steps:
-        if out and step <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], step)
+    for low, high in sorted(spans):
+        if out and low <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], high))
         else:
-            out.append((step, step))
+            out.append((low, high))
     return out
 
 
