@@ -10,6 +10,8 @@
    bookkeeping; the file it writes is not a valid journal). The default 20,000 commits take ~2 s a loop, so the
    interval fsync (once a second, on the journal's own thread) runs inside each journaled loop; a loop shorter than
    a second would leave it out.
+   Each repeat runs the three loops in turn, in reverse order every other repeat: besides the best of each, the
+   median of the repeats' journaled/plain ratios ("paired"), which a burst of load on the machine moves less.
 2. Replay of that journal into a MemoryAdapter: micro-level summaries per second, and the records they summarise
    per second (each summary's ``count``; target >= 500,000 records/s). Reading the files is included.
 
@@ -18,15 +20,24 @@ the journal as it is; its ``os.write`` a no-op (what is left: building the frame
 commit's frame not built or written at all (``JournalWriter.append_columns`` accepting it at once: what is left is
 the bus's own journaling glue); and the journal with zlib's CRC-32 instead of ISA-L's (what a bus without the extra
 ``metricbus[fast]`` pays). Only for measuring: the journal files the middle two write are not valid.
+
+``--instructions`` instead counts the user-space instructions of a commit with and without the journal under
+valgrind's callgrind (the same figure whatever else runs on the machine; the kernel's side of the ``write`` is not
+counted), so the journal's own Python can be told from the kernel's append and what it costs the code around it.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import os
 import random
+import re
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
@@ -103,6 +114,35 @@ def _switched_off(part: str) -> Iterator[None]:
         compact._crc32, format._crc32, format.crc32 = saved_crc
 
 
+def instructions(*, shape: dict[str, int]) -> None:
+    """Print ``--instructions``: the user-space instructions of a commit with and without the journal, counted by
+    valgrind's callgrind (the same count whatever else the machine runs; the kernel's part of a write is not
+    counted): the difference between runs of ``commits`` and 3 * ``commits`` commits, so start-up cancels out."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind on PATH")
+    small = max(1, shape["commits"])
+
+    def count(kind: str, commits: int) -> int:
+        argv = [sys.executable, __file__, "--one", kind, "--metrics", str(shape["metrics"]), "--records",
+                str(shape["records"]), "--commits", str(commits)]
+        done = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *argv],
+                              capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "0"})
+        found = re.search(r"Collected\s*:\s*(\d+)", done.stderr)
+        if found is None:
+            raise SystemExit(f"callgrind printed no count: {done.stderr[-500:]}")
+        return int(found.group(1))
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        counted = {(kind, n): pool.submit(count, kind, n) for kind in ("plain", "journal") for n in (small, 3 * small)}
+        per = {kind: (counted[kind, 3 * small].result() - counted[kind, small].result()) / (2 * small)
+               for kind in ("plain", "journal")}
+    print(f"user-space instructions per commit (callgrind; {shape['metrics']} metrics x {shape['records']} records, "
+          f"{small} and {3 * small} commits a run):")
+    print(f"  without journal  {per['plain']:12,.0f}")
+    print(f"  with journal     {per['journal']:12,.0f}  adds {per['journal'] - per['plain']:,.0f} "
+          f"({per['journal'] / per['plain']:.4f}x)")
+
+
 def split(*, shape: dict[str, int], repeats: int) -> None:
     """Print ``--split``'s table: what the journal adds per commit with each part switched off."""
     parts = {"as it is": "", "os.write a no-op": "write", "no frame built": "frame", "zlib's crc32": "crc"}
@@ -132,18 +172,31 @@ def main() -> None:
     parser.add_argument("--commits", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--split", action="store_true", help="where the journal's cost goes (see above)")
+    parser.add_argument("--instructions", action="store_true", help="instructions per commit (see above)")
+    parser.add_argument("--one", choices=("plain", "journal"), help=argparse.SUPPRESS)  # one loop (--instructions)
     args = parser.parse_args()
     shape = {"metrics": args.metrics, "records": args.records, "commits": args.commits}
+    if args.one is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            loop(**shape, journal=str(Path(tmp) / "j") if args.one == "journal" else None)
+        return
+    if args.instructions:
+        instructions(shape={**shape, "commits": min(args.commits, 500)})
+        return
     if args.split:
         split(shape=shape, repeats=args.repeats)
         return
     with tempfile.TemporaryDirectory() as tmp:
         plain, journaled, floors = [], [], []
-        for i in range(args.repeats):  # interleaved, best of: the least disturbed run of each
-            plain.append(loop(**shape, journal=None))
-            journaled.append(loop(**shape, journal=str(Path(tmp) / f"j{i}")))
-            with _switched_off("floor"):
-                floors.append(loop(**shape, journal=str(Path(tmp) / f"floor{i}")))
+        for i in range(args.repeats):  # interleaved, the order reversed every other repeat
+            for kind in ("plain", "journal", "floor") if i % 2 == 0 else ("floor", "journal", "plain"):
+                if kind == "plain":
+                    plain.append(loop(**shape, journal=None))
+                elif kind == "journal":
+                    journaled.append(loop(**shape, journal=str(Path(tmp) / f"j{i}")))
+                else:
+                    with _switched_off("floor"):
+                        floors.append(loop(**shape, journal=str(Path(tmp) / f"floor{i}")))
         base, with_journal, floor = min(plain), min(journaled), min(floors)
         per_commit = args.metrics * args.records
         print(f"log/commit loop: {args.metrics} metrics x {args.records} records per commit, {args.commits} commits; "
@@ -153,6 +206,9 @@ def main() -> None:
         print(f"  with journal     {with_journal * 1e6 / args.commits:9.1f} us/commit  "
               f"(median {statistics.median(journaled):.3f} s)")
         print(f"  ratio            {with_journal / base:9.3f}x  (target <= 1.1x; {per_commit} records per commit)")
+        pairs = sorted(j / p for p, j in zip(plain, journaled, strict=True))
+        print(f"  paired ratio     {statistics.median(pairs):9.3f}x  (the median of each repeat's journaled loop over "
+              f"its plain one; {pairs[0]:.3f}x to {pairs[-1]:.3f}x)")
         print(f"  journal adds     {(with_journal - base) * 1e6 / args.commits:9.1f} us/commit  "
               f"(medians: {(statistics.median(journaled) - statistics.median(plain)) * 1e6 / args.commits:.1f})")
         print(f"  floor adds       {(floor - base) * 1e6 / args.commits:9.1f} us/commit  ({floor / base:.3f}x; one "
