@@ -235,6 +235,11 @@ class MlflowAdapter:
         self._warned: set[str] = set()  # histogram keys already warned about
 
     @property
+    def request_timeout_s(self) -> float:
+        """How long one call waits for its request (the bus refuses a value not below its ``write_timeout_s``)."""
+        return self._request_timeout_s
+
+    @property
     def run_id(self) -> str | None:
         """The MLflow run id once open."""
         return self._run_id
