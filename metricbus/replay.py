@@ -465,20 +465,34 @@ def sync(
         _finish(opened, store, status="failed")
         raise
     _finish(opened, store, status="finished")
-    failed = next((t.error for t in targets if t.error is not None), None)
-    if failed is not None:
-        raise failed
-    rejecting = next((t for t in targets if t.rejected), None)
-    if rejecting is not None:
-        steps = sorted(rejecting.rejected)
-        first = rejecting.rejected[steps[0]]
-        shown = ", ".join(map(str, steps[:10])) + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
-        raise AdapterError(
-            f"adapter {rejecting.label!r} rejected step{'s' if len(steps) > 1 else ''} {shown} for good "
-            f"({type(first).__name__}: {first}); it sent every other step ({rejecting.sent} steps), and the next sync "
-            f"retries the rejected ones (kept as gaps) once the cause is fixed"
-        ) from first
+    failed = [t for t in targets if t.error is not None]
+    rejecting = [t for t in targets if t.rejected and t.error is None]
+    if len(failed) + len(rejecting) > 1:  # each adapter's own failure, not only the first one's
+        said = [f"adapter {t.label!r} failed ({type(t.error).__name__}: {t.error})" for t in failed]
+        said += [str(_rejected(t)) for t in rejecting]
+        cause = failed[0].error if failed else _rejected(rejecting[0])
+        raise AdapterError(f"{len(said)} adapters failed in this sync: " + "; ".join(said)) from cause
+    if failed:
+        assert failed[0].error is not None
+        raise failed[0].error
+    if rejecting:
+        error = _rejected(rejecting[0])
+        raise error from error.__cause__
     return {t.label: t.sent for t in targets}
+
+
+def _rejected(target: _Target) -> AdapterError:
+    """The error that says which steps ``target``'s backend rejected for good (chained from the first one's)."""
+    steps = sorted(target.rejected)
+    first = target.rejected[steps[0]]
+    shown = ", ".join(map(str, steps[:10])) + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
+    error = AdapterError(
+        f"adapter {target.label!r} rejected step{'s' if len(steps) > 1 else ''} {shown} for good "
+        f"({type(first).__name__}: {first}); it sent every other step ({target.sent} steps), and the next sync "
+        f"retries the rejected ones (kept as gaps) once the cause is fixed"
+    )
+    error.__cause__ = first
+    return error
 
 
 def _start(target: _Target, run: RunInfo) -> bool:

@@ -76,6 +76,39 @@ def test_a_gap_that_is_still_rejected_stays_for_the_next_sync(tmp_path: Path) ->
     assert fixed.rows == [(1, {"x": 1.0})]
 
 
+class Unreachable(Picky):
+    """An adapter whose backend cannot be reached when the run is opened."""
+
+    def open(self, *, run: Any) -> None:
+        """Fail as a backend that refuses the connection."""
+        raise ConnectionRefusedError(f"{self.name}: the server refused the connection")
+
+
+def test_sync_names_every_adapter_that_failed_not_only_the_first(tmp_path: Path) -> None:
+    """Two fail (one cannot open, one rejects a step), one works: the error names both; the third gets all."""
+    journal = str(tmp_path / "j")
+    with MetricBus(dist=None, journal=journal) as bus:
+        for step in range(3):
+            bus.log("x", float(step))
+            bus.commit(step=step)
+    down, picky, fine = Unreachable(reject=set()), Picky(reject={1}), Picky(reject=set())
+    down.name = down.cursor_key = "down"
+    fine.name = fine.cursor_key = "fine"
+    with pytest.raises(AdapterError) as raised:
+        sync(journal, [down, picky, fine])
+    said = str(raised.value)
+    assert said.startswith("2 adapters failed in this sync: ")
+    assert "adapter 'down' failed (ConnectionRefusedError: down: the server refused the connection)" in said
+    assert "adapter 'picky' rejected step 1 for good (ValueError: the backend rejects step 1)" in said
+    assert isinstance(raised.value.__cause__, ConnectionRefusedError)
+    assert [s for s, _ in fine.rows] == [0, 1, 2]
+    assert [s for s, _ in picky.rows] == [0, 2]
+    assert picky.status == "failed"
+    again = Picky(reject=set())
+    assert sync(journal, [again]) == {"picky": 1}  # the rejected step, kept as a gap, is sent once fixed
+    assert again.rows == [(1, {"x": 1.0})]
+
+
 class Gate(Picky):
     """A Picky whose write waits until ``gate`` is set (a backend that stalls while steps arrive)."""
 
