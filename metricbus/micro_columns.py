@@ -34,7 +34,7 @@ from metricbus import signed_zero
 from metricbus.partial import Packed, layout_of, pack, with_fields
 from metricbus.sketch import Sketch
 from metricbus.spec import Spec
-from metricbus.summary import N_FIELDS, Rest, Summary
+from metricbus.summary import N_FIELDS, NEAR, Rest, Summary, near_mean_m2
 
 _fsum = math.fsum
 COLUMNS_FROM = 8  # plain metrics in an update from which they are summarised in columns
@@ -201,9 +201,14 @@ def _columns(
     sizes, starts = segments.sizes, segments.starts
     if segments.single:  # one record: its value is the sum (of_value keeps -0.0, which fsum makes 0.0)
         total = np.where(sizes == 1, flat[starts], total)
-    deviations = flat - np.repeat(total / segments.n, sizes)
+    means = total / segments.n
+    deviations = flat - np.repeat(means, sizes)
     deviations *= deviations
-    np.add.reduceat(deviations, starts, out=fields[7])
+    m2 = np.add.reduceat(deviations, starts, out=fields[7])
+    with np.errstate(over="ignore"):
+        near = np.flatnonzero((m2 < means * means * NEAR * segments.n) & (m2 != 0.0)).tolist()
+    for i, row in zip(near, segments.rows(flat, near), strict=True):  # a spread tiny next to the mean (summary.NEAR)
+        m2[i] = near_mean_m2(row, None, (float(total[i]), 0.0 if lo is None else float(lo[i])), (float(len(row)), 0.0))
     fields[0:2] = segments.n  # count, weight
     fields[3:6:2] = total  # total (hi), wsum (hi)
     if lo is None:

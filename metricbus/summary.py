@@ -92,8 +92,11 @@ class Summary(NamedTuple):
                 # Two-pass m2 around the mean. math.dist is the accurate C loop for sqrt(sum((x - mean)**2))
                 # (~1 ulp), half the cost of fsum over a list of squares; d * d (not d ** 2, which raises)
                 # overflows to inf.
-                d = math.dist(values, [total / n] * n)
+                mean = total / n
+                d = math.dist(values, [mean] * n)
                 m2, rest = d * d, ()
+                if m2 < n * mean * mean * NEAR and m2:  # a spread tiny next to the mean: see near_mean_m2
+                    m2 = near_mean_m2(values, None, (total, total_lo), (float(n), 0.0))
             else:  # three or more components, beyond the double range, or non-finite data
                 total, total_lo, m2, rest = _unweighted_general(values)
             weight, weight_lo, wsum, wsum_lo = float(n), 0.0, total, total_lo
@@ -182,6 +185,8 @@ class Summary(NamedTuple):
         m2, weight = self.m2, self.weight
         if not weight > 0.0 or m2 != m2:  # noqa: PLR0124  (NaN test)
             return _NAN
+        if self.min == self.max and self.min - self.min == 0.0:  # finite records all equal: exactly 0, whatever
+            return 0.0  # rounding the means and m2 picked up on the way
         m2 = max(m2, 0.0)
         ratio = m2 / weight if weight < _MAX else exact.divide((m2,), self._parts(0))
         if ratio == _INF and m2 < _INF:  # a tiny weight: the quotient overflows, its square root need not
@@ -243,6 +248,9 @@ class Summary(NamedTuple):
 
 
 N_FIELDS = 12
+# A two-pass m2 below W·mean²·NEAR (std below ~3e-8 of the mean) may be off in its leading digits: the rounded
+# mean's error enters it squared. It is taken again (near_mean_m2); above it, that error is below ~2**-54 of m2.
+NEAR = 2.0**-50
 SKETCH = 13  # the sketch's index in the tuple
 EMPTY = Summary()
 _NO_REST: Rest = ((), (), ())
@@ -325,9 +333,34 @@ def _weighted_m2(
     # Zero weights are skipped: 0 * inf would be NaN where x - mean overflows.
     terms = [w * (x - mean) * (x - mean) for w, x in zip(weights, values, strict=True) if w]
     try:
-        return _fsum(terms)
+        m2 = _fsum(terms)
     except OverflowError:  # non-negative terms: an intermediate overflow means the sum overflows
         return _INF
+    if m2 < weight[0] * mean * mean * NEAR and m2 and len(weight) <= 2 and len(wsum) <= 2:
+        return near_mean_m2(values, weights, wsum, weight)
+    return m2
+
+
+def near_mean_m2(
+    values: Sequence[float], weights: Sequence[float] | None, num: tuple[float, ...], den: tuple[float, ...]
+) -> float:
+    """Σw·(x − μ)² of finite records whose spread is tiny next to their mean μ = num / den (components, at most two
+    each; ``den[0] > 0``): there the two-pass sum around a rounded mean q is off by W·(μ − q)², up to all of it
+    (mean 1e9 and spread 1e-6: 1e-4 relative; records all equal: ~1e-17 instead of 0). Taken around q, the double
+    nearest μ (the dd quotient rounded once more, so records all equal give their value), less W·(μ − q)², from
+    q's remainder in double-double (that subtraction cannot cancel: W·(μ − q)² is at most the true m2 plus it)."""
+    q, q_lo = _dd_div(num[0], num[1] if len(num) > 1 else 0.0, den[0], den[1] if len(den) > 1 else 0.0)
+    mean = q + q_lo
+    off = (q - mean) + q_lo  # μ - mean, to ~2**-100 of μ
+    if weights is None:
+        d = math.dist(values, [mean] * len(values))
+        around = d * d
+    else:
+        try:
+            around = _fsum([w * (x - mean) * (x - mean) for w, x in zip(weights, values, strict=True) if w])
+        except OverflowError:
+            return _INF
+    return max(around - den[0] * off * off, 0.0)
 
 
 def _chan_m2(a: Summary, b: Summary) -> float:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from metricbus import exact, signed_zero
-from metricbus.summary import EMPTY, Summary, split_parts
+from metricbus.summary import EMPTY, NEAR, Summary, near_mean_m2, split_parts
 
 _MAX = exact.MAX
 _QUIET = 2.0**480
@@ -83,12 +83,15 @@ def _of_block(values: np.ndarray[Any, Any]) -> Summary:
     if parts is None:  # all zeros, or beyond the array path's range
         return Summary.of_batch(values.tolist(), None)
     total, total_lo, rest_t = split_parts(parts)
-    deviations = np.subtract(values, total / n, out=scratch[1][:n])
+    mean = total / n
+    deviations = np.subtract(values, mean, out=scratch[1][:n])
     if largest < _QUIET:  # no square (nor their sum) can overflow
         m2 = _sum_of_squares(deviations)
     else:  # overflows to inf, as d * d does, without numpy's warning
         with np.errstate(over="ignore", invalid="ignore"):
             m2 = _sum_of_squares(deviations)
+    if m2 < n * mean * mean * NEAR and m2 and not rest_t:  # a spread tiny next to the mean (summary.NEAR)
+        m2 = near_mean_m2(values.tolist(), None, (total, total_lo), (float(n), 0.0))
     rest = ((), rest_t, rest_t) if rest_t else ()
     first, last = values.item(0), values.item(-1)
     return _new(
