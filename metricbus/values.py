@@ -1,6 +1,7 @@
 """Turning what a caller logs into flat lists of float records and weights, with clear errors.
 
-Accepted: Python ints, floats and bools; numpy scalars and arrays of real dtype; (possibly nested) lists and
+Accepted: Python ints, floats and bools; other real numbers (``fractions.Fraction``, ``decimal.Decimal``, any
+``numbers.Real``: each its nearest double); numpy scalars and arrays of real dtype; (possibly nested) lists and
 tuples of those; torch tensors of real dtype (recognised without importing torch). Everything else is a
 :class:`~metricbus.errors.MetricTypeError` that names the metric.
 """
@@ -8,6 +9,8 @@ tuples of those; torch tensors of real dtype (recognised without importing torch
 from __future__ import annotations
 
 import math
+import numbers
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -82,9 +85,10 @@ def _array(metric: str, value: Any, what: str = "value") -> np.ndarray[Any, Any]
             array = np.asarray(value)
         except ValueError as exc:  # numpy 2 refuses ragged nesting
             raise _type_error(metric, value, " (ragged nested lists)") from exc
-    if array.dtype.kind == "O" and all(type(x) in (int, float, bool) for x in array.flat):
-        # Python ints beyond int64 (or mixed with floats) in a list: each one as a float, as a scalar would be
-        return np.array([_real(metric, x, what) for x in array.flat], dtype=np.float64).reshape(array.shape)
+    if array.dtype.kind == "O" and all(map(_is_real, array.flat)):
+        # Python ints beyond int64 (or mixed with floats), Fractions, Decimals, numpy scalars mixed with those in a
+        # list: each one as a float, as a scalar would be
+        return np.array([_scalar(metric, x, what) for x in array.flat], dtype=np.float64).reshape(array.shape)
     if array.dtype.kind not in _REAL_DTYPE_KINDS:
         raise _type_error(metric, value, f" (dtype {array.dtype})")
     return array
@@ -103,6 +107,8 @@ def to_values(metric: str, value: object) -> list[float]:
         if value.dtype.itemsize > 8:  # a longdouble
             return _doubles(metric, np.asarray(value)).ravel().tolist()
         return [float(value)]
+    if _other_real(value):
+        return [_real(metric, value, "value")]
     if value is None or isinstance(value, (str, bytes, complex, dict, set)):
         raise _type_error(metric, value)
     if isinstance(value, (list, tuple, np.ndarray)) or is_tensor(value):
@@ -127,22 +133,54 @@ def _doubles(metric: str, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return doubles
 
 
+def _is_real(value: object) -> bool:
+    """True for one real number: a Python int, float or bool, a numpy scalar of real dtype, or another real."""
+    if type(value) in (int, float, bool):
+        return True
+    if isinstance(value, np.generic):
+        return value.dtype.kind in _REAL_DTYPE_KINDS
+    return _other_real(value)
+
+
+def _scalar(metric: str, value: Any, what: str) -> float:
+    """One real number (``_is_real``) as its nearest double, checked as ``to_values`` checks a scalar."""
+    if isinstance(value, np.generic) and value.dtype.itemsize > 8:  # a longdouble
+        return float(_doubles(metric, np.asarray(value)).item())
+    return _real(metric, value, what)
+
+
+def _other_real(value: object) -> bool:
+    """True for a real number that is neither a Python int, float or bool nor a numpy scalar: a ``Fraction``, a
+    ``Decimal`` (not registered as ``numbers.Real``, but one), or another ``numbers.Real``."""
+    return isinstance(value, (numbers.Real, Decimal)) and not isinstance(value, (int, float, np.generic))
+
+
 def _real(metric: str, value: Any, what: str) -> float:
-    """``float(value)``; an int beyond the double range is a MetricValueError naming ``metric``."""
+    """``float(value)``, the nearest double; an int, Fraction or Decimal beyond the double range (or a signaling NaN
+    Decimal) is a MetricValueError naming ``metric``, never an infinity it did not hold."""
     try:
-        return float(value)
+        x = float(value)
     except OverflowError:
+        if isinstance(value, int):
+            raise MetricValueError(
+                f"{what} for {metric!r} is an integer of {int(value).bit_length()} bits, beyond the double range "
+                "(|x| <= 1.8e308, 1024 bits): log a float"
+            ) from None
+        x = math.inf  # (a Fraction beyond the range) said below
+    except ValueError as exc:  # Decimal('sNaN')
+        raise MetricValueError(f"{what} {_shown(value)} for {metric!r} is not a number float() takes: {exc}") from None
+    if x - x != 0.0 and x == x and type(value) is not float and abs(value) != math.inf:  # noqa: PLR0124
         raise MetricValueError(
-            f"{what} for {metric!r} is an integer of {int(value).bit_length()} bits, beyond the double range "
-            "(|x| <= 1.8e308, 1024 bits): log a float"
-        ) from None
+            f"{what} {_shown(value)} for {metric!r} is beyond the double range (|x| <= 1.8e308): log a float"
+        )
+    return x
 
 
 def to_weights(metric: str, weight: object, n: int, value: Any) -> list[float] | None:
     """Weights broadcast to ``n`` records, validated (finite, >= 0); None when no weight was given."""
     if weight is None:
         return None
-    if isinstance(weight, (int, float, np.generic)) and not isinstance(weight, complex):
+    if (isinstance(weight, (int, float, np.generic)) and not isinstance(weight, complex)) or _other_real(weight):
         if isinstance(weight, np.generic) and weight.dtype.kind not in _REAL_DTYPE_KINDS:
             raise MetricValueError(f"weight {weight!r} for {metric!r} is not a real number (dtype {weight.dtype})")
         w = _real(metric, weight, "weight")

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from decimal import Decimal
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
-from metricbus import MetricBus
+from metricbus import Agg, MetricBus
+from metricbus.errors import MetricValueError
 
 LogUpdate = Callable[[MetricBus, list[float], list[float] | None], None]
 
@@ -113,3 +115,47 @@ def test_std_of_one_record_and_of_weightless_records() -> None:
     assert out["one"] == 0.0
     assert math.isnan(out["weightless/mean"])
     assert math.isnan(out["weightless/std"])
+
+
+def test_fractions_and_decimals_are_real_numbers() -> None:
+    """A Fraction or Decimal (scalar, in a list, mixed with numpy scalars, or as a weight) is its nearest double; they
+    were refused with 'log a real number'."""
+    with MetricBus(dist=None) as bus:
+        bus.log("f", Fraction(1, 3), agg="sum")
+        bus.log("f", [Fraction(1, 6), Decimal("0.1")])
+        bus.log("mixed", [np.int64(1), 2**64, np.float32(0.5), Fraction(1, 4)], agg="sum")
+        bus.log("w", [1.0, 3.0], weight=[Fraction(1), Decimal(3)])
+        bus.log("w", 5.0, weight=Fraction(1, 2))
+        out = bus.commit(0)
+    assert out["f"] == float(Fraction(1 / 3) + Fraction(1 / 6) + Fraction(0.1))
+    assert out["mixed"] == float(1 + 2**64 + Fraction(3, 4))
+    assert out["w"] == (1.0 + 9.0 + 2.5) / 4.5
+
+
+@pytest.mark.parametrize(
+    "value",
+    [Decimal("1e400"), [Decimal("-1e400")], Fraction(10**400, 3), Decimal("sNaN"), [np.longdouble("1e400"), 2**64]],
+)
+def test_a_real_beyond_the_double_range_is_refused_naming_the_metric(value: object) -> None:
+    """A Decimal or Fraction beyond the double range (or a signaling NaN) is a MetricValueError naming the metric, never
+    an inf it did not hold (float(Decimal('1e400')) is inf), and the records logged before are kept."""
+    with MetricBus(dist=None) as bus:
+        bus.log("big", 1.0, agg="sum")
+        with pytest.raises(MetricValueError, match="'big'"):
+            bus.log("big", value)
+        with pytest.raises(MetricValueError, match="'big'"):
+            bus.log("big", 1.0, weight=value if not isinstance(value, list) else value[0])
+        assert bus.commit(0) == {"big": 1.0}
+
+
+def test_decimal_nan_and_infinity_follow_the_nan_policy() -> None:
+    """Decimal NaN and Infinity are non-finite records as float ones: propagated, or refused under nan='error'."""
+    with MetricBus(dist=None) as bus:
+        bus.log("n", [Decimal("NaN"), 1.0], agg="max")
+        bus.log("i", Decimal("-Infinity"), agg="min")
+        with pytest.raises(MetricValueError, match="'e'"):
+            bus.log("e", Decimal("Infinity"), agg=Agg(nan="error"))
+        out = bus.commit(0)
+    assert math.isnan(out["n"])
+    assert out["i"] == -math.inf
+    assert "e" not in out
