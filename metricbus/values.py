@@ -117,7 +117,7 @@ def to_values(metric: str, value: object) -> list[float]:
     raise _type_error(metric, value)
 
 
-def _doubles(metric: str, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+def _doubles(metric: str, array: np.ndarray[Any, Any], what: str = "value") -> np.ndarray[Any, Any]:
     """``array`` as float64; a finite longdouble beyond the double range is a MetricValueError naming ``metric`` (as
     an int beyond it is), never an infinity it did not hold."""
     if array.dtype.kind != "f" or array.dtype.itemsize <= 8:
@@ -127,7 +127,7 @@ def _doubles(metric: str, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     beyond = np.isinf(doubles) & np.isfinite(array)
     if beyond.any():
         raise MetricValueError(
-            f"value {array[beyond].flat[0]!r} ({array.dtype}) for {metric!r} is beyond the double range "
+            f"{what} {array[beyond].flat[0]!r} ({array.dtype}) for {metric!r} is beyond the double range "
             "(|x| <= 1.8e308): log a float"
         )
     return doubles
@@ -145,7 +145,7 @@ def _is_real(value: object) -> bool:
 def _scalar(metric: str, value: Any, what: str) -> float:
     """One real number (``_is_real``) as its nearest double, checked as ``to_values`` checks a scalar."""
     if isinstance(value, np.generic) and value.dtype.itemsize > 8:  # a longdouble
-        return float(_doubles(metric, np.asarray(value)).item())
+        return float(_doubles(metric, np.asarray(value), what).item())
     return _real(metric, value, what)
 
 
@@ -192,11 +192,12 @@ def to_weights(metric: str, weight: object, n: int, value: Any) -> list[float] |
         raise MetricValueError(f"weight {_shown(weight)} for {metric!r} is not a real number or array") from exc
     shape = tuple(value.shape) if is_tensor(value) else np.shape(value)
     try:
-        flat = np.broadcast_to(array, shape).astype(np.float64).ravel()
+        broadcast = np.broadcast_to(array, shape)
     except ValueError as exc:
         raise MetricValueError(
             f"weight of shape {array.shape} for {metric!r} does not broadcast to the value's shape {shape}"
         ) from exc
+    flat = _doubles(metric, broadcast, "weight").ravel()  # (a longdouble beyond the double range: refused there)
     if flat.size and (not np.all(np.isfinite(flat)) or np.any(flat < 0)):
         bad = flat[~np.isfinite(flat) | (flat < 0)][0]
         _check_weight(metric, float(bad))

@@ -159,3 +159,13 @@ def test_decimal_nan_and_infinity_follow_the_nan_policy() -> None:
     assert math.isnan(out["n"])
     assert out["i"] == -math.inf
     assert "e" not in out
+
+
+def test_a_longdouble_weight_array_beyond_the_double_range_is_refused_naming_the_metric() -> None:
+    """An array of longdouble weights beyond the double range is a MetricValueError naming the metric (it was numpy's
+    'overflow encountered in cast' RuntimeWarning, then 'weight inf is invalid'); the metric's records are kept."""
+    with MetricBus(dist=None) as bus:
+        bus.log("w", 2.0, weight=np.longdouble(3))
+        with pytest.raises(MetricValueError, match="'w' is beyond the double range"):
+            bus.log("w", [1.0, 5.0], weight=np.array([np.longdouble("1e400"), np.longdouble(1)]))
+        assert bus.commit(0) == {"w": 2.0}
