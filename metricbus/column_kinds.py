@@ -110,7 +110,6 @@ def std(m: Merged) -> Settled:
     with np.errstate(all="ignore"):
         ratio = m2 / m.weight
         out = np.sqrt(ratio)
-        out = np.where((m.min == m.max) & (m.min - m.min == 0.0), 0.0, out)  # finite records all equal: 0 exactly
     done = (m.weight > 0.0) & (m.weight < exact.MAX) & ~np.isnan(m.m2) & (ratio < np.inf)
     return out, done
 

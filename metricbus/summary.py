@@ -185,8 +185,6 @@ class Summary(NamedTuple):
         m2, weight = self.m2, self.weight
         if not weight > 0.0 or m2 != m2:  # noqa: PLR0124  (NaN test)
             return _NAN
-        if self.min == self.max and self.min - self.min == 0.0:  # finite records all equal: exactly 0, whatever
-            return 0.0  # rounding the means and m2 picked up on the way
         m2 = max(m2, 0.0)
         ratio = m2 / weight if weight < _MAX else exact.divide((m2,), self._parts(0))
         if ratio == _INF and m2 < _INF:  # a tiny weight: the quotient overflows, its square root need not
