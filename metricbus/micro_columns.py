@@ -206,7 +206,7 @@ def _columns(
     deviations *= deviations
     m2 = np.add.reduceat(deviations, starts, out=fields[7])
     with np.errstate(over="ignore"):
-        near = np.flatnonzero((m2 < means * means * NEAR * segments.n) & (m2 != 0.0)).tolist()
+        near = np.flatnonzero((m2 <= means * means * NEAR * segments.n) & (m2 != 0.0)).tolist()
     for i, row in zip(near, segments.rows(flat, near), strict=True):  # a spread tiny next to the mean (summary.NEAR)
         m2[i] = near_mean_m2(row, None, (float(total[i]), 0.0 if lo is None else float(lo[i])), (float(len(row)), 0.0))
     fields[0:2] = segments.n  # count, weight

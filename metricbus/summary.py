@@ -95,7 +95,7 @@ class Summary(NamedTuple):
                 mean = total / n
                 d = math.dist(values, [mean] * n)
                 m2, rest = d * d, ()
-                if m2 < n * mean * mean * NEAR and m2:  # a spread tiny next to the mean: see near_mean_m2
+                if m2 <= n * mean * mean * NEAR and m2:  # a spread tiny next to the mean: see near_mean_m2
                     m2 = near_mean_m2(values, None, (total, total_lo), (float(n), 0.0))
             else:  # three or more components, beyond the double range, or non-finite data
                 total, total_lo, m2, rest = _unweighted_general(values)
@@ -246,8 +246,9 @@ class Summary(NamedTuple):
 
 
 N_FIELDS = 12
-# A two-pass m2 below W·mean²·NEAR (std below ~3e-8 of the mean) may be off in its leading digits: the rounded
-# mean's error enters it squared. It is taken again (near_mean_m2); above it, that error is below ~2**-54 of m2.
+# A two-pass m2 up to W·mean²·NEAR (std below ~3e-8 of the mean; inf where the mean is huge) may be off in its
+# leading digits: the rounded mean's error enters it squared. It is taken again (near_mean_m2); above it, that error
+# is below ~2**-54 of m2.
 NEAR = 2.0**-50
 SKETCH = 13  # the sketch's index in the tuple
 EMPTY = Summary()
@@ -334,7 +335,7 @@ def _weighted_m2(
         m2 = _fsum(terms)
     except OverflowError:  # non-negative terms: an intermediate overflow means the sum overflows
         return _INF
-    if m2 < weight[0] * mean * mean * NEAR and m2 and len(weight) <= 2 and len(wsum) <= 2:
+    if m2 <= weight[0] * mean * mean * NEAR and m2:
         return near_mean_m2(values, weights, wsum, weight)
     return m2
 
@@ -342,14 +343,17 @@ def _weighted_m2(
 def near_mean_m2(
     values: Sequence[float], weights: Sequence[float] | None, num: tuple[float, ...], den: tuple[float, ...]
 ) -> float:
-    """Σw·(x − μ)² of finite records whose spread is tiny next to their mean μ = num / den (components, at most two
-    each; ``den[0] > 0``): there the two-pass sum around a rounded mean q is off by W·(μ − q)², up to all of it
-    (mean 1e9 and spread 1e-6: 1e-4 relative; records all equal: ~1e-17 instead of 0). Taken around q, the double
-    nearest μ (the dd quotient rounded once more, so records all equal give their value), less W·(μ − q)², from
-    q's remainder in double-double (that subtraction cannot cancel: W·(μ − q)² is at most the true m2 plus it)."""
-    q, q_lo = _dd_div(num[0], num[1] if len(num) > 1 else 0.0, den[0], den[1] if len(den) > 1 else 0.0)
-    mean = q + q_lo
-    off = (q - mean) + q_lo  # μ - mean, to ~2**-100 of μ
+    """Σw·(x − μ)² of finite records whose spread is tiny next to their mean μ = num / den (exact components;
+    ``den`` > 0), or whose two-pass m2 overflowed around a huge mean: there the two-pass sum around a rounded mean q
+    is off by W·(μ − q)², up to all of it (mean 1e9 and spread 1e-6: 1e-4 relative; records all equal: ~1e-17
+    instead of 0; one record of 1e300 weighted by 7: inf). Taken around the correctly rounded mean (records all
+    equal give their value), less W·(μ − mean)² from the mean's remainder in double-double (that subtraction cannot
+    cancel: W·(μ − mean)² is at most the true m2 plus it)."""
+    mean = exact.divide(num, den)
+    off = 0.0  # μ - mean, to ~2**-100 of μ (left 0 where the double-double could overflow: it is below ulp(mean))
+    if abs(mean) < 1e290 and 1e-290 < den[0] < 1e290 and abs(num[0]) < 1e300:
+        q, q_lo = _dd_div(num[0], _fsum(num[1:]), den[0], _fsum(den[1:]))  # (a third component or more: ~2**-106)
+        off = (q - mean) + q_lo
     if weights is None:
         d = math.dist(values, [mean] * len(values))
         around = d * d
@@ -358,7 +362,8 @@ def near_mean_m2(
             around = _fsum([w * (x - mean) * (x - mean) for w, x in zip(weights, values, strict=True) if w])
         except OverflowError:
             return _INF
-    return max(around - den[0] * off * off, 0.0)
+    less = den[0] * off * off
+    return max(around - less, 0.0) if less < _INF else around
 
 
 def _chan_m2(a: Summary, b: Summary) -> float:

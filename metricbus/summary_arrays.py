@@ -90,7 +90,7 @@ def _of_block(values: np.ndarray[Any, Any]) -> Summary:
     else:  # overflows to inf, as d * d does, without numpy's warning
         with np.errstate(over="ignore", invalid="ignore"):
             m2 = _sum_of_squares(deviations)
-    if m2 < n * mean * mean * NEAR and m2 and not rest_t:  # a spread tiny next to the mean (summary.NEAR)
+    if m2 <= n * mean * mean * NEAR and m2 and not rest_t:  # a spread tiny next to the mean (summary.NEAR)
         m2 = near_mean_m2(values.tolist(), None, (total, total_lo), (float(n), 0.0))
     rest = ((), rest_t, rest_t) if rest_t else ()
     first, last = values.item(0), values.item(-1)

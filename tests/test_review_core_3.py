@@ -100,7 +100,7 @@ def test_std_at_mean_1e9_and_spread_1e_6_is_accurate(path: str, split: str) -> N
     several updates (one call was off by 1.6e-5 to 7.8e-5 relative: the two-pass sum around the rounded mean)."""
     xs = [1e9 + 1e-6 * i for i in range(40)]
     got = _std_of(PATHS[path], xs, None, split)
-    assert got == pytest.approx(_exact_std(xs), rel=1e-12)
+    assert got == pytest.approx(_exact_std(xs), rel=1e-12, abs=0.0)
 
 
 @pytest.mark.parametrize("split", ["one", "updates"])
@@ -110,7 +110,22 @@ def test_weighted_std_at_mean_1e9_and_spread_1e_6_is_accurate(path: str, split: 
     xs = [1e9 + 1e-6 * i for i in range(40)]
     ws = [float(i % 7 + 1) for i in range(40)]
     got = _std_of(PATHS[path], xs, ws, split)
-    assert got == pytest.approx(_exact_std(xs, ws), rel=1e-12)
+    assert got == pytest.approx(_exact_std(xs, ws), rel=1e-12, abs=0.0)
+
+
+@pytest.mark.parametrize("path", ["floats", "list", "array"])
+def test_std_of_records_all_equal_near_the_top_of_the_range_is_zero(path: str) -> None:
+    """One record of 1e300 with weight 7, or 1e300 logged 20 times with weight 3: std 0.0 (was inf: the deviation
+    from the rounded mean, an ulp of 1e300, squared overflows; the true second moment is 0)."""
+    assert _std_of(PATHS[path], [1e300], [7.0], "one") == 0.0
+    assert _std_of(PATHS[path], [1e300] * 20, [3.0] * 20, "one") == 0.0
+    assert _std_of(PATHS[path], [3e300] * 20, None, "one") == 0.0
+
+
+def test_weighted_std_whose_weighted_sum_has_three_components_is_accurate() -> None:
+    """Weights 0.3 and 1e-5 at mean 1e9 (Σw·x needs three doubles): within 1e-12 of the exact std (was 3e-5 off)."""
+    xs, ws = [1e9, 1e9, 1e9 + 2.0**-23], [0.0, 0.3, 1e-5]
+    assert _std_of(_list, xs, ws, "one") == pytest.approx(_exact_std(xs, ws), rel=1e-12, abs=0.0)
 
 
 def test_std_of_one_record_and_of_weightless_records() -> None:
@@ -190,12 +205,14 @@ def _total_order(x: float) -> tuple[float, int]:
 
 
 def _kind(kind: str, records: Records) -> float:
-    """``kind`` of finite records, exactly (Fractions), rounded once."""
+    """``kind`` of records (finite, or NaN where a weightless mean was lifted), exactly (Fractions), rounded once."""
     xs = [x for x, _ in records]
     if kind == "count":
         return float(len(xs))
     if kind in ("first", "last"):
         return xs[0] if kind == "first" else xs[-1]
+    if any(map(math.isnan, xs)):
+        return math.nan
     if kind in ("min", "max"):
         return (min if kind == "min" else max)(xs, key=_total_order)
     if kind == "sum":
