@@ -31,6 +31,7 @@ from metricbus.journal import CursorStore, Journal
 from metricbus.journal.cursors import identity_of, resume_adapter
 from metricbus.journal.reader import Commit, CommitRun, JournalStream, stream_journal, timeline
 from metricbus.journal.scan import Names, RawPart, shape_bytes
+from metricbus.journal.writer import held_for_sync
 from metricbus.partial import Partial
 from metricbus.reduce import StepReducer
 from metricbus.replay_levels import Emitted, reduced
@@ -439,8 +440,26 @@ def sync(
 
     ``KeyboardInterrupt``, or ``stop`` set (checked between steps; the CLI sets it on Ctrl-C), flushes and
     acknowledges what was written, closes the adapters and raises :class:`SyncInterrupted`.
+
+    A journal a bus still writes (the trainer running) is a :class:`~metricbus.errors.JournalError` naming the file
+    and that bus, before any adapter is touched: that bus delivers the same steps into the same backend runs. Sync
+    holds the rank files' writer locks while it runs, so a bus resuming the journal meanwhile is refused too.
     """
-    journal = _open(source)
+    where = source.directory if isinstance(source, Journal | JournalStream) else source
+    with held_for_sync(where):  # no bus may write the journal (and deliver its steps) meanwhile
+        return _sync(_open(source), adapters, progress=progress, flush_every=flush_every,
+                     flush_interval_s=flush_interval_s, stop=stop)
+
+
+def _sync(
+    journal: Source,
+    adapters: Sequence[Adapter],
+    *,
+    progress: SyncProgress | None,
+    flush_every: int,
+    flush_interval_s: float,
+    stop: threading.Event | None,
+) -> dict[str, int]:
     store = _cursors(journal)
     names = [str(getattr(a, "name", type(a).__name__)) for a in adapters]
     labels = [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]

@@ -30,7 +30,7 @@ import socket
 import struct
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from metricbus.journal.format import (
     FSYNC_INTERVAL_S,
     MAGIC,
     STEP,
+    SUFFIX,
     SUMMARY_FIELDS,
     SteadyFrame,
     body_frame,
@@ -99,9 +100,53 @@ def _os_error(exc: OSError) -> str:
 def _holder(path: Path) -> str:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return f"PID {int(data['pid'])} on {data['host']}"
+        by = f" ({data['by']})" if isinstance(data.get("by"), str) else ""
+        return f"PID {int(data['pid'])} on {data['host']}{by}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process whose PID is not recorded yet"
+
+
+@contextlib.contextmanager
+def held_for_sync(directory: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold the writer's lock of every rank file in ``directory`` (or of the one ``.mbj`` file it names) for the
+    ``with`` block, as a writer would: ``metricbus sync`` delivers into the live run's backends, so a bus still
+    writing the journal (its adapters delivering the same steps, its jsonl file appended to while sync cuts it) is a
+    ``JournalError`` naming the file and that bus, and a bus resuming the journal meanwhile is refused as a second
+    writer is. Where the file system has no ``flock``, nothing is held (as for a writer)."""
+    path = Path(directory)
+    paths = [path] if path.is_file() else sorted(path.glob(f"rank-*{SUFFIX}")) if path.is_dir() else []
+    held: list[tuple[int, Path]] = []
+    try:
+        for file in paths:
+            try:
+                fd = os.open(file, os.O_RDONLY)
+            except OSError:
+                continue  # unreadable: the reader reports it
+            lock_path = file.with_name(file.name + ".lock")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise JournalError(
+                    f"journal file {file} is still being written by a bus ({_holder(lock_path)}; a process forked "
+                    "from it shares its lock until it exits): metricbus sync writes into the live run's backends, "
+                    "which that bus is delivering to as well, so both would write (and cut) the same steps; sync once "
+                    "that bus has closed or its process has ended"
+                ) from None
+            except OSError:  # a file system without flock: unguarded, as the writer is
+                os.close(fd)
+                continue
+            held.append((fd, lock_path))
+            with contextlib.suppress(OSError):  # for the message a bus resuming meanwhile gets
+                owner = {"pid": os.getpid(), "host": socket.gethostname(), "time_unix_ns": time.time_ns()}
+                lock_path.write_text(json.dumps({**owner, "by": "metricbus sync"}), encoding="utf-8")
+        yield
+    finally:
+        for fd, lock_path in held:
+            with contextlib.suppress(OSError):  # while locked: a next writer's PID is never removed
+                lock_path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class JournalWriter:
