@@ -2,11 +2,22 @@
 
 Options are checked at construction (:class:`~metricbus.errors.ConfigError` naming the option and what is valid):
 ``stream`` is a text stream or None (stdout at write time), ``max_metrics`` an int >= 1.
+
+A stream whose reader is gone (``python train.py | head``: a broken pipe; or a closed file) is reported once, as a
+warning on the ``metricbus.adapters.console`` logger, and the adapter prints nothing more to that stream (another
+stream put in ``sys.stdout`` later is printed to). Retrying the line would only hold ``close()`` up: no one can
+read it, and the journal and the other adapters keep every step. After a broken pipe the stream's file descriptor
+is pointed at ``/dev/null``, as Python's documentation on SIGPIPE recommends (the pipe's reader is gone for good):
+the lines still in the stream's buffer would otherwise fail again at interpreter exit (``Exception ignored ...
+BrokenPipeError``) and turn the trainer's exit code into 120.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
+import os
 import sys
 from collections.abc import Mapping
 from typing import TextIO
@@ -16,6 +27,14 @@ from metricbus.errors import ConfigError
 from metricbus.histogram import Histogram
 
 _VALUE_WIDTH = 10
+logger = logging.getLogger(__name__)
+
+
+def _reader_gone(exc: BaseException, stream: object) -> bool:
+    """Whether ``exc`` says that no one reads ``stream`` any more: a broken pipe, or a closed stream."""
+    if isinstance(exc, OSError):
+        return exc.errno == errno.EPIPE
+    return isinstance(exc, ValueError) and bool(getattr(stream, "closed", False))
 
 
 def format_value(value: float) -> str:
@@ -37,6 +56,19 @@ def format_histogram(value: Histogram) -> str:
     return f"hist({', '.join(cells)})"
 
 
+def _to_devnull(stream: object) -> None:
+    """Point ``stream``'s file descriptor (if it has one) at ``/dev/null``: its pipe's reader left for good."""
+    try:
+        fd = stream.fileno()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):  # not a real file: nothing fails at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 class ConsoleAdapter:
     """Prints ``step N | name value | ...``; columns keep their width from line to line."""
 
@@ -54,6 +86,7 @@ class ConsoleAdapter:
         self._stream = stream
         self._max = max_metrics
         self._widths: dict[str, int] = {}
+        self._gone: object = None  # the stream whose reader went away: nothing more is printed to it
 
     @property
     def stream(self) -> TextIO:
@@ -62,7 +95,7 @@ class ConsoleAdapter:
 
     def open(self, *, run: RunInfo) -> None:
         """Print the run's name."""
-        print(f"metricbus run {run.name or run.project}", file=self.stream)
+        self._print(f"metricbus run {run.name or run.project}")
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Print one aligned line."""
@@ -75,13 +108,33 @@ class ConsoleAdapter:
             cells.append(cell.ljust(width))
         more = len(metrics) - self._max
         tail = f" | (+{more} more)" if more > 0 else ""
-        print(f"step {step:>6} | " + " | ".join(cells) + tail, file=self.stream)
+        self._print(f"step {step:>6} | " + " | ".join(cells) + tail, step=step)
 
     def flush(self) -> None:
         """Flush the stream."""
-        self.stream.flush()
+        self._print(None)
 
     def close(self, *, status: Status) -> None:
         """Print the final status."""
-        print(f"metricbus run {status}", file=self.stream)
+        self._print(f"metricbus run {status}")
         self.flush()
+
+    def _print(self, line: str | None, *, step: int | None = None) -> None:
+        """Print ``line`` (None: flush), unless the stream's reader is gone (see the module docstring)."""
+        stream = self.stream
+        if stream is self._gone:
+            return
+        try:
+            if line is None:
+                stream.flush()
+            else:
+                print(line, file=stream)
+        except (OSError, ValueError) as exc:
+            if not _reader_gone(exc, stream):
+                raise
+            self._gone = stream
+            if isinstance(exc, OSError):
+                _to_devnull(stream)
+            logger.warning("console: no one reads %s any more (%r)%s; the console adapter prints nothing more to it "
+                           "(the journal and the other adapters keep every step)", getattr(stream, "name", stream),
+                           exc, "" if step is None else f" at step {step}")

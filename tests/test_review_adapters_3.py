@@ -3,6 +3,9 @@ without a reader, ..."""
 
 from __future__ import annotations
 
+import errno
+import io
+import logging
 import subprocess
 import sys
 import textwrap
@@ -11,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from metricbus.adapters.console import ConsoleAdapter
 from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 
 from metricbus import MetricBus
@@ -102,3 +106,84 @@ def test_a_bus_resuming_the_journal_during_a_sync_is_refused(tmp_path: Path) -> 
         syncing.join(60)
     assert result == [{"jsonl": 6}]
     assert [(step, metrics["loss"]) for step, metrics in read_jsonl(path)] == [(s, s / 3) for s in range(6)]
+
+
+PIPED_TRAINER = """
+import sys
+from metricbus import MetricBus
+with MetricBus(adapters=["console"], strict=True) as bus:
+    bus.log("loss", 0.5)
+    bus.commit(step=0)
+    assert bus.flush(timeout_s=30)
+    sys.stdin.readline()  # the test closes the pipe's reading end meanwhile (`| head -2`)
+    for step in range(1, 20):
+        bus.log("loss", step / 7)
+        bus.commit(step=step)
+    assert bus.flush(timeout_s=30)
+print("closed", file=sys.stderr)
+"""
+
+
+def test_console_piped_into_a_reader_that_left_neither_stalls_nor_fails() -> None:
+    """`python train.py | head -2`: the console stops printing after one warning; close neither waits nor fails."""
+    trainer = _python(PIPED_TRAINER, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert trainer.stdin is not None
+    assert trainer.stdout is not None
+    assert trainer.stderr is not None
+    try:
+        assert trainer.stdout.readline() == "metricbus run metricbus\n"
+        assert trainer.stdout.readline().startswith("step      0 | loss")
+        trainer.stdout.close()
+        trainer.stdin.write("go\n")
+        trainer.stdin.close()
+        err = trainer.stderr.read()  # until the trainer exits
+        trainer.wait(timeout=60)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    assert trainer.returncode == 0, err
+    assert err.count("no one reads <stdout> any more (BrokenPipeError") == 1, err
+    assert "retrying" not in err
+    assert "did not drain" not in err
+    assert err.endswith("closed\n")
+
+
+def test_console_with_a_closed_stream_warns_once_and_prints_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """A closed stream: one warning naming it, no error per step, the bus closes cleanly (strict)."""
+    stream = io.StringIO()
+    stream.close()
+    with caplog.at_level(logging.WARNING), MetricBus(adapters=[ConsoleAdapter(stream=stream)], strict=True) as bus:
+        for step in range(5):
+            bus.log("loss", float(step))
+            bus.commit(step=step)
+    warned = [r.getMessage() for r in caplog.records if r.name == "metricbus.adapters.console"]
+    assert len(warned) == 1
+    assert "I/O operation on closed file" in warned[0]
+    assert not [r for r in caplog.records if r.name == "metricbus.delivery"]
+
+
+def test_console_prints_to_a_new_stdout_after_the_old_one_closed(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only the stream whose reader left is given up: a stdout put in its place later gets the lines."""
+    adapter = ConsoleAdapter()
+    gone = io.StringIO()
+    gone.close()
+    old = sys.stdout
+    sys.stdout = gone
+    try:
+        adapter.write(step=1, metrics={"x": 1.0})
+    finally:
+        sys.stdout = old
+    adapter.write(step=2, metrics={"x": 2.0})
+    assert capsys.readouterr().out.startswith("step      2 | x 2")
+
+
+def test_console_still_raises_other_stream_errors() -> None:
+    """An error that does not say the reader left (a full disk) still reaches delivery, which retries it."""
+
+    class Full(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        ConsoleAdapter(stream=Full()).write(step=0, metrics={"x": 1.0})
