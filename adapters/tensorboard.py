@@ -16,8 +16,10 @@ at step 0.
 Where. ``log_dir=None`` (the default) means ``runs/<project>/<run id>/tensorboard`` under the working directory at
 open: two runs never share it, and every process of one run (a resumed trainer, ``metricbus sync``) finds the same
 one. An explicit ``log_dir`` is used as given. Each open starts a new event file whose name sorts after every event
-file in the folder (TensorBoard reads a folder's files in name order). Records are written synchronously;
-``flush()`` also ``fsync``s the file.
+file in the folder (TensorBoard reads a folder's files in name order). Each event is handed to the operating system
+whole before ``write()`` returns (a killed process loses nothing it wrote), or, when that fails (a full disk), what
+part of it reached the file is cut again before ``write()`` raises, so the retry's record follows a whole one (a torn
+record in the middle of a file stops every reader there); ``flush()`` also ``fsync``s the file.
 
 Resume and rewind. ``resume(after_step=N, identity=...)`` (before open) takes the folder from ``identity`` unless
 ``log_dir`` was given. At open (resume) and at ``rewind(step=S)``, the steps about to be sent again are hidden twice
@@ -32,6 +34,8 @@ from readers that honour START. The run text and hparams are written again when 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
 import json
 import numbers
@@ -198,7 +202,6 @@ def _protos() -> SimpleNamespace:
         from tensorboard.plugins.hparams import summary_v2 as hparams_summary
         from tensorboard.plugins.scalar import metadata as scalar_metadata
         from tensorboard.plugins.text import summary_v2 as text_summary
-        from tensorboard.summary.writer.record_writer import RecordWriter
     except ImportError as exc:
         raise AdapterNotFoundError(
             f"the tensorboard adapter needs the tensorboard package: {_INSTALL} ({exc})"
@@ -218,7 +221,6 @@ def _protos() -> SimpleNamespace:
         text_pb=text_summary.text_pb,
         hparams_pb=hparams_summary.hparams_pb,
         masked_crc32c=masked_crc32c,
-        RecordWriter=RecordWriter,
         DecodeError=DecodeError,
     )
 
@@ -260,8 +262,8 @@ class TensorBoardAdapter:
         self._folder: Path | None = None
         self._run: RunInfo | None = None
         self._pb: Any = None
-        self._file: IO[bytes] | None = None
-        self._records: Any = None
+        self._file: IO[bytes] | None = None  # unbuffered: each event is one record handed to the OS whole
+        self._end = 0  # the file's size after its last whole record
         self._tags_in_file: set[str] = set()
 
     @property
@@ -333,7 +335,7 @@ class TensorBoardAdapter:
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
         """Write one event holding every metric of ``step``: a float64 scalar tensor, or a histogram for a
         :class:`~metricbus.histogram.Histogram`."""
-        if self._records is None:
+        if self._file is None:
             raise RuntimeError("TensorBoardAdapter.write() before open()")
         pb, names, seen = self._pb, self._names, self._tags_in_file
         values, new_tags = [], []
@@ -354,7 +356,7 @@ class TensorBoardAdapter:
 
     def rewind(self, *, step: int) -> None:
         """Hide every event at a step ``>= step`` (cut from metricbus's files, purged by START); start a new file."""
-        if self._records is None or self._folder is None or self._run is None:
+        if self._file is None or self._folder is None or self._run is None:
             raise RuntimeError("TensorBoardAdapter.rewind() before open()")
         self._close_file()
         has_run_text = _cut(self._folder, before_step=int(step), pb=self._pb)
@@ -374,15 +376,34 @@ class TensorBoardAdapter:
         if self._file is not None:
             self.flush()
             self._file.close()
-            self._file = self._records = None
+            self._file = None
 
     def _add(self, **fields: Any) -> None:
-        self._records.write(self._pb.Event(wall_time=time.time(), **fields).SerializeToString())
+        """Append one event as a TFRecord, whole: where a write fails, what part of it reached the file is cut."""
+        assert self._file is not None
+        crc = self._pb.masked_crc32c
+        data = self._pb.Event(wall_time=time.time(), **fields).SerializeToString()
+        length = struct.pack("<Q", len(data))
+        record = b"".join((length, struct.pack("<I", crc(length)), data, struct.pack("<I", crc(data))))
+        fd, start = self._file.fileno(), self._end
+        try:
+            view = memoryview(record)
+            while view:
+                count = os.write(fd, view)
+                if count <= 0:
+                    raise OSError(errno.EIO, f"no byte of the event went to {self._file.name}")
+                view = view[count:]
+        except BaseException:
+            with contextlib.suppress(OSError):  # so the retry's record follows a whole one
+                os.ftruncate(fd, start)
+                os.lseek(fd, start, os.SEEK_SET)
+            raise
+        self._end = start + len(record)
 
     def _start_file(self, folder: Path, run: RunInfo, *, purge_step: int | None, run_text: bool) -> None:
         pb = self._pb
-        self._file = _next_event_file(folder).open("xb")
-        self._records, self._tags_in_file = pb.RecordWriter(self._file), set()
+        self._file = _next_event_file(folder).open("xb", buffering=0)
+        self._end, self._tags_in_file = 0, set()
         self._add(file_version="brain.Event:2", source_metadata=pb.SourceMetadata(writer=WRITER))
         if purge_step is not None and purge_step <= _INT64_MAX:
             self._add(step=purge_step, file_version="brain.Event:2")  # what SummaryWriter(purge_step=...) writes

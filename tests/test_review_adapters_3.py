@@ -187,3 +187,44 @@ def test_console_still_raises_other_stream_errors() -> None:
 
     with pytest.raises(OSError, match="No space"):
         ConsoleAdapter(stream=Full()).write(step=0, metrics={"x": 1.0})
+
+
+TB_FULL_DISK_CHILD = """
+import os, resource, signal, sys, time
+from pathlib import Path
+from metricbus.adapter import RunInfo
+from metricbus.adapters.tensorboard import TensorBoardAdapter
+from metricbus.delivery import Delivery
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past RLIMIT_FSIZE fails with EFBIG, as on a full disk
+folder = sys.argv[1]
+delivery = Delivery([TensorBoardAdapter(log_dir=folder)], strict=False, retry_base_s=0.01, retry_cap_s=0.02)
+delivery.open(run=RunInfo())
+delivery.submit(step=0, metrics={"x": 1.0})
+assert delivery.flush(timeout_s=30)
+(events,) = Path(folder).glob("*tfevents*")
+resource.setrlimit(resource.RLIMIT_FSIZE, (events.stat().st_size + 30, resource.RLIM_INFINITY))
+wide = {"x": 2.0, **{f"m{i}": i / 3 for i in range(400)}}  # past the 8 KiB a buffered file keeps
+delivery.submit(step=1, metrics=wide)  # its event does not fit: retried while the disk is full
+deadline = time.monotonic() + 30
+while delivery.failures.get("tensorboard", 0) < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+delivery.submit(step=2, metrics={"x": 4.0})
+assert delivery.flush(timeout_s=30)
+delivery.close(status="finished", timeout_s=30)
+print(delivery.failures.get("tensorboard", 0))
+"""
+
+
+def test_tensorboard_keeps_every_later_step_readable_after_the_disk_was_full(tmp_path: Path) -> None:
+    """A write torn by a full disk and retried leaves whole records: readers see every step once, not none after it."""
+    from tb_reader import legacy_accumulator, multiplexer_accumulator, tensor_points
+
+    folder = tmp_path / "tb"
+    done = _python(TB_FULL_DISK_CHILD, str(folder), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, err
+    assert int(out.split()[-1]) >= 3  # the event of step 1 failed at least three times
+    for acc in (legacy_accumulator(folder), multiplexer_accumulator(folder)):
+        assert tensor_points(acc, "x") == [(0, 1.0), (1, 2.0), (2, 4.0)]
+        assert tensor_points(acc, "m399") == [(1, 399 / 3)]
