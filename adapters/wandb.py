@@ -64,7 +64,7 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -291,7 +291,7 @@ class WandbAdapter:
         for path in Path(old).parent.glob("*/" + glob.escape(f"run-{run_id}.wandb")):
             name = path.parent.name
             if name.startswith(("offline-run-", "run-")) and str(path.parent) != current.get("dir"):
-                folders.append(_history_of(str(path)))
+                folders.append(_history_of(str(path), after=self._after_step))
         written: dict[int, dict[str, Any]] = {}
         after = self._after_step
         for _, branch, rows in sorted(folders, key=lambda folder: folder[0]):
@@ -468,33 +468,49 @@ def _same(held: Any, value: Any) -> bool:
     return (math.isnan(a) and math.isnan(b)) or struct.pack("<d", a) == struct.pack("<d", b)
 
 
-def _history_of(path: str) -> tuple[tuple[int, int], int | None, dict[int, dict[str, Any]]]:
-    """A ``.wandb`` file's (start time, rewind branch ``_step`` or None, {step: {key: value}}), complete records only
-    (a killed process's file ends without an exit record, maybe inside a record)."""
+READ_BYTES = 128 * BLOCK_BYTES  # how much of a run file _history_of reads at a time (4 MiB)
+
+
+def _history_of(path: str, *, after: int | None) -> tuple[tuple[int, int], int | None, dict[int, dict[str, Any]]]:
+    """A ``.wandb`` file's (start time, rewind branch ``_step`` or None, {step: {key: value}} of the steps after
+    ``after``, every step for None), complete records only (a killed process's file ends without an exit record,
+    maybe inside a record). Read :data:`READ_BYTES` at a time, the items of an acknowledged step never decoded: a long
+    run's file is read at resume in bounded memory, and in about a tenth of the time decoding every row took."""
     from wandb.proto import wandb_internal_pb2
 
-    try:
-        with open(path, "rb") as file:
-            data = file.read()
-    except OSError:
-        return (0, 0), None, {}
     start, branch = (0, 0), None
     rows: dict[int, dict[str, Any]] = {}
-    for payload, _ in _records(data[HEADER_BYTES:], HEADER_BYTES):
-        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated at import, no stub
-        record.ParseFromString(payload)
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            start = (record.run.start_time.seconds, record.run.start_time.nanos)
-            if record.run.branch_point.metric == "_step":
-                branch = int(record.run.branch_point.value)
-        elif kind == "history" and record.history.HasField("step"):
-            row = rows.setdefault(record.history.step.num, {})
-            for item in record.history.item:
-                keys: list[str] = [item.key] if item.key else list(item.nested_key)
-                if keys and keys[0] not in RESERVED_KEYS:  # wandb's own; a user's "_x" is compared like any key
-                    _put(row, keys, json.loads(item.value_json, parse_int=float))  # "-0" is -0.0
+    try:
+        for payload, _ in _assemble(_file_chunks(path)):
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated at import, no stub
+            record.ParseFromString(payload)
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                start = (record.run.start_time.seconds, record.run.start_time.nanos)
+                if record.run.branch_point.metric == "_step":
+                    branch = int(record.run.branch_point.value)
+            elif kind == "history" and record.history.HasField("step"):
+                step = record.history.step.num
+                if after is not None and step <= after:
+                    continue
+                row = rows.setdefault(step, {})
+                for item in record.history.item:
+                    keys: list[str] = [item.key] if item.key else list(item.nested_key)
+                    if keys and keys[0] not in RESERVED_KEYS:  # wandb's own; a user's "_x" is compared like any key
+                        _put(row, keys, json.loads(item.value_json, parse_int=float))  # "-0" is -0.0
+    except OSError:
+        return (0, 0), None, {}
     return start, branch, rows
+
+
+def _file_chunks(path: str) -> Iterator[tuple[int | None, bytes, int]]:
+    """:func:`_chunks` of the run file ``path``, read :data:`READ_BYTES` at a time, each read ending at a block
+    boundary (no chunk spans two reads)."""
+    with open(path, "rb") as file:
+        pos = file.seek(HEADER_BYTES)
+        while data := file.read(READ_BYTES - pos % READ_BYTES):
+            yield from _chunks(data, pos)
+            pos += len(data)
 
 
 def _put(row: dict[str, Any], path: list[str], value: Any) -> None:
@@ -510,23 +526,15 @@ def _put(row: dict[str, Any], path: list[str], value: Any) -> None:
 
 def _records(data: bytes, start: int) -> Iterator[tuple[bytes, int]]:
     """``(payload, end offset)`` of each complete record in ``data`` (read from file offset ``start``)."""
-    pos, parts = start, []
-    while True:
-        room = BLOCK_BYTES - pos % BLOCK_BYTES
-        if room < CHUNK.size:  # a block's trailer, too small for a chunk header
-            pos += room
-            continue
-        at = pos - start
-        if at + CHUNK.size > len(data):
+    return _assemble(_chunks(data, start))
+
+
+def _assemble(chunks: Iterable[tuple[int | None, bytes, int]]) -> Iterator[tuple[bytes, int]]:
+    """``(payload, end offset)`` of each record the ``chunks`` complete; ends at a torn or damaged chunk."""
+    parts: list[bytes] = []
+    for kind, body, pos in chunks:
+        if kind is None:
             return
-        crc, length, kind = CHUNK.unpack_from(data, at)
-        if kind == 0 and length == 0:  # zero padding up to the block's end
-            pos += room
-            continue
-        body = data[at + CHUNK.size : at + CHUNK.size + length]
-        if len(body) < length or zlib.crc32(bytes([kind]) + body) != crc:
-            return  # not written completely yet
-        pos += CHUNK.size + length
         if kind == FULL:
             yield body, pos
         elif kind == FIRST:
@@ -536,3 +544,32 @@ def _records(data: bytes, start: int) -> Iterator[tuple[bytes, int]]:
         elif kind == LAST:
             yield b"".join([*parts, body]), pos
             parts = []
+
+
+def _chunks(data: bytes, start: int) -> Iterator[tuple[int | None, bytes, int]]:
+    """``(type, body, end offset)`` of each complete chunk in ``data`` (read from file offset ``start``), block
+    trailers and zero padding skipped; a last ``(None, b"", offset)`` where a chunk is torn or damaged (not written
+    completely yet, or the end of a killed process's file)."""
+    pos = start
+    while True:
+        room = BLOCK_BYTES - pos % BLOCK_BYTES
+        at = pos - start
+        if room < CHUNK.size:  # a block's trailer, too small for a chunk header
+            if at + room > len(data):
+                return
+            pos += room
+            continue
+        if at + CHUNK.size > len(data):
+            if at < len(data):
+                yield None, b"", pos
+            return
+        crc, length, kind = CHUNK.unpack_from(data, at)
+        if kind == 0 and length == 0:  # zero padding up to the block's end
+            pos += room
+            continue
+        body = data[at + CHUNK.size : at + CHUNK.size + length]
+        if len(body) < length or zlib.crc32(bytes([kind]) + body) != crc:
+            yield None, b"", pos
+            return
+        pos += CHUNK.size + length
+        yield kind, body, pos

@@ -10,10 +10,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Mapping
+import tracemalloc
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from backend_env import read_wandb_history
 from metricbus.adapters.console import ConsoleAdapter
 from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 
@@ -228,3 +230,52 @@ def test_tensorboard_keeps_every_later_step_readable_after_the_disk_was_full(tmp
     for acc in (legacy_accumulator(folder), multiplexer_accumulator(folder)):
         assert tensor_points(acc, "x") == [(0, 1.0), (1, 2.0), (2, 4.0)]
         assert tensor_points(acc, "m399") == [(1, 399 / 3)]
+
+
+@pytest.fixture
+def wandb_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """wandb offline and silent, everything under tmp_path; wandb's settings reloaded around the test."""
+    import wandb
+    from backend_env import isolate_env
+
+    wandb.teardown()
+    root = isolate_env(monkeypatch, tmp_path)
+    yield root
+    wandb.teardown()
+
+
+def test_wandb_resume_reads_a_long_runs_earlier_folder_in_bounded_memory(wandb_env: Path) -> None:
+    """Resuming near the end of a long run decodes only the rows after the cursor, streaming the earlier .wandb file:
+    the open's peak allocation stays far below the file's size (it read the whole file and decoded every row)."""
+    from metricbus.adapters.wandb import WandbAdapter
+
+    run = RunInfo(id="long-run")
+    first = WandbAdapter(mode="offline")
+    first.open(run=run)
+    for step in range(2000):
+        first.write(step=step, metrics={f"a_rather_long_metric_name_to_make_rows_wide/{i}": step + i / 7
+                                        for i in range(100)})
+    first.close(status="finished")
+    assert first.identity is not None
+    size = sum(path.stat().st_size for path in wandb_env.rglob("*.wandb"))
+    fresh = WandbAdapter(mode="offline")
+    tracemalloc.start()
+    fresh.open(run=RunInfo(id="another-run"))
+    base = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    fresh.close(status="finished")
+    resumed = WandbAdapter(mode="offline")
+    resumed.resume(after_step=1997, identity=first.identity)
+    tracemalloc.start()
+    resumed.open(run=run)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    try:
+        assert peak - base < size / 2, (peak, base, size)
+        resumed.write(step=1998, metrics={"a_rather_long_metric_name_to_make_rows_wide/3": 1998 + 3 / 7})  # held
+        resumed.write(step=1999, metrics={"a_rather_long_metric_name_to_make_rows_wide/3": -1.0})  # differs
+    finally:
+        resumed.close(status="finished")
+    rows = read_wandb_history(Path(resumed.identity["dir"]))  # type: ignore[index]
+    assert [(row["_step"], row["a_rather_long_metric_name_to_make_rows_wide/3"]) for row in rows] == [(1999, -1.0)]
+
