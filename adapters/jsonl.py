@@ -50,7 +50,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from metricbus.adapter import RunInfo, Status, is_live_target
+from metricbus.adapter import RunInfo, Status, is_live_target, run_folder
 from metricbus.errors import ConfigError
 from metricbus.histogram import Histogram
 
@@ -243,7 +243,7 @@ class JsonlAdapter:
     def open(self, *, run: RunInfo) -> None:
         """Create (or append to) the file, dropping a torn last line (and what a pending resume cuts)."""
         if self._path is None:
-            self._path = Path("runs", run.project, run.id, "metrics.jsonl")
+            self._path = Path(run_folder(run), "metrics.jsonl")
         if self._path.is_dir():
             raise IsADirectoryError(f"jsonl: {str(self._path)!r} is a directory; the adapter writes a file")
         if self._pending_cut is not None:

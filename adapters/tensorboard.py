@@ -49,7 +49,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
 
-from metricbus.adapter import RunInfo, Status, is_live_target
+from metricbus.adapter import RunInfo, Status, is_live_target, run_folder
 from metricbus.errors import AdapterNotFoundError, ConfigError
 from metricbus.histogram import Histogram
 
@@ -319,7 +319,7 @@ class TensorBoardAdapter:
     def open(self, *, run: RunInfo) -> None:
         """Decide the folder, hide the steps ``resume`` named, start an event file, write the run text and hparams."""
         pb = _protos()
-        path = self._log_dir or self._resumed_dir or os.path.join("runs", run.project, run.id, "tensorboard")
+        path = self._log_dir or self._resumed_dir or os.path.join(run_folder(run), "tensorboard")
         folder = Path(os.path.abspath(path))
         self._pb = pb
         try:

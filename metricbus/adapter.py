@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from metricbus.errors import ConfigError
+
 Status = Literal["finished", "failed"]
 
 
@@ -63,6 +65,22 @@ def is_live_target(target: str | os.PathLike[str], *, live: Sequence[Mapping[str
     run's identities ``live`` (the same file after symlinks)."""
     mine = os.path.realpath(target)
     return any(os.path.realpath(known[key]) == mine for known in live if known.get(key))
+
+
+def run_folder(run: RunInfo) -> str:
+    """``runs/<project>/<run id>``, the per-run folder of the jsonl and TensorBoard adapters (relative to the working
+    directory). A project or id that would put it elsewhere (an absolute path, a ``..`` segment) is a
+    :class:`~metricbus.errors.ConfigError` naming it: the adapter would write outside ``runs/``, or into another
+    run's folder."""
+    for what, value in (("project", run.project), ("id", run.id)):
+        segments = value.replace(os.sep, "/").split("/")
+        if os.path.isabs(value) or ".." in segments or "\0" in value:
+            raise ConfigError(
+                f"run {what} {value!r} cannot name the per-run folder runs/<project>/<run id>: it is an absolute path "
+                f"or holds a '..' segment (or a NUL); give a {what} without them, or the adapter's own path "
+                "(jsonl:PATH, tensorboard:DIR)"
+            )
+    return os.path.join("runs", run.project, run.id)
 
 
 def new_run_id(now_ns: int | None = None) -> str:

@@ -21,7 +21,7 @@ from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 
 from metricbus import MetricBus
 from metricbus.adapter import RunInfo
-from metricbus.errors import JournalError
+from metricbus.errors import AdapterError, JournalError
 from metricbus.replay import sync
 
 REPO = Path(__file__).resolve().parent.parent
@@ -279,3 +279,18 @@ def test_wandb_resume_reads_a_long_runs_earlier_folder_in_bounded_memory(wandb_e
     rows = read_wandb_history(Path(resumed.identity["dir"]))  # type: ignore[index]
     assert [(row["_step"], row["a_rather_long_metric_name_to_make_rows_wide/3"]) for row in rows] == [(1999, -1.0)]
 
+
+@pytest.mark.parametrize("adapter", ["jsonl", "tensorboard"])
+@pytest.mark.parametrize("field", ["id", "project"])
+def test_a_run_id_or_project_that_leaves_runs_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adapter: str, field: str
+) -> None:
+    """An absolute or '..' run id / project is an error naming it, never a per-run folder outside runs/."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for value in (str(tmp_path / "outside"), "../../escaped"):
+        with pytest.raises(AdapterError, match=rf"run {field} .* cannot name the per-run folder"):
+            MetricBus(adapters=[adapter], run=RunInfo(**{field: value}))  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+    assert not (work / "runs").exists() or not any((work / "runs").rglob("*.*"))
