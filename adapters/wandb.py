@@ -89,6 +89,7 @@ RESERVED_KEYS = {
     "_step": "the row's step (wandb.log drops a metric of that name)",
     "_runtime": "the run's time (wandb-core overwrites a metric of that name)",
     "_timestamp": "the row's wall time (wandb.log takes a metric of that name for it)",
+    "_wandb": "its own run data in the summary (runtime, ...; a metric of that name replaces it there)",
 }
 """History keys wandb 0.31 fills itself (``interface.publish_partial_history``, wandb-core): a metric of that name
 would be lost or would overwrite them, so the adapter refuses it."""

@@ -21,7 +21,7 @@ from metricbus.adapters.jsonl import JsonlAdapter, read_jsonl
 
 from metricbus import MetricBus
 from metricbus.adapter import RunInfo
-from metricbus.errors import AdapterError, JournalError
+from metricbus.errors import AdapterError, JournalError, MetricValueError
 from metricbus.replay import sync
 
 REPO = Path(__file__).resolve().parent.parent
@@ -294,3 +294,20 @@ def test_a_run_id_or_project_that_leaves_runs_is_refused(
             MetricBus(adapters=[adapter], run=RunInfo(**{field: value}))  # type: ignore[arg-type]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
     assert not (work / "runs").exists() or not any((work / "runs").rglob("*.*"))
+
+
+def test_wandb_refuses_a_metric_named_like_its_own_summary_key(wandb_env: Path) -> None:
+    """A metric named _wandb would replace wandb's own summary entry (its runtime): refused, naming it."""
+    from metricbus.adapters.wandb import WandbAdapter
+
+    adapter = WandbAdapter(mode="offline")
+    adapter.open(run=RunInfo(id="summary-key"))
+    try:
+        with pytest.raises(MetricValueError, match=r"metric name '_wandb' maps to wandb name '_wandb', which wandb "
+                                                   r"keeps for its own run data in the summary"):
+            adapter.write(step=0, metrics={"_wandb": 7.0, "loss": 1.0})
+        adapter.write(step=1, metrics={"loss": 2.0})
+    finally:
+        adapter.close(status="finished")
+    rows = read_wandb_history(Path(adapter.identity["dir"]))  # type: ignore[index]
+    assert [(row["_step"], row["loss"]) for row in rows] == [(1, 2)]
