@@ -243,10 +243,15 @@ class MetricBusLogger(Logger):
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Buffer ``metrics`` at ``step`` (last value per name wins); commit the previous step first."""
+        """Buffer ``metrics`` at ``step`` (last value per name wins); commit the previous step first.
+
+        ``step=None`` (Fabric's ``log``/``log_dict`` default) is the step after the last one, as Lightning's own
+        loggers auto-increment: each such call is a step of its own, never merged into the one before.
+        """
         pending = self._pending_step
         if step is None:
-            step = 0 if pending is None else pending
+            last = pending if pending is not None else self._last_step
+            step = 0 if last is None else last + 1
         if pending is not None and step < pending:
             self._warn_once("back", f"log_metrics(step={step}) after step {pending}: logged at step {pending}")
             step = pending
