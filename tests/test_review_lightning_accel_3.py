@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("pytorch_lightning")
 
+import pytorch_lightning as pl
 
+from metricbus.errors import MetricBusWarning
 from metricbus.integrations.lightning import MetricBusLogger
 from metricbus.testing import MemoryAdapter
+from tests import lightning_workers as lw
+from tests.backend_env import isolate_env
 
 QUIET = [  # Lightning's advice for real runs, not about what these tests check
     "ignore:.*does not have many workers.*",
@@ -36,3 +42,35 @@ def test_fabric_log_without_a_step_is_a_step_of_its_own() -> None:
     assert memory.rows == [
         (0, {"loss": 0.5}), (1, {"loss": 1.5}), (2, {"loss": 2.5}), (7, {"loss": 3.5, "acc": 0.25}), (8, {"loss": 4.5})
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("journal", [False, True])
+def test_a_second_fit_with_the_same_logger_keeps_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, journal: bool
+) -> None:
+    """Two fit() calls on new Trainers from step 0 with one MetricBusLogger (one run): the second fit's steps
+    follow the first's, each with its own value (not all merged into one step, nor steps going back in the run)."""
+    from metricbus.adapters.jsonl import read_jsonl
+
+    isolate_env(monkeypatch, tmp_path)
+    out = tmp_path / "m.jsonl"
+    ours = MetricBusLogger(
+        adapters=[f"jsonl:{out}"], journal=str(tmp_path / "journal") if journal else None, strict=True
+    )
+    fits = []
+    for _ in range(2):
+        memory = lw.MemoryLogger()
+        trainer = pl.Trainer(
+            **{**lw.TRAINER_ARGS, "max_steps": 3}, devices=1, logger=[ours, memory], default_root_dir=tmp_path
+        )
+        if fits:
+            with pytest.warns(MetricBusWarning, match="after the run was finalized at step 2: logged at step 3"):
+                trainer.fit(lw.TinyLM(), lw.loader())
+        else:
+            trainer.fit(lw.TinyLM(), lw.loader())
+        fits.append(lw.last_values(memory.calls, "train_loss"))
+    assert sorted(fits[0]) == sorted(fits[1]) == [0, 1, 2]
+    expected = {**fits[0], **{step + 3: value for step, value in fits[1].items()}}
+    rows = read_jsonl(out)
+    assert [step for step, _ in rows] == [0, 1, 2, 3, 4, 5]
+    assert {step: metrics["train_loss"] for step, metrics in rows} == expected

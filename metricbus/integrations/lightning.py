@@ -160,10 +160,12 @@ class MetricBusLogger(Logger):
     ``save()`` waits up to ``save_timeout_s`` for delivery (default 0: adapters already write and flush each step
     from their threads; Lightning calls ``save()`` after every ``log_metrics``); ``finalize(status)`` commits the
     last step and closes the bus, ``"failed"`` as failed, anything else as finished. A later ``log_metrics``
-    (``trainer.test`` after ``fit``) opens a bus on the same run id again; with a journal, a step at or below the
-    last one committed (where Lightning logs ``validate()`` and ``test()`` after ``fit``) moves to the one after it,
-    with a warning: a resumed journal's first step at or below its last one is a restart from a checkpoint, which
-    rewinds the backends.
+    (``trainer.test`` after ``fit``) opens a bus on the same run id again. When its first step is at or below the
+    last one committed (where Lightning logs ``validate()`` and ``test()`` after ``fit``; a second ``fit()`` with a
+    new Trainer starts at 0), it moves to the one after it and that session's later steps by as much, with a
+    warning: the run's steps keep increasing, none merged into one, and a journal is not rewound (a resumed
+    journal's first step at or below its last one is a restart from a checkpoint, which rewinds the backends).
+    ``step=None`` (Fabric's default) is the step after the last one.
     """
 
     def __init__(
@@ -203,6 +205,7 @@ class MetricBusLogger(Logger):
         self._finalized = False
         self._last_step: int | None = None  # the last step committed, kept across finalize()
         self._pending_step: int | None = None
+        self._shift: int | None = 0  # added to each step given; None after finalize() (see _shifted)
         self._pending: dict[str, float] = {}
         self._save_timeout_s = save_timeout_s
         self._close_timeout_s = close_timeout_s
@@ -252,19 +255,11 @@ class MetricBusLogger(Logger):
         if step is None:
             last = pending if pending is not None else self._last_step
             step = 0 if last is None else last + 1
+        else:
+            step = self._shifted(step, pending)
         if pending is not None and step < pending:
             self._warn_once("back", f"log_metrics(step={step}) after step {pending}: logged at step {pending}")
             step = pending
-        floor = self._last_step if self._bus is None and self._finalized and self._options["journal"] else None
-        if pending is None and floor is not None and step <= floor:
-            # The bus is reopened on its journal (resume): a first commit at or below the journal's last step is
-            # a restart from a checkpoint, which rewinds the backends from that step, erasing what fit or an
-            # earlier validate() logged there.
-            self._warn_once(
-                "reopen", f"log_metrics(step={step}) after the run was finalized at step {floor}: logged at step "
-                f"{floor + 1} (its journal already holds step {floor})",
-            )  # fmt: skip
-            step = floor + 1
         if pending is not None and step > pending:
             self._commit_pending()
         self._pending_step = step
@@ -287,6 +282,25 @@ class MetricBusLogger(Logger):
         self.bus.close(status=closed, timeout_s=self._close_timeout_s)
         self._bus = None
         self._finalized = True
+        self._shift = None
+
+    def _shifted(self, step: int, pending: int | None) -> int:
+        """``step`` moved by this session's shift, decided at its first step: after ``finalize()`` the bus reopens
+        on the same run (the backends' run of its id, its journal), whose steps must keep increasing. A session
+        that starts at or below the last step (``test()`` after ``fit()``, a second ``fit()`` with a new Trainer
+        from step 0) is logged from the step after it, every step moved by the same amount: its steps stay apart
+        (never merged into one) and the backends are not rewound (a resumed journal's first step at or below its
+        last one is a restart from a checkpoint, which rewinds them, erasing what the earlier session logged)."""
+        if self._shift is None:
+            floor = pending if pending is not None else self._last_step
+            self._shift = 0 if floor is None or step > floor else floor + 1 - step
+            if floor is not None and self._shift:
+                self._warn_once(
+                    f"reopen:{floor}", f"log_metrics(step={step}) after the run was finalized at step {floor}: "
+                    f"logged at step {floor + 1}, and each later step of this session {self._shift} later than "
+                    "given, so that the run's steps keep increasing", stacklevel=4,
+                )  # fmt: skip
+        return int(step) + self._shift
 
     def _commit_pending(self) -> None:
         metrics, self._pending = self._pending, {}
@@ -296,10 +310,10 @@ class MetricBusLogger(Logger):
         bus.commit(step=step)
         self._last_step = step
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, stacklevel: int = 3) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(f"MetricBusLogger: {message}", MetricBusWarning, stacklevel=3)
+            warnings.warn(f"MetricBusLogger: {message}", MetricBusWarning, stacklevel=stacklevel)
 
 
 def _plain(params: Mapping[str, Any]) -> dict[str, Any]:
