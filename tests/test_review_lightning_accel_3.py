@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from metricbus.testing import MemoryAdapter
 from tests import lightning_workers as lw
 from tests.backend_env import isolate_env
 
+ROOT = Path(__file__).resolve().parents[1]
 QUIET = [  # Lightning's advice for real runs, not about what these tests check
     "ignore:.*does not have many workers.*",
     "ignore:.*smaller than the logging interval.*",
@@ -74,3 +78,41 @@ def test_a_second_fit_with_the_same_logger_keeps_every_step(
     rows = read_jsonl(out)
     assert [step for step, _ in rows] == [0, 1, 2, 3, 4, 5]
     assert {step: metrics["train_loss"] for step, metrics in rows} == expected
+
+
+@pytest.mark.parametrize("ending", ["exit", "raise"])
+def test_a_script_that_never_calls_finalize_delivers_its_last_step(tmp_path: Path, ending: str) -> None:
+    """A Fabric loop that ends without logger.finalize(): the step the logger still buffers is committed and
+    delivered at interpreter exit, and the run is closed (FAILED when the script dies of an exception)."""
+    from metricbus.adapters.jsonl import read_jsonl
+    from mlflow.tracking import MlflowClient
+
+    out, uri = tmp_path / "m.jsonl", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from lightning_fabric import Fabric
+        from metricbus.integrations.lightning import MetricBusLogger
+        logger = MetricBusLogger(adapters=["jsonl:{out}", {{"type": "mlflow", "tracking_uri": "{uri}"}}],
+                                 version="run-1", strict=True)
+        fabric = Fabric(accelerator="cpu", devices=1, loggers=[logger])
+        logger.log_hyperparams({{"lr": 0.5}})
+        for step in range(3):
+            fabric.log_dict({{"loss": step + 0.25}}, step=step)
+        if {ending == "raise"}:
+            raise RuntimeError("boom")
+    """)
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore", "MLFLOW_TRACKING_URI": uri}
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == (1 if ending == "raise" else 0), done.stderr[-3000:]
+    assert read_jsonl(out) == [(step, {"loss": step + 0.25}) for step in range(3)]
+    client = MlflowClient(tracking_uri=uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    (run,) = client.search_runs(experiments, "tags.`metricbus.run_id` = 'run-1'")
+    assert run.info.status == ("FAILED" if ending == "raise" else "FINISHED")
+    assert run.data.params == {"lr": "0.5"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [
+        (step, step + 0.25) for step in range(3)
+    ]

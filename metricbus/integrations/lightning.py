@@ -34,6 +34,7 @@ from lightning_fabric.utilities.logger import _convert_params, _sanitize_callabl
 from pytorch_lightning.loggers.logger import Logger
 from pytorch_lightning.utilities import rank_zero_only
 
+from metricbus import shutdown
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus, check_wait_s
 from metricbus.errors import ClosedError, ConfigError, MetricBusError, MetricBusWarning
@@ -210,6 +211,7 @@ class MetricBusLogger(Logger):
         self._save_timeout_s = save_timeout_s
         self._close_timeout_s = close_timeout_s
         self._warned: set[str] = set()
+        self._tracked = False  # finalized at interpreter exit unless finalize() comes first (see _track)
 
     @property
     def name(self) -> str:
@@ -234,6 +236,7 @@ class MetricBusLogger(Logger):
             resume = self._resume or (self._finalized and journal is not None)
             self._bus = MetricBus(**self._options, run=run, dist=None, resume=resume)
             self._run = replace(self._run, id=self._bus.run.id)  # a resumed journal's run id, kept after finalize()
+            self._track()  # again: newer than its bus, so the exit closes the logger (its buffered step) first
         return self._bus
 
     @rank_zero_only
@@ -264,6 +267,8 @@ class MetricBusLogger(Logger):
             self._commit_pending()
         self._pending_step = step
         self._pending.update(metrics)
+        if not self._tracked:
+            self._track()
 
     @rank_zero_only
     def save(self) -> None:
@@ -283,6 +288,31 @@ class MetricBusLogger(Logger):
         self._bus = None
         self._finalized = True
         self._shift = None
+        self._untrack()
+
+    def _track(self) -> None:
+        """Have the interpreter's exit (or SIGTERM) finalize this logger if ``finalize()`` is not called first (a
+        Fabric loop, a script that logs by hand): the last step is buffered here until a later one or finalize."""
+        shutdown.untrack(id(self))  # tracked again, as the newest: closed before the bus it built
+        shutdown.track(id(self), self._finalize_at_exit)
+        self._tracked = True
+
+    def _untrack(self) -> None:
+        if self._tracked:
+            self._tracked = False
+            shutdown.untrack(id(self))
+
+    def _finalize_at_exit(self, status: Status) -> None:
+        """``finalize()`` at interpreter exit: commit the buffered step, close the bus as ``status``."""
+        self._tracked = False
+        try:
+            if self._pending:
+                self._commit_pending()
+        finally:
+            if self._bus is not None:
+                bus, self._bus = self._bus, None
+                self._finalized, self._shift = True, None
+                bus.close(status=status, timeout_s=self._close_timeout_s)
 
     def _shifted(self, step: int, pending: int | None) -> int:
         """``step`` moved by this session's shift, decided at its first step: after ``finalize()`` the bus reopens
