@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -13,8 +14,8 @@ pytest.importorskip("pytorch_lightning")
 
 import pytorch_lightning as pl
 
-from metricbus.errors import MetricBusWarning
-from metricbus.integrations.lightning import MetricBusLogger
+from metricbus.errors import ConfigError, MetricBusWarning
+from metricbus.integrations.lightning import MetricBusCallback, MetricBusLogger
 from metricbus.testing import MemoryAdapter
 from tests import lightning_workers as lw
 from tests.backend_env import isolate_env
@@ -116,3 +117,52 @@ def test_a_script_that_never_calls_finalize_delivers_its_last_step(tmp_path: Pat
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [
         (step, step + 0.25) for step in range(3)
     ]
+
+
+def test_callback_without_adapters_or_config_is_an_error_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MetricBusCallback() built a bus with no adapters: every fit's metrics went nowhere, silently (and a second
+    fit failed saying 'the bus it was given is closed'). Without adapters, a config or a journal it now refuses."""
+    monkeypatch.delenv("METRICBUS_CONFIG", raising=False)
+    monkeypatch.delenv("METRICBUS_ADAPTERS", raising=False)
+    with pytest.raises(ConfigError, match=r"no metricbus config.*METRICBUS_ADAPTERS.*MetricBusCallback\(adapters="):
+        MetricBusCallback()
+    with pytest.raises(ConfigError, match=r"no metricbus config"):
+        MetricBusCallback(rules={"train/*": "mean"})
+    monkeypatch.setenv("METRICBUS_ADAPTERS", "tensorbord")
+    with pytest.raises(ConfigError, match=r"METRICBUS_ADAPTERS.*no adapter named 'tensorbord'"):
+        MetricBusCallback()
+
+
+def test_callback_without_adapters_takes_them_from_the_environment_at_each_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MetricBusCallback() with $METRICBUS_ADAPTERS delivers each fit's exact token means (a new bus per fit)."""
+    from metricbus.adapters.jsonl import read_jsonl
+
+    isolate_env(monkeypatch, tmp_path)
+    out = tmp_path / "m.jsonl"
+    monkeypatch.delenv("METRICBUS_CONFIG", raising=False)
+    monkeypatch.setenv("METRICBUS_ADAPTERS", f"jsonl:{out}")
+    callback = MetricBusCallback()
+    expected: list[tuple[int, float]] = []
+    for _ in range(2):
+        module = lw.TinyLM()
+        trainer = pl.Trainer(
+            **{**lw.TRAINER_ARGS, "max_steps": 3}, devices=1, logger=False, callbacks=[callback],
+            default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(module, lw.loader())
+        expected += sorted(_token_means(module.records).items())
+    rows = [(step, metrics["train/loss"]) for step, metrics in read_jsonl(out)]
+    assert [step for step, _ in rows] == [step for step, _ in expected] == [0, 1, 2, 0, 1, 2]
+    assert all(abs(ours - truth) <= 1e-12 for (_, ours), (_, truth) in zip(rows, expected, strict=True))
+
+
+def _token_means(records: list[tuple[int, float, float]]) -> dict[int, float]:
+    """Per optimizer step: the sum of its micro-batches' token losses / their tokens (fsum)."""
+    totals: dict[int, list[float]] = {}
+    tokens: dict[int, float] = {}
+    for step, total, n_tokens in records:
+        totals.setdefault(step, []).append(total)
+        tokens[step] = tokens.get(step, 0.0) + n_tokens
+    return {step: math.fsum(values) / tokens[step] for step, values in totals.items()}

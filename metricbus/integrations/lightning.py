@@ -37,6 +37,7 @@ from pytorch_lightning.utilities import rank_zero_only
 from metricbus import shutdown
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus, check_wait_s
+from metricbus.config import bus_options, require_source
 from metricbus.errors import ClosedError, ConfigError, MetricBusError, MetricBusWarning
 from metricbus.options import BusOptions
 from metricbus.spec import SpecLike
@@ -50,7 +51,10 @@ class MetricBusCallback(pl.Callback):
     """Reduces what ``training_step`` logs per micro-batch exactly, over micro-batches, optimizer steps and ranks.
 
     ``MetricBusCallback(adapters=[...], rules={...})`` builds ``MetricBus(**options)`` at ``setup("fit")`` on every
-    rank (after Lightning created the process group, so ``dist="auto"`` finds it); ``MetricBusCallback(bus)`` uses
+    rank (after Lightning created the process group, so ``dist="auto"`` finds it); without ``adapters=`` the bus is
+    ``MetricBus.from_config(None, **options)``: adapters and options from ``$METRICBUS_CONFIG`` /
+    ``$METRICBUS_ADAPTERS`` (neither set, and no ``journal=``: :class:`~metricbus.errors.ConfigError` here, never a
+    bus that delivers nowhere); ``MetricBusCallback(bus)`` uses
     a bus you built (single process, or one built after ``torch.distributed`` was initialized). The callback closes
     the bus when ``fit`` ends (``failed`` on an exception, on that rank alone): a bus passed in serves one ``fit``,
     a later ``fit`` with it fails at ``setup`` (:class:`~metricbus.errors.ClosedError`). ``log_every`` is not an
@@ -68,6 +72,14 @@ class MetricBusCallback(pl.Callback):
             BusOptions.build(**options)  # validate now, with the bus's own messages, not at setup on every rank
         except TypeError as exc:
             raise ConfigError(f"MetricBusCallback: {exc}") from exc
+        # Without adapters the bus would deliver nowhere (no adapters by default): take them from the environment,
+        # as the Hugging Face callback and the Accelerate tracker do, and refuse where there are none.
+        self._from_env = bus is None and "adapters" not in options
+        if self._from_env:
+            if "journal" not in options:
+                require_source(None, how="pass MetricBusCallback(adapters=[...]) or MetricBusCallback(bus)")
+            bus_options(None, {**options, "log_every": 1})  # its mistakes now, naming the file or variable
+        self._owns = bus is None  # builds a bus for each fit(); else serves the one it was given, once
         self._bus = bus
         self._options = options
         self._seen_step = 0  # trainer.global_step at the last update boundary
@@ -84,8 +96,9 @@ class MetricBusCallback(pl.Callback):
         """Build the bus for ``fit`` on every rank (the process group exists by now); a bus passed in must be open."""
         if stage != "fit":
             return
-        if self._bus is None or (self._options and self._bus.closed):
-            self._bus = MetricBus(**self._options, log_every=1)
+        if self._bus is None or (self._owns and self._bus.closed):
+            options = {**self._options, "log_every": 1}
+            self._bus = MetricBus.from_config(None, **options) if self._from_env else MetricBus(**options)
         elif self._bus.closed:
             raise ClosedError(
                 "MetricBusCallback: the bus it was given is closed at setup('fit') (the end of an earlier fit() "
