@@ -49,6 +49,27 @@ from metricbus.spec_table import Claim, SpecTable
 _NOT_STEPS = frozenset({"bool", "torch.bool"})  # numpy's and torch's booleans have an __index__ too (not a step)
 
 _NOTHING = Partial()
+
+
+def as_step(step: object) -> int:
+    """``step`` as a commit step: an int, or a numpy or torch integer (0-d), in int64's range; else StepError."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        index = getattr(type(step), "__index__", None)  # numpy and torch integers: their int
+        if (
+            isinstance(step, bool)
+            or index is None
+            or str(getattr(step, "dtype", "")) in _NOT_STEPS
+            or getattr(step, "ndim", 0) != 0  # a one-element tensor or array is not a step: a 0-d one is
+        ):
+            why = " (a bool is not a step)" if isinstance(step, bool) else ""
+            raise StepError(f"commit step must be an int (or a numpy or torch integer), got {step!r}{why}")
+        try:
+            step = int(index(step))
+        except (TypeError, ValueError, RuntimeError) as exc:  # a tensor of several values, or not an integer
+            raise StepError(f"commit step must be an int (or a numpy or torch integer), got {step!r}") from exc
+    if not -(2**63) <= step < 2**63:
+        raise StepError(f"commit step {step} is out of range; steps are int64 (-2**63 <= step < 2**63)")
+    return step
 CLOSE_TIMEOUT_S = 30.0  # how long close() (and the close at interpreter exit) gives the adapters to drain
 
 
@@ -448,22 +469,7 @@ class MetricBus:
                     "(-2**63 <= step < 2**63)"
                 )
             return last + 1
-        if isinstance(step, bool) or not isinstance(step, int):
-            index = getattr(type(step), "__index__", None)  # numpy and torch integers: their int
-            if (
-                isinstance(step, bool)
-                or index is None
-                or str(getattr(step, "dtype", "")) in _NOT_STEPS
-                or getattr(step, "ndim", 0) != 0  # a one-element tensor or array is not a step: a 0-d one is
-            ):
-                why = " (a bool is not a step)" if isinstance(step, bool) else ""
-                raise StepError(f"commit step must be an int (or a numpy or torch integer), got {step!r}{why}")
-            try:
-                step = int(index(step))
-            except (TypeError, ValueError, RuntimeError) as exc:  # a tensor of several values, or not an integer
-                raise StepError(f"commit step must be an int (or a numpy or torch integer), got {step!r}") from exc
-        if not -(2**63) <= step < 2**63:
-            raise StepError(f"commit step {step} is out of range; steps are int64 (-2**63 <= step < 2**63)")
+        step = as_step(step)
         if self._last_step is not None and step < self._last_step:
             raise StepError(
                 f"commit step {step} is less than the last step {self._last_step}; steps never go back within a run "

@@ -7,12 +7,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("pytorch_lightning")
 
 import pytorch_lightning as pl
+import torch
 
 from metricbus.errors import ConfigError, MetricBusWarning
 from metricbus.integrations.lightning import MetricBusCallback, MetricBusLogger
@@ -166,3 +168,43 @@ def _token_means(records: list[tuple[int, float, float]]) -> dict[int, float]:
         totals.setdefault(step, []).append(total)
         tokens[step] = tokens.get(step, 0.0) + n_tokens
     return {step: math.fsum(values) / tokens[step] for step, values in totals.items()}
+
+
+@pytest.mark.parametrize("bad", [1.5, "3", True, torch.tensor([1, 2]), torch.tensor(2.0)])
+def test_logger_refuses_a_step_that_is_not_an_integer_and_keeps_what_was_logged(bad: Any) -> None:
+    """log_metrics(step=1.5) (a Fabric log_dict with a float step) is a StepError naming the metrics and what a
+    step is, at that call; nothing of it is buffered, and the steps logged before and after are delivered."""
+    from metricbus.errors import StepError
+
+    memory = MemoryAdapter()
+    logger = MetricBusLogger(adapters=[memory], strict=True)
+    logger.log_metrics({"a": 1.0}, step=0)
+    with pytest.raises(StepError, match=r"log_metrics\(\['b'\], step=.*must be an int.*nothing of this call"):
+        logger.log_metrics({"b": 2.0}, step=bad)
+    logger.log_metrics({"c": 3.0}, step=torch.tensor(4))  # type: ignore[arg-type]  # a 0-d integer tensor is a step
+    logger.finalize("success")
+    assert memory.rows == [(0, {"a": 1.0}), (4, {"c": 3.0})]
+
+
+def test_accelerate_a_step_out_of_range_or_a_bool_tensor_is_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    """Accelerator.log at step 2**63 logged its values, then the commit refused the step: they were carried into
+    the next step's row; step=torch.tensor(True) was taken as step 1. Both are now reported and left out."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from metricbus import MetricBus
+    from metricbus.integrations.accelerate import MetricBusTracker
+
+    memory = MemoryAdapter()
+    accelerator = Accelerator(cpu=True, log_with=[MetricBusTracker("p", bus=MetricBus(adapters=[memory], dist=None))])
+    accelerator.init_trackers("p")
+    with caplog.at_level("WARNING", logger="metricbus.accelerate"):
+        accelerator.log({"a": 1.0}, step=0)
+        accelerator.log({"b": 2.0}, step=2**63)
+        accelerator.log({"c": 3.0}, step=torch.tensor(True))  # type: ignore[arg-type]
+        accelerator.log({"d": 4.0}, step=torch.tensor(3))  # type: ignore[arg-type]  # a 0-d integer tensor is a step
+    accelerator.end_training()
+    assert memory.rows == [(0, {"a": 1.0}), (3, {"d": 4.0})]
+    assert "values at step 9223372036854775808 are left out: commit step 9223372036854775808 is out of range" in (
+        caplog.text
+    )

@@ -12,15 +12,14 @@ For exact reductions across micro-batches and ranks, log raw records to a ``Metr
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Mapping
 from typing import Any
 
 from accelerate.tracking import GeneralTracker
 
-from metricbus.bus import MetricBus
+from metricbus.bus import MetricBus, as_step
 from metricbus.config import load_source, require_source
-from metricbus.errors import MetricBusError, MetricTypeError, MetricValueError, SpecError
+from metricbus.errors import MetricBusError, MetricTypeError, MetricValueError, SpecError, StepError
 
 NAME = "metricbus"
 _log = logging.getLogger("metricbus.accelerate")
@@ -72,12 +71,10 @@ class MetricBusTracker(GeneralTracker):  # type: ignore[misc]  # accelerate is u
             self._report("kwargs", f"log() keyword arguments {sorted(kwargs)} have no meaning here and are ignored")
         if step is not None:  # checked before logging: a step the commit refuses would leave the values buffered
             try:
-                if isinstance(step, bool):
-                    raise TypeError(step)
-                step = operator.index(step)
-            except TypeError:
-                self._report("step-type", f"{len(values)} values at step {step!r} are left out: a step is an int (or "
-                             "a numpy or torch integer), or None for the next step")  # fmt: skip
+                step = as_step(step)
+            except StepError as exc:
+                self._report("step-type", f"{len(values)} values at step {step!r} are left out: {exc}; None is the "
+                             "next step")  # fmt: skip
                 return
         bus = self._bus if self._bus is not None else self._open()
         last = bus.last_step

@@ -36,9 +36,9 @@ from pytorch_lightning.utilities import rank_zero_only
 
 from metricbus import shutdown
 from metricbus.adapter import Adapter, RunInfo, Status
-from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus, check_wait_s
+from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus, as_step, check_wait_s
 from metricbus.config import bus_options, require_source
-from metricbus.errors import ClosedError, ConfigError, MetricBusError, MetricBusWarning
+from metricbus.errors import ClosedError, ConfigError, MetricBusError, MetricBusWarning, StepError
 from metricbus.options import BusOptions
 from metricbus.spec import SpecLike
 
@@ -272,7 +272,14 @@ class MetricBusLogger(Logger):
             last = pending if pending is not None else self._last_step
             step = 0 if last is None else last + 1
         else:
-            step = self._shifted(step, pending)
+            try:  # checked before anything is buffered: else the next call's commit refused it, mid-fit
+                given = as_step(step)
+            except StepError as exc:
+                raise StepError(
+                    f"MetricBusLogger.log_metrics({sorted(metrics)}, step={step!r}): {exc} (None: the next step); "
+                    "nothing of this call was logged"
+                ) from None
+            step = self._shifted(given, pending)
         if pending is not None and step < pending:
             self._warn_once("back", f"log_metrics(step={step}) after step {pending}: logged at step {pending}")
             step = pending
@@ -343,7 +350,7 @@ class MetricBusLogger(Logger):
                     f"logged at step {floor + 1}, and each later step of this session {self._shift} later than "
                     "given, so that the run's steps keep increasing", stacklevel=4,
                 )  # fmt: skip
-        return int(step) + self._shift
+        return step + self._shift
 
     def _commit_pending(self) -> None:
         metrics, self._pending = self._pending, {}
