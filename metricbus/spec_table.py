@@ -55,6 +55,20 @@ def conflict(name: str, held: Claim, new: Claim) -> str:
     )
 
 
+def check_name(name: object) -> None:
+    """MetricTypeError unless ``name`` is a metric name: a non-empty string that UTF-8 can encode."""
+    if not isinstance(name, str) or not name:
+        raise MetricTypeError(f"metric names must be non-empty strings, got {name!r}")
+    if not name.isascii():  # the journal, packing and backends keep names as UTF-8
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise MetricTypeError(
+                f"metric name {name!r} cannot be encoded as UTF-8 ({exc.reason} at {exc.start}); names must be "
+                "valid Unicode text (no lone surrogates, as os.fsdecode or 'surrogateescape' leave)"
+            ) from None
+
+
 class SpecTable:
     """Name -> Claim, plus the output names each name claims."""
 
@@ -80,16 +94,7 @@ class SpecTable:
 
     def own(self, name: str, agg: SpecLike | None) -> Claim:
         """The claim for ``name`` logged on this bus with ``agg`` (None: rules, then the default); not recorded."""
-        if not isinstance(name, str) or not name:
-            raise MetricTypeError(f"metric names must be non-empty strings, got {name!r}")
-        if not name.isascii():  # the journal, packing and backends keep names as UTF-8
-            try:
-                name.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise MetricTypeError(
-                    f"metric name {name!r} cannot be encoded as UTF-8 ({exc.reason} at {exc.start}); names must be "
-                    "valid Unicode text (no lone surrogates, as os.fsdecode or 'surrogateescape' leave)"
-                ) from None
+        check_name(name)
         if agg is not None:
             return Claim(parse_spec(agg, metric=name), EXPLICIT, "agg= in log() on this bus")
         pattern, spec = self.rules.find(name)

@@ -208,3 +208,29 @@ def test_accelerate_a_step_out_of_range_or_a_bool_tensor_is_left_out(caplog: pyt
     assert "values at step 9223372036854775808 are left out: commit step 9223372036854775808 is out of range" in (
         caplog.text
     )
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    ({"note": "warmup"}, r"cannot log 'warmup' \(str\) as 'note'"),
+    ({"lr": None}, r"cannot log None \(NoneType\) as 'lr'"),
+    ({"losses": {"a": 1.0}}, r"\(dict\) as 'losses'"),
+    ({"": 1.0}, r"metric names must be non-empty strings"),
+])  # fmt: skip
+def test_logger_refuses_a_value_the_bus_cannot_log_at_that_call(bad: dict[str, Any], match: str) -> None:
+    """fabric.log_dict({"loss": x, "note": "warmup"}) was buffered, and the next, valid call's commit raised
+    MetricTypeError: that call and the whole buffered step (its good values too) were lost. It is now refused at
+    the call, naming the metric; nothing of it is buffered, and the steps before and after are delivered."""
+    from lightning_fabric import Fabric
+
+    from metricbus.errors import MetricTypeError
+
+    memory = MemoryAdapter()
+    logger = MetricBusLogger(adapters=[memory], strict=True)
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=[logger])
+    fabric.log_dict({"loss": 1.0}, step=0)
+    with pytest.raises(MetricTypeError, match=rf"log_metrics\(step=1\): .*{match}.*nothing of this call was logged"):
+        fabric.log_dict({"loss": 2.0, **bad}, step=1)
+    fabric.log_dict({"loss": 3.0}, step=1)
+    fabric.log_dict({"loss": 4.0}, step=2)
+    logger.finalize("success")
+    assert memory.rows == [(0, {"loss": 1.0}), (1, {"loss": 3.0}), (2, {"loss": 4.0})]

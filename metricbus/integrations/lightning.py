@@ -38,9 +38,19 @@ from metricbus import shutdown
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus, as_step, check_wait_s
 from metricbus.config import bus_options, require_source
-from metricbus.errors import ClosedError, ConfigError, MetricBusError, MetricBusWarning, StepError
+from metricbus.errors import (
+    ClosedError,
+    ConfigError,
+    MetricBusError,
+    MetricBusWarning,
+    MetricTypeError,
+    MetricValueError,
+    StepError,
+)
 from metricbus.options import BusOptions
 from metricbus.spec import SpecLike
+from metricbus.spec_table import check_name
+from metricbus.values import to_values
 
 __all__ = ["MetricBusCallback", "MetricBusLogger", "metricbus_log"]
 
@@ -267,18 +277,15 @@ class MetricBusLogger(Logger):
         ``step=None`` (Fabric's ``log``/``log_dict`` default) is the step after the last one, as Lightning's own
         loggers auto-increment: each such call is a step of its own, never merged into the one before.
         """
+        # Checked before anything is buffered: the step is committed at a later call, which would fail instead
+        # (a valid one, mid-fit), and the step it held with it.
+        given = None if step is None else _checked_step(metrics, step)
+        _check_metrics(metrics, step)
         pending = self._pending_step
-        if step is None:
+        if given is None:
             last = pending if pending is not None else self._last_step
             step = 0 if last is None else last + 1
         else:
-            try:  # checked before anything is buffered: else the next call's commit refused it, mid-fit
-                given = as_step(step)
-            except StepError as exc:
-                raise StepError(
-                    f"MetricBusLogger.log_metrics({sorted(metrics)}, step={step!r}): {exc} (None: the next step); "
-                    "nothing of this call was logged"
-                ) from None
             step = self._shifted(given, pending)
         if pending is not None and step < pending:
             self._warn_once("back", f"log_metrics(step={step}) after step {pending}: logged at step {pending}")
@@ -364,6 +371,28 @@ class MetricBusLogger(Logger):
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"MetricBusLogger: {message}", MetricBusWarning, stacklevel=stacklevel)
+
+
+def _checked_step(metrics: Mapping[str, Any], step: Any) -> int:
+    try:
+        return as_step(step)
+    except StepError as exc:
+        raise StepError(
+            f"MetricBusLogger.log_metrics({list(metrics)}, step={step!r}): {exc} (None: the next step); nothing of "
+            "this call was logged"
+        ) from None
+
+
+def _check_metrics(metrics: Mapping[str, Any], step: Any) -> None:
+    """A MetricTypeError or MetricValueError naming the first name or value the bus would refuse."""
+    for name, value in metrics.items():
+        try:
+            check_name(name)
+            to_values(name, value)
+        except (MetricTypeError, MetricValueError) as exc:
+            raise type(exc)(
+                f"MetricBusLogger.log_metrics(step={step!r}): {exc}; nothing of this call was logged"
+            ) from None
 
 
 def _plain(params: Mapping[str, Any]) -> dict[str, Any]:
