@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, SupportsIndex
 
-from metricbus import shutdown
+from metricbus import shutdown, step_check
 from metricbus.accumulate import FOLD_AT
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.canonical import nans
@@ -322,6 +322,11 @@ class MetricBus:
                 # rank raises and keeps its records instead of waiting on this one (_commit)
                 invalid, step = exc, -(2**63) if self._last_step is None else self._last_step - 1
             if ranks.collective and not ranks.usable():
+                if ranks.ended is not None:
+                    raise DistributedError(
+                        f"commit(step={step}) on rank {ranks.rank}: {ranks.ended}, so the ranks cannot commit "
+                        "together any more; the records stay buffered (close() closes this rank alone)"
+                    )
                 raise DistributedError(
                     f"commit(step={step}) on rank {ranks.rank}: the torch.distributed process group was destroyed "
                     "(or never initialized); the records stay buffered. Commit and close() on every rank before "
@@ -367,6 +372,13 @@ class MetricBus:
                 dropped = self._put_back(updates, errors, {}, refused=exc.refused)
                 raise DistributedError(f"{exc}. The other records stay buffered{dropped}") from None
             raise
+        if exchange.mixed:  # another rank is in close(): every rank sees it (dist.TorchRanks.ended)
+            dropped = self._put_back(updates, errors, exchange.rejected)
+            raise DistributedError(
+                f"commit(step={step}) on rank {self._ranks.rank}: {self._ranks.ended}; the ranks cannot commit "
+                f"together any more: later commits raise, and close() closes this rank alone. The records stay "
+                f"buffered{dropped}"
+            )
         if exchange.steps is not None or invalid is not None:  # every rank sees the same steps: every rank raises
             dropped = self._put_back(updates, errors, exchange.rejected)  # here, keeping its records
             if invalid is not None:
@@ -523,7 +535,7 @@ class MetricBus:
         if self._ranks.collective and status == "failed":
             alone = "close(status='failed') (or an exception leaving a `with` block) runs no collective"
         elif self._ranks.collective and not self._ranks.usable():
-            alone = "the process group was destroyed before bus.close()"
+            alone = self._ranks.ended or "the process group was destroyed before bus.close()"
         self._close(status=status, timeout_s=timeout_s, alone=alone)
 
     def _close_at_exit(self, status: Status) -> None:
@@ -547,11 +559,14 @@ class MetricBus:
                 failure: Exception | None = None
                 if alone is not None:
                     self._warn_uncommitted(alone)
-                elif self._ranks.any_pending(pending=self._pending()):
+                else:
                     try:
-                        self.commit()
+                        if self._ranks.any_pending(self._close_check()):
+                            self.commit()
                     except Exception as exc:  # the window's committed steps are still emitted, then this raises
                         failure = exc
+                        if self._ranks.ended is not None:  # closed alone: name what could not be committed
+                            failure = _uncommitted(exc, sorted(self._collector.pending_names()))
                 if self._reducer.pending and self._last_step is not None:
                     self._emit(self._last_step, self._reducer.finish())  # rank-level results: same on every rank
                 if failure is not None:
@@ -564,6 +579,16 @@ class MetricBus:
                     self._sink.close(status=status, timeout_s=timeout_s)
                 finally:  # last: a SIGINT or SIGTERM while the adapters drain waits for close() to end (see shutdown)
                     shutdown.untrack(id(self))
+
+    def _close_check(self) -> Commit:
+        """close()'s question to the other ranks, whether any has records left: a commit of nothing (see
+        ``RankTransport.any_pending``)."""
+        doing = step_check.CLOSE_PENDING if self._pending() else step_check.CLOSE
+        step = -(2**63) if self._last_step is None else self._last_step  # (not compared: nothing is committed)
+        return Commit(
+            own=_NOTHING, own_updates=[], ingested=[], table=self._table, reducer=self._reducer, journaled=False,
+            rejected=[], step=step, doing=doing,
+        )
 
     def _warn_uncommitted(self, why: str) -> None:
         listed = sorted(self._collector.pending_names())
@@ -642,6 +667,14 @@ def check_wait_s(call: str, timeout_s: Any) -> float:
             "the bus was left as it was"
         )
     return seconds
+
+
+def _uncommitted(exc: Exception, names: Sequence[str]) -> Exception:
+    """``exc`` (close() on a rank that had to close alone), naming the records it left uncommitted."""
+    if not names or not isinstance(exc, DistributedError):
+        return exc
+    shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return DistributedError(f"{exc}; the records of {shown} logged since the last commit were not committed")
 
 
 def _rejected(errors: Mapping[str, MetricValueError], *, what: str, kept: str) -> MetricValueError:

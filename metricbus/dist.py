@@ -39,10 +39,10 @@ GIL released. On the CPU (Gloo) that happens right after each collective (the wo
 once it can take the GIL); on CUDA (NCCL, whose watchdog polls) the tensors are kept and settled at ``close()``
 and at interpreter exit, so the hot path never waits for the watchdog.
 
-Cost per commit with K agreed columns: 8·(7 + NM·K) bytes all-reduced by MAX (none in a one-pass commit) and
+Cost per commit with K agreed columns: 8·(9 + NM·K) bytes all-reduced by MAX (none in a one-pass commit) and
 8·(NS·K + limbs) by SUM per rank (limbs: (E - Q)//32 + 3 per exact sum, 3-4 for typical data, about one more in a
-guessed window; see :mod:`metricbus.fixed`), plus 8·(7 + LENGTH_BITS + weighted columns) of checks (the step's
-six slots among them) in a one-pass commit, independent of R.
+guessed window; see :mod:`metricbus.fixed`), plus 8·(9 + LENGTH_BITS + weighted columns) of checks (the step's
+eight slots among them) in a one-pass commit, independent of R.
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ class TorchRanks:
         backend = str(tdist.get_backend(group)).lower()
         self._device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         self._eager = self._device.type == "cpu"  # settle after every collective (off after one timeout)
+        self.ended: str | None = None  # why no collective can run any more though the group is up (see exchange)
 
     # -- the protocol ------------------------------------------------------------------------------------------
 
@@ -160,15 +161,17 @@ class TorchRanks:
         # this rank's sketches of the agreed sketched columns (one of a column its own rule alone sketches is not sent)
         mine = rank_level.sketch_rows(block, sketched).get(0, [None] * len(sketched)) if sketched else []
         maxima = rank_level.maxima(prep)
-        step = commit.step
+        step, doing = commit.step, commit.doing
         head = np.concatenate((
-            [float(len(payload))], step_check.max_slots(step), maxima.ravel(), sketch_level.bounds(mine).ravel()
+            [float(len(payload))], step_check.max_slots(step, doing), maxima.ravel(), sketch_level.bounds(mine).ravel()
         ))
         guess = None if sketched else self._guess
         one = guess is not None and self._one_pass and self._hits < one_pass.REFRESH
         hit, paired, agree = False, False, True
         if one:  # the sums laid out by the guess, checked in the same all_reduce (see metricbus.one_pass)
-            hit, longest, summed, agree = self._one_pass_sums(prep, maxima, guess, len(payload), step)
+            hit, longest, summed, agree, ending = self._one_pass_sums(
+                prep, maxima, guess, len(payload), step=step, doing=doing
+            )
         elif guess is not None:  # the sums laid out by the guess travel with the maxima (see metricbus.speculate)
             mine_fit = one_pass.own_fit(
                 maxima=maxima, present=prep.present[0], weighted=prep.weighted[0], rank=self.rank, guess=guess
@@ -179,14 +182,26 @@ class TorchRanks:
         else:
             head = self._all_reduce(head, "max")
             longest = int(head[0])
+        if not one:
+            ending = step_check.ending_of_max(head[1:_AT])
         columns, names = self._columns, self._names
         dropped: dict[str, str] = {}
         fresh: Ranked = {}
         if longest:
             # a commit every rank aborts (steps that differ, or every rank's step invalid) agrees on no spec: its
             # records come back, and a refused commit changes nothing (the gather still runs on every rank)
-            aborted = commit.invalid or (not agree if one else step_check.steps_of_max(head[1:_AT]) is not None)
-            fresh, dropped = self._agree(payload, longest, table, reducer, apply=not aborted)
+            aborted = (
+                commit.invalid
+                or doing != step_check.COMMIT
+                or ending[0]
+                or (not agree if one else step_check.steps_of_max(head[1:_AT]) is not None)
+            )
+            try:
+                fresh, dropped = self._agree(payload, longest, table, reducer, apply=not aborted)
+            except DistributedError:
+                if not ending[0]:
+                    raise
+                # a rank closed while the others commit: that error, on every rank (every rank sees both)
         if hit:  # the guess's layout; its extrema are NaN (no chain reads them)
             merged = rank_level.finish(guess, summed, prep.block.moments)
             self._hits += 0 if longest else 1  # (an agreement changed the columns and dropped the guess)
@@ -208,15 +223,22 @@ class TorchRanks:
                 self._guess = speculate.guess_of(agreed, guess, commits=self._hits + 1)
                 self._hits = 0
         if hit:  # the step's slots travelled in the sums (no MAX pass): a second look only where they disagree
-            steps = None if agree else step_check.steps_of_max(self._all_reduce(step_check.max_slots(step), "max"))
+            slots = None if agree else self._all_reduce(step_check.max_slots(step, doing), "max")
+            steps = None if slots is None else step_check.steps_of_max(slots)
         else:
             steps = step_check.steps_of_max(head[1:_AT])
+        mixed, pending = ending
+        if mixed:  # some ranks closed the bus while the others commit: no rank will meet this group's others again
+            self.ended = (
+                "another rank called close() while this rank called commit() (close() and commit() are collectives: "
+                "every rank calls them in the same order)"
+            )
         ranked: RankedStates | None = None if longest or sketched else self._ranked_columns(merged)
         if ranked is None:
             ranked = _ranked(merged, names, columns, fresh, dropped)
         journal = [(self.rank, with_specs(own, self._specs, dropped))] if commit.journaled else []
         others = {name: where for name, where in dropped.items() if name not in rejected}
-        return Exchange([], self._specs, journal, others, ranked, steps=steps)
+        return Exchange([], self._specs, journal, others, ranked, steps=steps, mixed=mixed, pending=pending)
 
     def _ranked_columns(self, merged: Merged) -> RankedColumns | None:
         """``merged`` kept in columns (see :mod:`metricbus.ranked_columns`) where every metric has one column and
@@ -235,15 +257,23 @@ class TorchRanks:
         longest = int(self._all_reduce(np.array([float(len(payload))]), "max")[0])
         return max(self._gather_bytes(payload, longest), key=len).decode()
 
-    def any_pending(self, *, pending: bool) -> bool:
-        """True if any rank has uncommitted records (one small all_reduce)."""
-        torch = self._torch
-        flag = torch.tensor([1.0 if pending else 0.0], dtype=torch.float64, device=self._device)
-        self._collective(self._dist.all_reduce, flag, op=self._dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+    def any_pending(self, check: Commit) -> bool:
+        """True if any rank has uncommitted records. ``check`` is a commit of nothing whose ``doing`` says whether
+        this rank has some: it runs a commit's collectives (the same shapes as a commit another rank may be in), so
+        a rank in ``commit()`` meanwhile is found, and both raise ``DistributedError``."""
+        exchange = self.exchange(check)
+        if exchange.mixed:
+            raise DistributedError(
+                f"close() on rank {self.rank}: another rank called commit() meanwhile (close() and commit() are "
+                "collectives: every rank calls them in the same order); this rank closes alone"
+            )
+        return exchange.pending
 
     def usable(self) -> bool:
-        """True while the process group can still run collectives (not destroyed)."""
+        """True while the process group can still run collectives (not destroyed), and no rank closed the bus while
+        this one committed (see ``ended``)."""
+        if self.ended is not None:
+            return False
         try:
             return bool(self._dist.is_initialized()) and int(self._dist.get_rank(self._group)) >= 0
         except (RuntimeError, ValueError):
@@ -310,15 +340,16 @@ class TorchRanks:
         return claims
 
     def _one_pass_sums(
-        self, prep: rank_level.Prepared, maxima: Any, guess: Any, length: int, step: int
-    ) -> tuple[bool, int, Any, bool]:
+        self, prep: rank_level.Prepared, maxima: Any, guess: Any, length: int, *, step: int, doing: int
+    ) -> tuple[bool, int, Any, bool, tuple[bool, bool]]:
         """One all_reduce(SUM) of this rank's sums laid out by ``guess``, the checks of it (:mod:`metricbus.one_pass`)
         and the step's slots (:mod:`metricbus.step_check`): ``(hit, a bound on the longest claims payload, the
-        reduced sums, whether every rank sent this step)``."""
+        reduced sums, whether every rank sent this step and does the same, step_check.ending_of_sums)``."""
         sent = one_pass.vector(prep, maxima=maxima, rank=self.rank, guess=guess, length=length)
-        summed = self._all_reduce(np.concatenate((sent, step_check.sum_slots(step))), "sum")
-        agree = step_check.sums_agree(summed[-step_check.N_SUM :], self._size)
-        return (*one_pass.read(summed[: -step_check.N_SUM], guess), agree)
+        summed = self._all_reduce(np.concatenate((sent, step_check.sum_slots(step, doing))), "sum")
+        slots = summed[-step_check.N_SUM :]
+        agree = step_check.sums_agree(slots, self._size)
+        return (*one_pass.read(summed[: -step_check.N_SUM], guess), agree, step_check.ending_of_sums(slots, self._size))
 
     def _all_reduce_pair(self, maxima: Any, sums: Any) -> tuple[Any, Any]:
         """An all_reduce(MAX) of float64 ``maxima`` and an all_reduce(SUM) of int64 ``sums``, issued together; both

@@ -19,6 +19,7 @@ from metricbus.partial import Partial, Updates
 from metricbus.reduce import RankedStates, StepReducer, WorkerStates
 from metricbus.spec import Spec
 from metricbus.spec_table import SpecTable
+from metricbus.step_check import CLOSE_PENDING
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class Commit:
     # every rank
     step: int = 0  # the step committed (a collective transport checks that every rank commits the same)
     invalid: bool = False  # this rank's step was invalid: the commit is aborted after its collectives
+    doing: int = 0  # step_check.COMMIT; CLOSE or CLOSE_PENDING: close()'s check (nothing is committed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,8 @@ class Exchange:
     ranked: RankedStates | None = None  # the rank level already merged (torch.distributed)
     version: int | None = None  # the spec table's version, where ``specs`` is its mapping (see StepReducer.commit)
     steps: tuple[int, int] | None = None  # the lowest and highest step where the ranks committed different ones
+    mixed: bool = False  # some ranks were in close() while the others committed (every rank raises)
+    pending: bool = False  # close()'s check, every rank closing: some rank has records left
 
     def names(self) -> set[str]:
         """The metrics this commit holds."""
@@ -70,12 +74,14 @@ class RankTransport(Protocol):
     rank: int
     collective: bool  # True: exchange/any_pending are collectives that every participant must call together
     world: int  # how many processes take part (each journals its own rank file where ``collective``)
+    ended: str | None  # why exchange/any_pending cannot run any more (a rank closed while others committed)
 
     def exchange(self, commit: Commit) -> Exchange:
         """Every worker's states of this commit, in rank order."""
 
-    def any_pending(self, *, pending: bool) -> bool:
-        """True if any participant has uncommitted records (used by close)."""
+    def any_pending(self, check: Commit) -> bool:
+        """True if any participant has uncommitted records (used by close); ``check`` is a commit of nothing whose
+        ``doing`` says whether this one has some."""
 
     def share(self, text: str) -> str:
         """The writer's ``text`` on every participant (the run's identity, agreed when a bus is built)."""
@@ -105,6 +111,7 @@ class LocalRanks:
     rank = 0
     collective = False
     world = 1
+    ended: str | None = None
 
     def exchange(self, commit: Commit) -> Exchange:
         """``[*ingested, own]``, merged column-wise at the rank level (``rejected`` are already left out)."""
@@ -121,9 +128,9 @@ class LocalRanks:
         ranked = rank_level_of(commit.ingested, [own] if own else [], specs, commit.reducer)
         return Exchange([], specs, journal, ranked=ranked)
 
-    def any_pending(self, *, pending: bool) -> bool:
+    def any_pending(self, check: Commit) -> bool:
         """Only this process."""
-        return pending
+        return check.doing == CLOSE_PENDING
 
     def share(self, text: str) -> str:
         """This process is the writer."""
