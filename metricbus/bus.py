@@ -132,7 +132,7 @@ class MetricBus:
         built: list[Adapter] = [_resolve(i, a) for i, a in enumerate(opts.adapters)]  # every rank fails alike
         _check_request_timeouts(built, write_timeout_s=opts.write_timeout_s)
         if self._ranks.collective:  # one run on every rank: the writer's id and start time
-            shared = json.loads(self._ranks.share(json.dumps([self.run.id, self.run.start_time_unix_ns])))
+            shared = self._agreed_options(opts)
             self.run = dataclasses.replace(self.run, id=shared[0], start_time_unix_ns=shared[1])
         self._sink = Sink(
             adapters=built if self._ranks.is_writer else [],
@@ -145,6 +145,26 @@ class MetricBus:
         )  # fmt: skip
         if self._sink.durable or self._ranks.collective:
             shutdown.track(id(self), self._close_at_exit)
+
+    def _agreed_options(self, opts: BusOptions) -> list[Any]:
+        """The writer's run id and start time, from every rank's (one collective); every rank raises
+        ``DistributedError`` alike where the ranks built their buses with options that must agree (a rank's own
+        ``nan=`` default or ``log_every`` would make the ranks reduce or emit differently; two ``writer_rank`` two
+        writers, or none)."""
+        agreed = {"nan": opts.nan, "log_every": opts.log_every, "writer_rank": opts.writer_rank}
+        mine = json.dumps([self.run.id, self.run.start_time_unix_ns, agreed])
+        every = [json.loads(text) for text in self._ranks.gather(mine)]
+        for option in agreed:
+            seen = {rank: theirs[2][option] for rank, theirs in enumerate(every)}
+            if len(set(seen.values())) > 1:
+                shown = ", ".join(f"{value!r} on rank {rank}" for rank, value in seen.items())
+                raise DistributedError(
+                    f"MetricBus({option}=...) differs across the torch.distributed ranks ({shown}); build the bus "
+                    f"with the same {option}= on every rank (spec nan= policies that differ go in rules or agg=, "
+                    "which the ranks agree on)"
+                )
+        shared: list[Any] = every[opts.writer_rank]
+        return shared
 
     @classmethod
     def from_config(cls, source: Any = None, **overrides: Any) -> MetricBus:

@@ -251,11 +251,11 @@ class TorchRanks:
             names = tuple(map(names.__getitem__, merged.picks.tolist()))
         return RankedColumns(names=names, fields=fields, version=self._version)
 
-    def share(self, text: str) -> str:
-        """The writer rank's ``text`` on every rank (two collectives; used once, when a bus is built)."""
-        payload = text.encode() if self.is_writer else b""
+    def gather(self, text: str) -> list[str]:
+        """Every rank's ``text``, in rank order, on every rank (two collectives; used once, when a bus is built)."""
+        payload = text.encode()
         longest = int(self._all_reduce(np.array([float(len(payload))]), "max")[0])
-        return max(self._gather_bytes(payload, longest), key=len).decode()
+        return [data.decode() for data in self._gather_bytes(payload, longest)]
 
     def any_pending(self, check: Commit) -> bool:
         """True if any rank has uncommitted records. ``check`` is a commit of nothing whose ``doing`` says whether

@@ -83,8 +83,9 @@ class RankTransport(Protocol):
         """True if any participant has uncommitted records (used by close); ``check`` is a commit of nothing whose
         ``doing`` says whether this one has some."""
 
-    def share(self, text: str) -> str:
-        """The writer's ``text`` on every participant (the run's identity, agreed when a bus is built)."""
+    def gather(self, text: str) -> list[str]:
+        """Every participant's ``text``, in rank order, on every participant (the run's identity and the options
+        that must agree, when a bus is built)."""
 
     def usable(self) -> bool:
         """True while exchange/any_pending can run (a process group that was destroyed cannot)."""
@@ -132,9 +133,9 @@ class LocalRanks:
         """Only this process."""
         return check.doing == CLOSE_PENDING
 
-    def share(self, text: str) -> str:
-        """This process is the writer."""
-        return text
+    def gather(self, text: str) -> list[str]:
+        """This process alone."""
+        return [text]
 
     def usable(self) -> bool:
         """Always."""

@@ -167,3 +167,37 @@ def test_close_on_every_rank_with_nothing_left_commits_no_step(tmp_path: Any) ->
     journal = str(tmp_path / "journal")
     _run(close_with_nothing_left, 2, journal)
     assert list(emitted(read_journal(journal))) == [(7, {"x": 0.5})]
+
+
+def build_with(rank: int, size: int, option: str, values: list[Any]) -> str:
+    """Build a bus whose ``option`` is ``values[rank]`` on each rank."""
+    from metricbus import MetricBus
+
+    return str(_said(lambda: MetricBus(dist="torch", **{option: values[rank]}).close()))
+
+
+@pytest.mark.parametrize(
+    ("option", "values"),
+    [("nan", ["ignore", "propagate"]), ("log_every", [1, 2]), ("writer_rank", [0, 1])],
+)
+def test_bus_options_that_differ_across_ranks_raise_on_every_rank(option: str, values: list[Any]) -> None:
+    """nan=, log_every= or writer_rank= that differ across ranks: DistributedError on every rank, naming both."""
+    results = _run(build_with, 2, option, values)
+    for rank in range(2):
+        assert results[rank].startswith(f"DistributedError: MetricBus({option}=...) differs across"), results[rank]
+        assert f"{values[0]!r} on rank 0, {values[1]!r} on rank 1" in results[rank]
+
+
+def test_bus_options_that_agree_build_one_run() -> None:
+    """The same options on every rank: one run id (the writer's), no error."""
+    results = _run(run_id, 2)
+    assert results[0] == results[1]
+
+
+def run_id(rank: int, size: int) -> str:
+    """This rank's bus's run id."""
+    from metricbus import MetricBus
+
+    bus = MetricBus(dist="torch", nan="ignore", log_every=3, writer_rank=1)
+    bus.close()
+    return bus.run.id
