@@ -169,11 +169,20 @@ def _real(metric: str, value: Any, what: str) -> float:
         x = math.inf  # (a Fraction beyond the range) said below
     except ValueError as exc:  # Decimal('sNaN')
         raise MetricValueError(f"{what} {_shown(value)} for {metric!r} is not a number float() takes: {exc}") from None
-    if x - x != 0.0 and x == x and type(value) is not float and abs(value) != math.inf:  # noqa: PLR0124
+    if x - x != 0.0 and x == x and type(value) is not float and not _infinite(value):  # noqa: PLR0124
         raise MetricValueError(
             f"{what} {_shown(value)} for {metric!r} is beyond the double range (|x| <= 1.8e308): log a float"
         )
     return x
+
+
+def _infinite(value: Any) -> bool:
+    """True if ``value`` itself is an infinity. Equality, not ``abs()``: a Decimal's arithmetic runs under the
+    caller's decimal context, which may trap (``abs(Decimal('1e9999999'))`` raises ``decimal.Overflow`` under the
+    default one); comparing for equality never signals."""
+    if isinstance(value, Decimal):
+        return value.is_infinite()
+    return bool(value in (math.inf, -math.inf))
 
 
 def to_weights(metric: str, weight: object, n: int, value: Any) -> list[float] | None:
