@@ -35,7 +35,7 @@ from metricbus.errors import (
     StepError,
 )
 from metricbus.ingest_nan import check_ingested_nan
-from metricbus.options import BusOptions
+from metricbus.options import BusOptions, check_request_timeouts
 from metricbus.partial import Partial, Updates, joined_workers
 from metricbus.ranks import Commit, LocalRanks, RankTransport, make_transport
 from metricbus.reduce import StepReducer
@@ -130,7 +130,7 @@ class MetricBus:
         self._lock = shutdown.BusLock()  # commits, ingests, exports and close run one at a time
         self._ranks: RankTransport = make_transport(dist=opts.dist, group=opts.group, writer_rank=opts.writer_rank)
         built: list[Adapter] = [_resolve(i, a) for i, a in enumerate(opts.adapters)]  # every rank fails alike
-        _check_request_timeouts(built, write_timeout_s=opts.write_timeout_s)
+        check_request_timeouts(built, write_timeout_s=opts.write_timeout_s)  # (specs were checked as given)
         if self._ranks.collective:  # one run on every rank: the writer's id and start time
             shared = self._agreed_options(opts)
             self.run = dataclasses.replace(self.run, id=shared[0], start_time_unix_ns=shared[1])
@@ -640,22 +640,6 @@ def _resolve(index: int, adapter: Any) -> Any:
         if str(exc).startswith("adapters["):
             raise
         raise type(exc)(f"adapters[{index}]: {exc}") from exc
-
-
-def _check_request_timeouts(adapters: Sequence[Any], *, write_timeout_s: float) -> None:
-    """Refuse an adapter whose own ``request_timeout_s`` (how long one of its calls may wait for its backend, e.g.
-    MLflow's) is not below the bus's ``write_timeout_s``: such a call would be taken for hung and the adapter stopped
-    for the run, where a shorter request would have been retried."""
-    for i, adapter in enumerate(adapters):
-        limit = getattr(adapter, "request_timeout_s", None)
-        if isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit >= write_timeout_s:
-            name = getattr(adapter, "name", type(adapter).__name__)
-            raise ConfigError(
-                f"adapters[{i}] ({name}): request_timeout_s={limit:g} s must be below the bus's "
-                f"write_timeout_s={write_timeout_s:g} s (an adapter call running that long is taken for hung and the "
-                f"adapter stopped for the run, where a request that timed out is retried); lower request_timeout_s "
-                f"or raise write_timeout_s"
-            )
 
 
 def _check_once(batch: Sequence[Partial], *, held: Sequence[Partial]) -> None:

@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Any, TypeAlias
 
 from metricbus.adapter import Adapter, RunInfo
-from metricbus.delivery import WRITE_TIMEOUT_S, check_open_error, check_queue_options, check_seconds
+from metricbus.delivery import WRITE_TIMEOUT_S, as_seconds, check_open_error, check_queue_options, check_seconds
 from metricbus.errors import ConfigError, SpecError
 from metricbus.rules import Rules
 from metricbus.shutdown import EXIT_TIMEOUT_S
@@ -68,7 +68,34 @@ class BusOptions:
         for name in options:
             if name not in VALIDATORS:
                 raise TypeError(f"unknown MetricBus option: {unknown_key(name, tuple(VALIDATORS))}")
-        return cls(**{name: check(options.get(name, _DEFAULTS[name])) for name, check in VALIDATORS.items()})
+        built = cls(**{name: check(options.get(name, _DEFAULTS[name])) for name, check in VALIDATORS.items()})
+        check_request_timeouts(built.adapters, write_timeout_s=built.write_timeout_s)
+        return built
+
+
+def check_request_timeouts(adapters: Sequence[Any], *, write_timeout_s: float) -> None:
+    """Refuse an adapter whose own ``request_timeout_s`` (how long one of its calls may wait for its backend, e.g.
+    MLflow's) is not below the bus's ``write_timeout_s``: such a call would be taken for hung and the adapter stopped
+    for the run, where a shorter request would have been retried. ``adapters``: adapter objects (their attribute)
+    or, before they are built, specs (a mapping's ``request_timeout_s`` key), so :meth:`BusOptions.build` (which the
+    Lightning callback and logger run at construction) refuses what the bus would refuse once the adapters are
+    built. A number that is not below it (NaN, an int beyond the double range included) is refused; what is not a
+    number is left to the adapter."""
+    for i, adapter in enumerate(adapters):
+        if isinstance(adapter, str):
+            continue
+        if isinstance(adapter, Mapping):
+            limit, name = adapter.get("request_timeout_s"), adapter.get("type")
+        else:
+            limit, name = getattr(adapter, "request_timeout_s", None), getattr(adapter, "name", type(adapter).__name__)
+        seconds = as_seconds(limit)
+        if seconds is not None and not seconds < write_timeout_s:
+            raise ConfigError(
+                f"adapters[{i}] ({name}): request_timeout_s={seconds:g} s must be below the bus's "
+                f"write_timeout_s={write_timeout_s:g} s (an adapter call running that long is taken for hung and the "
+                f"adapter stopped for the run, where a request that timed out is retried); lower request_timeout_s "
+                f"or raise write_timeout_s"
+            )
 
 
 def unknown_key(key: object, valid: Sequence[str]) -> str:

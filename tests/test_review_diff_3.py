@@ -6,13 +6,14 @@ from __future__ import annotations
 import decimal
 import math
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from metricbus import MetricBus
-from metricbus.errors import MetricValueError
+from metricbus.errors import ConfigError, MetricValueError
 from metricbus.testing import MemoryAdapter
 
 # -- Decimal values whose arithmetic the decimal context would trap ----------------------------------------------
@@ -68,3 +69,52 @@ def test_decimal_under_a_trapping_context_is_its_nearest_double_or_refused() -> 
         raised, rows = _logged(Decimal("-Infinity"))
         assert raised is None
         assert rows == [(0, {"before": 1.0, "m": -math.inf})]
+
+
+# -- request_timeout_s: refused where the bus options are checked, not only where the bus is built -----------------
+
+
+class _Timed(MemoryAdapter):
+    """A memory adapter exposing a ``request_timeout_s``."""
+
+    name = "timed"
+
+    def __init__(self, request_timeout_s: Any) -> None:
+        super().__init__()
+        self.request_timeout_s = request_timeout_s
+
+
+@pytest.mark.parametrize(
+    ("limit", "shown"), [(math.nan, "nan"), (10**400, "inf"), (30, "30")], ids=["nan", "huge-int", "equal"]
+)
+def test_a_request_timeout_that_is_not_below_write_timeout_is_refused_nan_and_huge_ints_too(
+    limit: Any, shown: str
+) -> None:
+    """NaN, an int beyond the double range, or equal: a ConfigError naming the adapter (not OverflowError)."""
+    with pytest.raises(ConfigError, match=rf"adapters\[0\] \(timed\): request_timeout_s={shown} s must be below"):
+        MetricBus(dist=None, adapters=[_Timed(limit)])
+
+
+@pytest.mark.parametrize("limit", [None, "60", 29.5])
+def test_a_request_timeout_below_or_not_a_number_is_left_to_the_adapter(limit: Any) -> None:
+    """None, a string, or below write_timeout_s: the bus builds."""
+    MetricBus(dist=None, adapters=[_Timed(limit)]).close()
+
+
+def test_lightning_callback_and_logger_refuse_a_request_timeout_at_construction(tmp_path: Path) -> None:
+    """MetricBusCallback/MetricBusLogger: refused when constructed (object or spec), not at setup or mid-fit."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("pytorch_lightning")
+    from metricbus.adapters.mlflow import MlflowAdapter
+
+    from metricbus.integrations.lightning import MetricBusCallback, MetricBusLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    built = MlflowAdapter(tracking_uri=uri, request_timeout_s=60)
+    spec = {"type": "mlflow", "tracking_uri": uri, "request_timeout_s": 60}
+    for adapter in (built, spec):
+        for integration in (MetricBusCallback, MetricBusLogger):
+            with pytest.raises(ConfigError, match=r"request_timeout_s=60 s must be below the bus's write_timeout_s"):
+                integration(adapters=[adapter])
+    MetricBusLogger(adapters=[MlflowAdapter(tracking_uri=uri, request_timeout_s=5)])  # below: constructed
+    assert not (tmp_path / "mlflow.db").exists()
