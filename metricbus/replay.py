@@ -436,7 +436,9 @@ def sync(
     flushed and acknowledged) and the error is re-raised after the others are done.
     A step the backend rejects for good (a permanent error, as live) is skipped for that adapter and kept as a gap
     (retried by the next sync) while the later steps are sent; the adapter is then closed as failed and an
-    :class:`~metricbus.errors.AdapterError` naming it and the steps is raised at the end.
+    :class:`~metricbus.errors.AdapterError` naming it and the steps is raised at the end. Where several adapters
+    failed, or one was stopped by an error after rejecting steps, one AdapterError names each failure (chained
+    from the first error).
 
     ``KeyboardInterrupt``, or ``stop`` set (checked between steps; the CLI sets it on Ctrl-C), flushes and
     acknowledges what was written, closes the adapters and raises :class:`SyncInterrupted`.
@@ -486,11 +488,13 @@ def _sync(
     _finish(opened, store, status="finished")
     failed = [t for t in targets if t.error is not None]
     rejecting = [t for t in targets if t.rejected and t.error is None]
-    if len(failed) + len(rejecting) > 1:  # each adapter's own failure, not only the first one's
-        said = [f"adapter {t.label!r} failed ({type(t.error).__name__}: {t.error})" for t in failed]
-        said += [str(_rejected(t)) for t in rejecting]
+    both = [t for t in failed if t.rejected]  # stopped by an error after rejecting steps: each is said
+    if len(failed) + len(rejecting) > 1 or both:  # each adapter's own failure, not only the first one's
+        said = [_failed(t) for t in failed] + [str(_rejected(t)) for t in rejecting]
         cause = failed[0].error if failed else _rejected(rejecting[0])
-        raise AdapterError(f"{len(said)} adapters failed in this sync: " + "; ".join(said)) from cause
+        count = len(failed) + len(rejecting)
+        head = f"{count} adapter{'s' if count > 1 else ''} failed in this sync: "
+        raise AdapterError(head + "; ".join(said)) from cause
     if failed:
         assert failed[0].error is not None
         raise failed[0].error
@@ -500,13 +504,30 @@ def _sync(
     return {t.label: t.sent for t in targets}
 
 
+def _failed(target: _Target) -> str:
+    """What stopped ``target`` (its error), and the steps its backend had rejected for good before, if any."""
+    said = f"adapter {target.label!r} failed ({type(target.error).__name__}: {target.error})"
+    if not target.rejected:
+        return said
+    steps = sorted(target.rejected)
+    first = target.rejected[steps[0]]
+    return (
+        f"{said}, after rejecting step{'s' if len(steps) > 1 else ''} {_steps(steps)} for good "
+        f"({type(first).__name__}: {first}), kept as gap{'s' if len(steps) > 1 else ''} that the next sync retries"
+    )
+
+
+def _steps(steps: list[int]) -> str:
+    """The first ten of ``steps`` (sorted), then how many more."""
+    return ", ".join(map(str, steps[:10])) + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
+
+
 def _rejected(target: _Target) -> AdapterError:
     """The error that says which steps ``target``'s backend rejected for good (chained from the first one's)."""
     steps = sorted(target.rejected)
     first = target.rejected[steps[0]]
-    shown = ", ".join(map(str, steps[:10])) + (f" and {len(steps) - 10} more" if len(steps) > 10 else "")
     error = AdapterError(
-        f"adapter {target.label!r} rejected step{'s' if len(steps) > 1 else ''} {shown} for good "
+        f"adapter {target.label!r} rejected step{'s' if len(steps) > 1 else ''} {_steps(steps)} for good "
         f"({type(first).__name__}: {first}); it sent every other step ({target.sent} steps), and the next sync "
         f"retries the rejected ones (kept as gaps) once the cause is fixed"
     )

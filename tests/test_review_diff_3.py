@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from metricbus import MetricBus
-from metricbus.errors import ConfigError, MetricValueError
+from metricbus import replay as replay_module
+from metricbus.errors import AdapterError, ConfigError, MetricValueError
+from metricbus.replay import sync
 from metricbus.testing import MemoryAdapter
 
 # -- Decimal values whose arithmetic the decimal context would trap ----------------------------------------------
@@ -118,3 +120,76 @@ def test_lightning_callback_and_logger_refuse_a_request_timeout_at_construction(
                 integration(adapters=[adapter])
     MetricBusLogger(adapters=[MlflowAdapter(tracking_uri=uri, request_timeout_s=5)])  # below: constructed
     assert not (tmp_path / "mlflow.db").exists()
+
+
+# -- sync: an adapter stopped by an error after it had rejected steps ----------------------------------------------
+
+
+class _Backend:
+    """An adapter whose backend rejects some steps for good (ValueError) and is unreachable from ``down_at`` on."""
+
+    name = "flaky"
+    cursor_key = "flaky"
+    permanent_errors = (ValueError,)
+
+    def __init__(self, *, reject: set[int], down_at: int | None) -> None:
+        self.reject, self.down_at = reject, down_at
+        self.rows: list[tuple[int, dict[str, float]]] = []
+        self.status: Any = None
+
+    def open(self, *, run: Any) -> None:
+        """Nothing to open."""
+
+    def write(self, *, step: int, metrics: Any) -> None:
+        """Reject ``reject``; fail as a connection lost from ``down_at``; keep the others."""
+        if step in self.reject:
+            raise ValueError(f"the backend rejects step {step}")
+        if self.down_at is not None and step >= self.down_at:
+            raise ConnectionError("the backend went away")
+        self.rows.append((step, dict(metrics)))
+
+    def flush(self) -> None:
+        """Rows are kept in memory."""
+
+    def close(self, *, status: Any) -> None:
+        """Remember how the run ended."""
+        self.status = status
+
+
+def _journal(tmp_path: Path, steps: int) -> str:
+    journal = str(tmp_path / "j")
+    with MetricBus(dist=None, journal=journal) as bus:
+        for step in range(steps):
+            bus.log("x", float(step))
+            bus.commit(step=step)
+    return journal
+
+
+def test_sync_names_the_rejected_steps_of_an_adapter_an_error_then_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 1 rejected, then the backend down at step 3: the AdapterError says both; a later sync sends 1, 3, 4."""
+    monkeypatch.setattr(replay_module, "SYNC_RETRY_BASE_S", 0.0)
+    journal = _journal(tmp_path, 5)
+    flaky = _Backend(reject={1}, down_at=3)
+    with pytest.raises(AdapterError) as raised:
+        sync(journal, [flaky])
+    said = str(raised.value)
+    assert "adapter 'flaky' failed (ConnectionError: the backend went away)" in said
+    assert "after rejecting step 1 for good (ValueError: the backend rejects step 1), kept as gap" in said
+    assert isinstance(raised.value.__cause__, ConnectionError)
+    assert [s for s, _ in flaky.rows] == [0, 2]
+    assert flaky.status == "failed"
+    fixed = _Backend(reject=set(), down_at=None)
+    assert sync(journal, [fixed]) == {"flaky": 3}
+    assert [s for s, _ in fixed.rows] == [1, 3, 4]
+
+
+def test_sync_with_one_adapter_stopped_by_an_error_alone_still_raises_that_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No step rejected: the adapter's own ConnectionError, as before."""
+    monkeypatch.setattr(replay_module, "SYNC_RETRY_BASE_S", 0.0)
+    journal = _journal(tmp_path, 3)
+    with pytest.raises(ConnectionError, match="the backend went away"):
+        sync(journal, [_Backend(reject=set(), down_at=2)])
