@@ -119,7 +119,7 @@ class Segments:
     records, every one >= 1). Built once per list of counts: a collector keeps the last one, as the counts of one
     commit are mostly those of the one before."""
 
-    __slots__ = ("counts", "ends", "n", "scale", "shift", "sigma", "single", "sizes", "starts", "top")
+    __slots__ = ("counts", "ends", "n", "near", "scale", "shift", "sigma", "single", "sizes", "starts", "top")
 
     def __init__(self, counts: list[int]) -> None:
         self.counts = counts
@@ -130,6 +130,7 @@ class Segments:
         self.starts = starts
         self.ends = np.stack((starts, starts + (sizes - 1)))  # each metric's first and last record
         self.n = sizes.astype(np.float64)
+        self.near = self.n * NEAR  # m2 up to near·mean² is taken again (summary.NEAR)
         self.single = 1 in counts  # a metric of one record (its total keeps a -0.0)
         self.shift = (2 * max(counts) - 1).bit_length()  # M of _exact_sums: 2**M >= twice the longest metric
         self.sigma = 2.0**self.shift
@@ -205,10 +206,13 @@ def _columns(
     deviations = flat - np.repeat(means, sizes)
     deviations *= deviations
     m2 = np.add.reduceat(deviations, starts, out=fields[7])
-    with np.errstate(over="ignore"):
-        near = np.flatnonzero((m2 <= means * means * NEAR * segments.n) & (m2 != 0.0)).tolist()
-    for i, row in zip(near, segments.rows(flat, near), strict=True):  # a spread tiny next to the mean (summary.NEAR)
-        m2[i] = near_mean_m2(row, None, (float(total[i]), 0.0 if lo is None else float(lo[i])), (float(len(row)), 0.0))
+    bound = np.multiply(means, means)  # (below _QUIET no overflow; above it summarize_joined's errstate is on)
+    bound *= segments.near
+    near = [i for i in np.flatnonzero(m2 <= bound).tolist() if m2[i]]  # (m2 == 0: nothing to take again)
+    if near:  # a spread tiny next to the mean (summary.NEAR); rows() lists every start: only when needed
+        for i, row in zip(near, segments.rows(flat, near), strict=True):
+            num = (float(total[i]), 0.0 if lo is None else float(lo[i]))
+            m2[i] = near_mean_m2(row, None, num, (float(len(row)), 0.0))
     fields[0:2] = segments.n  # count, weight
     fields[3:6:2] = total  # total (hi), wsum (hi)
     if lo is None:

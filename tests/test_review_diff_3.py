@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import decimal
 import math
+import warnings
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,19 @@ def test_sync_with_one_adapter_stopped_by_an_error_alone_still_raises_that_error
     journal = _journal(tmp_path, 3)
     with pytest.raises(ConnectionError, match="the backend went away"):
         sync(journal, [_Backend(reject=set(), down_at=2)])
+
+
+# -- std in columns: the near-mean check without its own errstate ---------------------------------------------------
+
+
+@pytest.mark.parametrize("x", [0.1, 1e160, 1e300, 1.7e308 / 20])
+def test_a_constant_metric_summarised_in_columns_has_std_zero_without_a_warning(x: float) -> None:
+    """Nine metrics of 20 equal records (one update, in columns), huge ones too: std 0.0, no numpy warning."""
+    memory = MemoryAdapter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with MetricBus(dist=None, adapters=[memory], rules={"*": "std"}) as bus:
+            for _ in range(20):
+                bus.log({f"m{i}": x for i in range(9)})
+            bus.commit(step=0)
+    assert memory.rows == [(0, {f"m{i}": 0.0 for i in range(9)})]
