@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import json
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, SupportsIndex
 
@@ -127,6 +127,8 @@ class MetricBus:
         self._resumed_after = None if previous is None else previous.last_step  # commit() without a step: next one
         self._step_names: set[str] = set()  # the metrics the last step's commits held
         self._closed = False
+        # run first by close() (not at exit): an owner holding records for this bus commits them (MetricBusLogger)
+        self._before_close: Callable[[], None] | None = None
         self._lock = shutdown.BusLock()  # commits, ingests, exports and close run one at a time
         self._ranks: RankTransport = make_transport(dist=opts.dist, group=opts.group, writer_rank=opts.writer_rank)
         built: list[Adapter] = [_resolve(i, a) for i, a in enumerate(opts.adapters)]  # every rank fails alike
@@ -551,6 +553,9 @@ class MetricBus:
             )
         if self._closed:
             return
+        before, self._before_close = self._before_close, None
+        if before is not None:
+            before()
         alone = None
         if self._ranks.collective and status == "failed":
             alone = "close(status='failed') (or an exception leaving a `with` block) runs no collective"

@@ -258,6 +258,7 @@ class MetricBusLogger(Logger):
             # A bus closed by finalize() and opened again continues the same run (and journal).
             resume = self._resume or (self._finalized and journal is not None)
             self._bus = MetricBus(**self._options, run=run, dist=None, resume=resume)
+            self._bus._before_close = self._on_bus_close  # logger.bus.close() by the user: as finalize()
             self._run = replace(self._run, id=self._bus.run.id)  # a resumed journal's run id, kept after finalize()
             self._track()  # again: newer than its bus, so the exit closes the logger (its buffered step) first
         return self._bus
@@ -306,8 +307,8 @@ class MetricBusLogger(Logger):
     @rank_zero_only
     def finalize(self, status: str) -> None:
         """Commit the last step and close the bus (``"failed"`` as failed, else finished)."""
-        if self._bus is None and not self._pending and not self._config:
-            return  # nothing was ever logged: open no backend run
+        if self._bus is None and not self._pending and (self._finalized or not self._config):
+            return  # nothing was logged (since the bus was closed): open no backend run
         if self._pending:
             self._commit_pending()
         closed: Status = "failed" if status == "failed" else "finished"
@@ -340,6 +341,18 @@ class MetricBusLogger(Logger):
                 bus, self._bus = self._bus, None
                 self._finalized, self._shift = True, None
                 bus.close(status=status, timeout_s=self._close_timeout_s)
+
+    def _on_bus_close(self) -> None:
+        """The bus is being closed (``finalize()``, the exit, or ``logger.bus.close()`` by the user): commit the step
+        held here first (else it was lost, and the exit raised ClosedError committing it), and continue as after
+        ``finalize()``: a later ``log_metrics`` opens a bus on the same run again."""
+        try:
+            if self._pending:
+                self._commit_pending()
+        finally:
+            self._bus = None
+            self._finalized, self._shift = True, None
+            self._untrack()
 
     def _shifted(self, step: int, pending: int | None) -> int:
         """``step`` moved by this session's shift, decided at its first step: after ``finalize()`` the bus reopens
