@@ -11,8 +11,13 @@ import pytest
 
 pytest.importorskip("pytorch_lightning")
 
+import pytorch_lightning as pl
+import torch
 from metricbus.adapters.jsonl import read_jsonl
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from metricbus.errors import MetricBusWarning
 from metricbus.integrations.lightning import MetricBusLogger
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,4 +58,60 @@ def test_finalize_after_the_user_closed_the_bus_opens_no_new_run(tmp_path: Path)
     logger.log_metrics({"loss": 2.0}, step=1)  # logging again continues the run, as after finalize()
     logger.finalize("success")
     assert read_jsonl(out) == [(0, {"loss": 1.0}), (1, {"loss": 2.0})]
+
+
+QUIET = [  # Lightning's advice for real runs, not about what these tests check
+    "ignore:.*does not have many workers.*",
+    "ignore:.*GPU available but not used.*",
+    "ignore:.*litlogger.*",
+    "ignore:.*dataloader is not resumable.*",
+    "ignore:.*callbacks used to create the checkpoint.*",
+    "ignore:.*exists and is not empty.*",
+]
+pytestmark = [pytest.mark.filterwarnings(f) for f in QUIET]
+
+
+def _fit_then_resume(tmp_path: Path, journal: str | None) -> list[tuple[int, dict[str, float]]]:
+    """Fit 6 steps (checkpoints at 3 and 6), then fit(ckpt_path=step 3) to 8 steps with the same logger."""
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+            self.log("seen", float(self.global_step))
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=4)
+    out = tmp_path / "m.jsonl"
+    logger = MetricBusLogger(adapters=[f"jsonl:{out}"], journal=journal, strict=True)
+    args: dict[str, object] = {
+        "accelerator": "cpu", "log_every_n_steps": 1, "enable_progress_bar": False, "enable_model_summary": False,
+        "logger": logger, "default_root_dir": str(tmp_path),
+    }  # fmt: skip
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    pl.Trainer(max_steps=6, callbacks=[checkpoints], **args).fit(Model(), data)  # type: ignore[arg-type]
+    (step3,) = (tmp_path / "ckpt").glob("*step=3.ckpt")
+    pl.Trainer(max_steps=8, **args).fit(Model(), data, ckpt_path=str(step3))  # type: ignore[arg-type]
+    return [(step, {"seen": row["seen"]}) for step, row in read_jsonl(out)]
+
+
+def test_fit_from_an_earlier_checkpoint_with_a_journal_rewinds_not_shifts(tmp_path: Path) -> None:
+    """fit(ckpt_path=step 3) after a 6-step fit, same logger with a journal: steps 3.. are rewound and replaced
+    (each step once, at Lightning's own step), not shifted after step 5 with a warning."""
+    rows = _fit_then_resume(tmp_path, journal=str(tmp_path / "journal"))
+    assert rows == [(step, {"seen": float(step)}) for step in range(8)]
+
+
+def test_fit_from_an_earlier_checkpoint_without_a_journal_says_how_to_rewind(tmp_path: Path) -> None:
+    """Without a journal the restarted session is shifted (steps keep increasing), and the warning says that
+    journal= would rewind it."""
+    with pytest.warns(MetricBusWarning, match=r"rewound to it only with journal=DIR"):
+        rows = _fit_then_resume(tmp_path, journal=None)
+    assert rows == [(step, {"seen": float(step)}) for step in range(6)] + [
+        (step + 3, {"seen": float(step)}) for step in range(3, 8)
+    ]
 

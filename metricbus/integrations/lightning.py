@@ -188,7 +188,9 @@ class MetricBusLogger(Logger):
     last one committed (where Lightning logs ``validate()`` and ``test()`` after ``fit``; a second ``fit()`` with a
     new Trainer starts at 0), it moves to the one after it and that session's later steps by as much, with a
     warning: the run's steps keep increasing, none merged into one, and a journal is not rewound (a resumed
-    journal's first step at or below its last one is a restart from a checkpoint, which rewinds the backends).
+    journal's first step at or below its last one is a restart from a checkpoint, which rewinds the backends). With
+    ``journal=``, a session whose first step lies strictly between 0 and the last step (``fit(ckpt_path=...)`` from
+    an earlier checkpoint) is that restart: its steps are kept and the resumed journal rewinds the backends to them.
     ``step=None`` (Fabric's default) is the step after the last one.
     """
 
@@ -363,12 +365,19 @@ class MetricBusLogger(Logger):
         last one is a restart from a checkpoint, which rewinds them, erasing what the earlier session logged)."""
         if self._shift is None:
             floor = pending if pending is not None else self._last_step
-            self._shift = 0 if floor is None or step > floor else floor + 1 - step
+            # 0 < step < floor: neither a new Trainer (step 0) nor validate()/test() after fit() (the last step):
+            # a fit(ckpt_path=...) restarted from a checkpoint, which the resumed journal rewinds the backends to
+            restart = floor is not None and 0 < step < floor and self._options["journal"] is not None
+            self._shift = 0 if floor is None or step > floor or restart else floor + 1 - step
             if floor is not None and self._shift:
+                hint = (
+                    " (a fit(ckpt_path=...) from an earlier step is rewound to it only with journal=DIR)"
+                    if 0 < step < floor else ""
+                )
                 self._warn_once(
                     f"reopen:{floor}", f"log_metrics(step={step}) after the run was finalized at step {floor}: "
                     f"logged at step {floor + 1}, and each later step of this session {self._shift} later than "
-                    "given, so that the run's steps keep increasing", stacklevel=4,
+                    f"given, so that the run's steps keep increasing{hint}", stacklevel=4,
                 )  # fmt: skip
         return step + self._shift
 
