@@ -115,3 +115,19 @@ def test_fit_from_an_earlier_checkpoint_without_a_journal_says_how_to_rewind(tmp
         (step + 3, {"seen": float(step)}) for step in range(3, 8)
     ]
 
+
+def test_finalize_mid_fit_moves_only_the_rest_of_that_step(tmp_path: Path) -> None:
+    """finalize() mid-fit (Lightning's SLURM handler) then more calls at that step: they move to the next step,
+    and the later steps keep Lightning's numbers (were each one step late for the rest of the run)."""
+    out = tmp_path / "m.jsonl"
+    logger = MetricBusLogger(adapters=[f"jsonl:{out}"], strict=True)
+    for step in range(3):
+        logger.log_metrics({"loss": float(step)}, step=step)
+    logger.finalize("finished")
+    with pytest.warns(MetricBusWarning, match=r"logged at step 3, later steps as given"):
+        logger.log_metrics({"lr": 0.5}, step=2)
+    for step in range(3, 6):
+        logger.log_metrics({"loss": float(step)}, step=step)
+    logger.finalize("finished")
+    assert read_jsonl(out) == [(0, {"loss": 0.0}), (1, {"loss": 1.0}), (2, {"loss": 2.0}),
+                               (3, {"loss": 3.0, "lr": 0.5}), (4, {"loss": 4.0}), (5, {"loss": 5.0})]

@@ -186,7 +186,8 @@ class MetricBusLogger(Logger):
     last step and closes the bus, ``"failed"`` as failed, anything else as finished. A later ``log_metrics``
     (``trainer.test`` after ``fit``) opens a bus on the same run id again. When its first step is at or below the
     last one committed (where Lightning logs ``validate()`` and ``test()`` after ``fit``; a second ``fit()`` with a
-    new Trainer starts at 0), it moves to the one after it and that session's later steps by as much, with a
+    new Trainer starts at 0), it moves to the one after it and that session's later steps by as much (a first step
+    equal to the last one, the rest of a step that a mid-fit ``finalize()`` committed, moves alone), with a
     warning: the run's steps keep increasing, none merged into one, and a journal is not rewound (a resumed
     journal's first step at or below its last one is a restart from a checkpoint, which rewinds the backends). With
     ``journal=``, a session whose first step lies strictly between 0 and the last step (``fit(ckpt_path=...)`` from
@@ -232,6 +233,7 @@ class MetricBusLogger(Logger):
         self._last_step: int | None = None  # the last step committed, kept across finalize()
         self._pending_step: int | None = None
         self._shift: int | None = 0  # added to each step given; None after finalize() (see _shifted)
+        self._moved_upto: int | None = None  # the shift moves only the steps up to this one (None: every step)
         self._pending: dict[str, float] = {}
         self._save_timeout_s = save_timeout_s
         self._close_timeout_s = close_timeout_s
@@ -369,16 +371,25 @@ class MetricBusLogger(Logger):
             # a fit(ckpt_path=...) restarted from a checkpoint, which the resumed journal rewinds the backends to
             restart = floor is not None and 0 < step < floor and self._options["journal"] is not None
             self._shift = 0 if floor is None or step > floor or restart else floor + 1 - step
+            # first step == the last one (the rest of a step whose first calls a mid-fit finalize() committed:
+            # Lightning's SLURM handler; test() after fit()): that step moves to the next one, later steps do not
+            self._moved_upto = floor if self._shift == 1 and step == floor else None
             if floor is not None and self._shift:
                 hint = (
                     " (a fit(ckpt_path=...) from an earlier step is rewound to it only with journal=DIR)"
                     if 0 < step < floor else ""
                 )
+                later = (
+                    "later steps as given" if self._moved_upto is not None
+                    else f"and each later step of this session {self._shift} later than given"
+                )
                 self._warn_once(
                     f"reopen:{floor}", f"log_metrics(step={step}) after the run was finalized at step {floor}: "
-                    f"logged at step {floor + 1}, and each later step of this session {self._shift} later than "
-                    f"given, so that the run's steps keep increasing{hint}", stacklevel=4,
+                    f"logged at step {floor + 1}, {later}, so that the run's steps keep increasing{hint}",
+                    stacklevel=4,
                 )  # fmt: skip
+        if self._moved_upto is not None and step > self._moved_upto:
+            return step
         return step + self._shift
 
     def _commit_pending(self) -> None:
