@@ -131,3 +131,18 @@ def test_finalize_mid_fit_moves_only_the_rest_of_that_step(tmp_path: Path) -> No
     logger.finalize("finished")
     assert read_jsonl(out) == [(0, {"loss": 0.0}), (1, {"loss": 1.0}), (2, {"loss": 2.0}),
                                (3, {"loss": 3.0, "lr": 0.5}), (4, {"loss": 4.0}), (5, {"loss": 5.0})]
+
+
+def test_second_fit_after_a_one_step_run_is_shifted_whole(tmp_path: Path) -> None:
+    """A run whose only step was 0, then a new session from step 0 (a new Trainer): every step moves by one, none
+    merged into another."""
+    out = tmp_path / "m.jsonl"
+    logger = MetricBusLogger(adapters=[f"jsonl:{out}"], strict=True)
+    logger.log_metrics({"loss": 9.0}, step=0)
+    logger.finalize("finished")
+    with pytest.warns(MetricBusWarning, match=r"each later step of this session 1 later"):
+        logger.log_metrics({"loss": 0.0}, step=0)
+    for step in range(1, 3):
+        logger.log_metrics({"loss": float(step)}, step=step)
+    logger.finalize("finished")
+    assert read_jsonl(out) == [(0, {"loss": 9.0}), (1, {"loss": 0.0}), (2, {"loss": 1.0}), (3, {"loss": 2.0})]

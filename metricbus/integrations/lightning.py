@@ -373,7 +373,7 @@ class MetricBusLogger(Logger):
             self._shift = 0 if floor is None or step > floor or restart else floor + 1 - step
             # first step == the last one (the rest of a step whose first calls a mid-fit finalize() committed:
             # Lightning's SLURM handler; test() after fit()): that step moves to the next one, later steps do not
-            self._moved_upto = floor if self._shift == 1 and step == floor else None
+            self._moved_upto = step if self._shift == 1 and step == floor and step > 0 else None  # (0: a new fit)
             if floor is not None and self._shift:
                 hint = (
                     " (a fit(ckpt_path=...) from an earlier step is rewound to it only with journal=DIR)"
