@@ -184,7 +184,11 @@ def _defer(signum: int, frame: FrameType | None) -> bool:
     waiting = _deferred or ()
     if any(kept == signum for kept, _ in waiting):
         return False
-    _deferred = (*waiting, (signum, frame))
+    # not ``frame``: the interrupted frame is the collective's own (torch.distributed's all_reduce holding its work),
+    # and kept until the bus call returns it pins the collective's tensors: settle() waited out its bound and warned
+    # of tensors the backend had let go of, twice in a close() that SIGTERM interrupted (the handlers get None, as
+    # Python allows: the frame is gone once the call returned anyway)
+    _deferred = (*waiting, (signum, None))
     return True
 
 

@@ -1,0 +1,107 @@
+"""Review of 946bc2a/00ecf5e/a994043 (close through a commit's collectives, options agreed across ranks, sync's
+writer lock), with real gloo processes and real journal writers."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+mp = torch.multiprocessing
+
+TIMEOUT_S = 120
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(fn: Any, size: int, *args: Any) -> dict[int, Any]:
+    """Run ``fn(rank, size, *args)`` on ``size`` gloo ranks; each rank's result, and every exit code 0."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, size, port, args, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(size):
+            rank, value = out.get(timeout=TIMEOUT_S)
+            results[rank] = value
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(size)) - set(results))} gave no result (a hang)")
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0] * size
+    return results
+
+
+def _entry(  # noqa: PLR0917  (mp.Process passes arguments positionally)
+    fn: Any, rank: int, size: int, port: int, args: tuple[Any, ...], out: Any
+) -> None:
+    import torch.distributed as tdist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        out.put((rank, fn(rank, size, *args)))
+    finally:
+        tdist.destroy_process_group()
+
+
+def sigterm_while_waiting(rank: int, size: int, where: str, call: str) -> dict[str, Any]:
+    """Rank 0, whose program has a SIGTERM handler of its own, gets SIGTERM while its ``call`` waits in a collective
+    for rank 1, which enters it only once the signal was sent."""
+    from metricbus import MetricBus
+
+    sent = Path(where) / "sent"
+    got: list[int] = []
+    if rank == 0:
+        signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    bus = MetricBus(dist="torch", journal=str(Path(where) / "journal"))
+    bus.log("x", 1.0 + rank)
+    bus.commit(step=0)
+    bus.log("x", 10.0 + rank)
+    if rank == 0:
+
+        def send() -> None:
+            time.sleep(0.5)  # (ordering only: rank 0 is then inside the call, which waits for rank 1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            sent.touch()
+
+        threading.Thread(target=send).start()
+    else:
+        while not sent.exists():
+            time.sleep(0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if call == "commit":
+            bus.commit(step=1)
+        bus.close()
+    return {"warned": [str(w.message) for w in caught], "handled": got, "last": bus.last_step}
+
+
+@pytest.mark.parametrize("call", ["close", "commit"])
+def test_sigterm_while_a_collective_waits_leaves_no_tensor_held(tmp_path: Path, call: str) -> None:
+    """SIGTERM deferred inside close()'s (or commit()'s) collective: no 'backend still holds' warning."""
+    results = _run(sigterm_while_waiting, 2, str(tmp_path), call)
+    assert results[0]["handled"] == [signal.SIGTERM]  # the program's handler ran once the call returned
+    for rank in range(2):
+        assert results[rank]["warned"] == [], results[rank]
+        assert results[rank]["last"] == 1
+
