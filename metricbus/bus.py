@@ -165,6 +165,10 @@ class MetricBus:
                     f"with the same {option}= on every rank (spec nan= policies that differ go in rules or agg=, "
                     "which the ranks agree on)"
                 )
+        if not 0 <= opts.writer_rank < self._ranks.world:  # checked after the exchange: every rank raises alike
+            raise DistributedError(
+                f"writer_rank={opts.writer_rank} is not a rank of the group (size {self._ranks.world})"
+            )
         shared: list[Any] = every[opts.writer_rank]
         return shared
 

@@ -89,9 +89,8 @@ def make_torch_transport(*, required: bool, group: Any, writer_rank: int) -> Tor
                 "torch.distributed.init_process_group(...) before building the MetricBus, or use dist=None"
             )
         return None
-    size = tdist.get_world_size(group)
-    if not 0 <= writer_rank < size:
-        raise DistributedError(f"writer_rank={writer_rank} is not a rank of the group (size {size})")
+    # (a writer_rank beyond the group is refused by the bus after its first exchange, on every rank alike: raised
+    # here on the ranks that passed it, the others would wait in that exchange for them)
     return TorchRanks(group=group, writer_rank=writer_rank)
 
 _AT = 1 + step_check.N_MAX  # where the maxima start in the MAX pass's vector (after the length and the step)

@@ -105,3 +105,27 @@ def test_sigterm_while_a_collective_waits_leaves_no_tensor_held(tmp_path: Path, 
         assert results[rank]["warned"] == [], results[rank]
         assert results[rank]["last"] == 1
 
+
+def build_with_writer(rank: int, size: int, writers: list[int]) -> str:
+    """MetricBus(writer_rank=writers[rank]): what the construction raised on this rank."""
+    from metricbus import MetricBus
+
+    try:
+        MetricBus(dist="torch", writer_rank=writers[rank]).close()
+    except Exception as exc:  # (the test compares what each rank saw)
+        return f"{type(exc).__name__}: {exc}"
+    return "built"
+
+
+@pytest.mark.parametrize("writers", [[0, 5], [2, 2]])
+def test_a_writer_rank_beyond_the_group_raises_on_every_rank(writers: list[int]) -> None:
+    """writer_rank beyond the group on some rank: every rank raises DistributedError (none waits for the others)."""
+    results = _run(build_with_writer, 2, writers)
+    for rank in range(2):
+        said = results[rank]
+        assert said.startswith("DistributedError: "), said
+        if writers[0] != writers[1]:
+            assert "MetricBus(writer_rank=...) differs" in said
+            assert "5 on rank 1" in said
+        else:
+            assert "writer_rank=2 is not a rank of the group (size 2)" in said
