@@ -129,3 +129,67 @@ def test_a_writer_rank_beyond_the_group_raises_on_every_rank(writers: list[int])
             assert "5 on rank 1" in said
         else:
             assert "writer_rank=2 is not a rank of the group (size 2)" in said
+
+
+_TRAINER = """
+import sys, time
+from metricbus import MetricBus
+bus = MetricBus(journal=sys.argv[1])
+for step in range(5):
+    bus.log("x", float(step))
+    bus.commit()
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def _live_trainer(journal: Path) -> Any:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, str(journal)], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_sync_is_refused_while_the_trainer_lives_and_read_only_commands_still_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A live trainer: sync is a JournalError naming its PID; show and inspect read the journal all the same."""
+    from metricbus.adapters.jsonl import JsonlAdapter
+
+    from metricbus.cli import main
+    from metricbus.errors import JournalError
+    from metricbus.replay import sync
+
+    proc = _live_trainer(tmp_path / "j")
+    try:
+        with pytest.raises(JournalError, match=f"PID {proc.pid} "):
+            sync(tmp_path / "j", [JsonlAdapter(path=tmp_path / "out.jsonl")])
+        for command in ("show", "inspect"):
+            assert main([command, str(tmp_path / "j")]) == 0
+        assert "steps 0..4" in capsys.readouterr().out
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_sync_after_the_trainer_was_killed_delivers_and_the_run_resumes_after_it(tmp_path: Path) -> None:
+    """SIGKILL releases the trainer's flock: sync sends every step, then releases its own so the run resumes."""
+    from metricbus.adapters.jsonl import JsonlAdapter
+
+    from metricbus import MetricBus
+    from metricbus.replay import sync
+
+    proc = _live_trainer(tmp_path / "j")
+    proc.kill()
+    proc.wait()
+    assert sync(tmp_path / "j", [JsonlAdapter(path=tmp_path / "out.jsonl")]) == {"jsonl": 5}
+    assert sorted(p.name for p in (tmp_path / "j").iterdir()) == ["cursors", "rank-00000.mbj"]  # no stale lock file
+    bus = MetricBus(journal=str(tmp_path / "j"), resume=True)
+    bus.log("x", 9.0)
+    bus.commit()
+    bus.close()
+    assert bus.last_step == 5
