@@ -4,9 +4,7 @@ writer lock), with real gloo processes and real journal writers."""
 from __future__ import annotations
 
 import os
-import queue
 import signal
-import socket
 import threading
 import time
 import warnings
@@ -15,53 +13,9 @@ from typing import Any
 
 import pytest
 
+from tests.gloo_ranks import run_ranks
+
 torch = pytest.importorskip("torch")
-mp = torch.multiprocessing
-
-TIMEOUT_S = 120
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _run(fn: Any, size: int, *args: Any) -> dict[int, Any]:
-    """Run ``fn(rank, size, *args)`` on ``size`` gloo ranks; each rank's result, and every exit code 0."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, size, port, args, out)) for r in range(size)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(size):
-            rank, value = out.get(timeout=TIMEOUT_S)
-            results[rank] = value
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted(set(range(size)) - set(results))} gave no result (a hang)")
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0] * size
-    return results
-
-
-def _entry(  # noqa: PLR0917  (mp.Process passes arguments positionally)
-    fn: Any, rank: int, size: int, port: int, args: tuple[Any, ...], out: Any
-) -> None:
-    import torch.distributed as tdist
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    try:
-        out.put((rank, fn(rank, size, *args)))
-    finally:
-        tdist.destroy_process_group()
 
 
 def sigterm_while_waiting(rank: int, size: int, where: str, call: str) -> dict[str, Any]:
@@ -99,7 +53,7 @@ def sigterm_while_waiting(rank: int, size: int, where: str, call: str) -> dict[s
 @pytest.mark.parametrize("call", ["close", "commit"])
 def test_sigterm_while_a_collective_waits_leaves_no_tensor_held(tmp_path: Path, call: str) -> None:
     """SIGTERM deferred inside close()'s (or commit()'s) collective: no 'backend still holds' warning."""
-    results = _run(sigterm_while_waiting, 2, str(tmp_path), call)
+    results = run_ranks(sigterm_while_waiting, 2, str(tmp_path), call)
     assert results[0]["handled"] == [signal.SIGTERM]  # the program's handler ran once the call returned
     for rank in range(2):
         assert results[rank]["warned"] == [], results[rank]
@@ -120,7 +74,7 @@ def build_with_writer(rank: int, size: int, writers: list[int]) -> str:
 @pytest.mark.parametrize("writers", [[0, 5], [2, 2]])
 def test_a_writer_rank_beyond_the_group_raises_on_every_rank(writers: list[int]) -> None:
     """writer_rank beyond the group on some rank: every rank raises DistributedError (none waits for the others)."""
-    results = _run(build_with_writer, 2, writers)
+    results = run_ranks(build_with_writer, 2, writers)
     for rank in range(2):
         said = results[rank]
         assert said.startswith("DistributedError: "), said

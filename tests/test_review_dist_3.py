@@ -2,61 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import queue
-import socket
 import warnings
 from typing import Any
 
 import pytest
 
+from tests.gloo_ranks import run_ranks
+
 torch = pytest.importorskip("torch")
-mp = torch.multiprocessing
-
-TIMEOUT_S = 120
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _run(fn: Any, size: int, *args: Any) -> dict[int, Any]:
-    """Run ``fn(rank, size, *args)`` on ``size`` gloo ranks; each rank's result, and every process's exit code 0."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, size, port, args, out)) for r in range(size)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in range(size):
-            rank, value = out.get(timeout=TIMEOUT_S)
-            results[rank] = value
-    except queue.Empty:
-        pytest.fail(f"ranks {sorted(set(range(size)) - set(results))} gave no result (a hang)")
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0] * size  # (gloo aborted a process on a collective of another size)
-    return results
-
-
-def _entry(  # noqa: PLR0917  (mp.Process passes arguments positionally)
-    fn: Any, rank: int, size: int, port: int, args: tuple[Any, ...], out: Any
-) -> None:
-    import torch.distributed as tdist
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    try:
-        out.put((rank, fn(rank, size, *args)))
-    finally:
-        tdist.destroy_process_group()
 
 
 def _said(call: Any) -> Any:
@@ -107,7 +60,7 @@ def test_close_on_one_rank_while_the_others_commit_raises_on_every_rank(
     steady: int, rules: Any, size: int, new_name: bool
 ) -> None:
     """close() on rank 0 while the others commit(): every rank raises DistributedError (no abort, no hang)."""
-    results = _run(close_while_committing, size, steady, rules, new_name)
+    results = run_ranks(close_while_committing, size, steady, rules, new_name)
     closer = results[0]
     assert closer["close"].startswith("DistributedError: close() on rank 0: another rank called commit() meanwhile")
     assert "the records of 'x' logged since the last commit were not committed" in closer["close"]
@@ -143,7 +96,7 @@ def test_close_on_every_rank_commits_what_one_rank_has_left(tmp_path: Any) -> No
     from metricbus.replay import emitted
 
     journal = str(tmp_path / "journal")
-    results = _run(close_with_records_on_one_rank, 2, journal)
+    results = run_ranks(close_with_records_on_one_rank, 2, journal)
     assert results[0] == results[1] == [{"x": 0.5}, {"x": 0.5}]
     assert list(emitted(read_journal(journal))) == [(0, {"x": 0.5}), (1, {"x": 0.5}), (2, {"late": 5.0})]
 
@@ -165,7 +118,7 @@ def test_close_on_every_rank_with_nothing_left_commits_no_step(tmp_path: Any) ->
     from metricbus.replay import emitted
 
     journal = str(tmp_path / "journal")
-    _run(close_with_nothing_left, 2, journal)
+    run_ranks(close_with_nothing_left, 2, journal)
     assert list(emitted(read_journal(journal))) == [(7, {"x": 0.5})]
 
 
@@ -182,15 +135,15 @@ def build_with(rank: int, size: int, option: str, values: list[Any]) -> str:
 )
 def test_bus_options_that_differ_across_ranks_raise_on_every_rank(option: str, values: list[Any]) -> None:
     """nan=, log_every= or writer_rank= that differ across ranks: DistributedError on every rank, naming both."""
-    results = _run(build_with, 2, option, values)
+    results = run_ranks(build_with, 2, option, values)
     for rank in range(2):
         assert results[rank].startswith(f"DistributedError: MetricBus({option}=...) differs across"), results[rank]
         assert f"{values[0]!r} on rank 0, {values[1]!r} on rank 1" in results[rank]
 
 
-def test_bus_options_that_agree_build_one_run() -> None:
+def test_bus_options_that_agree_build_onerun_ranks() -> None:
     """The same options on every rank: one run id (the writer's), no error."""
-    results = _run(run_id, 2)
+    results = run_ranks(run_id, 2)
     assert results[0] == results[1]
 
 
