@@ -24,6 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from metricbus.integrations.lightning import MetricBusCallback, metricbus_log
 from metricbus.testing import MemoryAdapter
 
+# Lightning's advice for real runs, not about what the tests check (filterwarnings of test_lightning and
+# test_review_lightning_accel_3)
+QUIET = [
+    "ignore:.*does not have many workers.*",
+    "ignore:.*smaller than the logging interval.*",
+    "ignore:.*GPU available but not used.*",
+    "ignore:.*litlogger.*",
+    "ignore:.*no `val_dataloader`.*",
+]
 VOCAB = 32
 BATCH = 4
 TRAINER_ARGS: dict[str, Any] = {

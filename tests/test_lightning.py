@@ -25,14 +25,7 @@ from tests.backend_env import free_port, isolate_env
 from tests.tb_reader import read_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
-QUIET = [  # Lightning's advice for real runs, not about what these tests check
-    "ignore:.*does not have many workers.*",
-    "ignore:.*smaller than the logging interval.*",
-    "ignore:.*GPU available but not used.*",
-    "ignore:.*litlogger.*",
-    "ignore:.*no `val_dataloader`.*",
-]
-pytestmark = [pytest.mark.filterwarnings(f) for f in QUIET]
+pytestmark = [pytest.mark.filterwarnings(f) for f in lw.QUIET]
 
 
 def token_means(records: list[list[float]] | list[tuple[int, float, float]]) -> dict[int, float]:

@@ -18,6 +18,7 @@ from metricbus import replay as replay_module
 from metricbus.errors import AdapterError, ConfigError, MetricValueError
 from metricbus.replay import sync
 from metricbus.testing import MemoryAdapter
+from tests.test_gaps import Picky
 
 # -- Decimal values whose arithmetic the decimal context would trap ----------------------------------------------
 
@@ -126,35 +127,21 @@ def test_lightning_callback_and_logger_refuse_a_request_timeout_at_construction(
 # -- sync: an adapter stopped by an error after it had rejected steps ----------------------------------------------
 
 
-class _Backend:
+class _Backend(Picky):
     """An adapter whose backend rejects some steps for good (ValueError) and is unreachable from ``down_at`` on."""
 
     name = "flaky"
     cursor_key = "flaky"
-    permanent_errors = (ValueError,)
 
     def __init__(self, *, reject: set[int], down_at: int | None) -> None:
-        self.reject, self.down_at = reject, down_at
-        self.rows: list[tuple[int, dict[str, float]]] = []
-        self.status: Any = None
-
-    def open(self, *, run: Any) -> None:
-        """Nothing to open."""
+        super().__init__(reject=reject)
+        self.down_at = down_at
 
     def write(self, *, step: int, metrics: Any) -> None:
         """Reject ``reject``; fail as a connection lost from ``down_at``; keep the others."""
-        if step in self.reject:
-            raise ValueError(f"the backend rejects step {step}")
-        if self.down_at is not None and step >= self.down_at:
+        if step not in self.reject and self.down_at is not None and step >= self.down_at:
             raise ConnectionError("the backend went away")
-        self.rows.append((step, dict(metrics)))
-
-    def flush(self) -> None:
-        """Rows are kept in memory."""
-
-    def close(self, *, status: Any) -> None:
-        """Remember how the run ended."""
-        self.status = status
+        super().write(step=step, metrics=metrics)
 
 
 def _journal(tmp_path: Path, steps: int) -> str:

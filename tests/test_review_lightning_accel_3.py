@@ -23,14 +23,7 @@ from tests import lightning_workers as lw
 from tests.backend_env import isolate_env
 
 ROOT = Path(__file__).resolve().parents[1]
-QUIET = [  # Lightning's advice for real runs, not about what these tests check
-    "ignore:.*does not have many workers.*",
-    "ignore:.*smaller than the logging interval.*",
-    "ignore:.*GPU available but not used.*",
-    "ignore:.*litlogger.*",
-    "ignore:.*no `val_dataloader`.*",
-]
-pytestmark = [pytest.mark.filterwarnings(f) for f in QUIET]
+pytestmark = [pytest.mark.filterwarnings(f) for f in lw.QUIET]
 
 
 def test_fabric_log_without_a_step_is_a_step_of_its_own() -> None:
