@@ -40,7 +40,6 @@ later writes append after it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import math
@@ -50,7 +49,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from metricbus.adapter import RunInfo, Status, is_live_target, run_folder
+from metricbus.adapter import RunInfo, Status, append_whole, is_live_target, run_folder
 from metricbus.errors import ConfigError
 from metricbus.histogram import Histogram
 
@@ -265,18 +264,10 @@ class JsonlAdapter:
         }
         line = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode("utf-8")
         fd = self._handle.fileno()
-        start = os.fstat(fd).st_size
-        try:  # unbuffered: a failed write (disk full) leaves nothing behind to be written again with the retry
-            written = 0
-            while written < len(line):
-                count = os.write(fd, line[written:])
-                if count == 0:
-                    raise OSError(errno.ENOSPC, f"jsonl: no byte of step {step}'s line went to {self._path}")
-                written += count
-        except BaseException:
-            with contextlib.suppress(OSError):  # cut the part that was written, so the retry's line stands alone
-                os.ftruncate(fd, start)
-            raise
+        # unbuffered: a failed write (disk full) leaves nothing behind to be written again with the retry
+        append_whole(fd, line, start=os.fstat(fd).st_size, nothing=lambda: OSError(
+            errno.ENOSPC, f"jsonl: no byte of step {step}'s line went to {self._path}"
+        ))
 
     def rewind(self, *, step: int) -> None:
         """Cut the file right after the last complete line of a step ``< step``; later writes append there."""

@@ -34,7 +34,6 @@ from readers that honour START. The run text and hparams are written again when 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import importlib.util
 import json
@@ -49,7 +48,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
 
-from metricbus.adapter import RunInfo, Status, is_live_target, run_folder
+from metricbus.adapter import RunInfo, Status, append_whole, is_live_target, run_folder
 from metricbus.errors import AdapterNotFoundError, ConfigError
 from metricbus.histogram import Histogram
 
@@ -385,20 +384,10 @@ class TensorBoardAdapter:
         data = self._pb.Event(wall_time=time.time(), **fields).SerializeToString()
         length = struct.pack("<Q", len(data))
         record = b"".join((length, struct.pack("<I", crc(length)), data, struct.pack("<I", crc(data))))
-        fd, start = self._file.fileno(), self._end
-        try:
-            view = memoryview(record)
-            while view:
-                count = os.write(fd, view)
-                if count <= 0:
-                    raise OSError(errno.EIO, f"no byte of the event went to {self._file.name}")
-                view = view[count:]
-        except BaseException:
-            with contextlib.suppress(OSError):  # so the retry's record follows a whole one
-                os.ftruncate(fd, start)
-                os.lseek(fd, start, os.SEEK_SET)
-            raise
-        self._end = start + len(record)
+        name = self._file.name
+        self._end = append_whole(self._file.fileno(), record, start=self._end, nothing=lambda: OSError(
+            errno.EIO, f"no byte of the event went to {name}"
+        ))
 
     def _start_file(self, folder: Path, run: RunInfo, *, purge_step: int | None, run_text: bool) -> None:
         pb = self._pb

@@ -43,10 +43,11 @@ Optional, looked up with ``getattr``:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -81,6 +82,26 @@ def run_folder(run: RunInfo) -> str:
                 "(jsonl:PATH, tensorboard:DIR)"
             )
     return os.path.join("runs", run.project, run.id)
+
+
+def append_whole(fd: int, data: bytes, *, start: int, nothing: Callable[[], OSError]) -> int:
+    """Append ``data`` to the unbuffered file ``fd``, whose end is ``start``, whole before returning (the file end
+    after it): where a write fails (a full disk), what part of ``data`` reached the file is cut again, the offset put
+    back to ``start``, before the error is raised, so the retry's record follows a whole one (a torn record would
+    stop the backend's readers, or be read twice). ``nothing()``: the error of a write that took no byte."""
+    view = memoryview(data)
+    try:
+        while view:
+            count = os.write(fd, view)
+            if count <= 0:
+                raise nothing()
+            view = view[count:]
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+            os.lseek(fd, start, os.SEEK_SET)
+        raise
+    return start + len(data)
 
 
 def new_run_id(now_ns: int | None = None) -> str:
