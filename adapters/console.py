@@ -38,13 +38,15 @@ def _reader_gone(exc: BaseException, stream: object) -> bool:
 
 
 def format_value(value: float) -> str:
-    """Compact fixed-width rendering of a float; a Histogram as ``hist(n=1000, p50=1.2, p90=3.4, p99=7)``."""
+    """Compact fixed-width rendering of a float; a Histogram as ``hist(n=1000, p50=1.2, p90=3.4, p99=7)``.
+
+    Whole numbers print as ints, -0.0 as ``-0`` (its sign is the metric's, as every other adapter keeps it)."""
     if isinstance(value, Histogram):
         return format_histogram(value)
     if not math.isfinite(value):
         return f"{value!s:>10}"
     if value == int(value) and abs(value) < 1e10:
-        return f"{int(value):>10d}"
+        return f"{'-0' if math.copysign(1.0, value) < 0 and not value else int(value):>10}"
     if 1e-3 <= abs(value) < 1e5:
         return f"{value:>10.4f}"
     return f"{value:>10.3e}"
