@@ -231,6 +231,7 @@ class WandbAdapter:
             ) from exc
         self._info = run
         if not self._attach:
+            _check_config(run.config)
             self._start(wandb, rewind_to=None)
             self._written = self._read_written() if self._resuming else {}
             return
@@ -434,6 +435,45 @@ class _RunFile:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"wandb did not write {what} to {self.path} within {FILE_WAIT_S:g} s")
             time.sleep(0.005)
+
+
+def _check_config(config: Mapping[str, Any]) -> None:
+    """Raise ConfigError naming the first config key whose value wandb cannot store, and what it can: wandb turns a
+    value into JSON at ``wandb.init`` (``wandb.util.json_friendly_val``, then ``json_friendly``) and fails there with a
+    TypeError that names neither the key nor the value (``object()``, ``...``, ``NotImplemented``)."""
+    for key, value in config.items():
+        bad = _unstorable(str(key), value)
+        if bad is not None:
+            where, leaf, exc = bad
+            raise ConfigError(
+                f"wandb: config key {where!r} holds {leaf!r} (type {type(leaf).__name__}), which wandb cannot store "
+                f"({exc}); wandb keeps a config as JSON: give a bool, int, float, str or None, a list or dict of "
+                f"them (numpy values, tensors, dataclasses, dates and objects of your own classes wandb converts "
+                f"itself), or str(value)"
+            ) from exc
+
+
+def _unstorable(where: str, value: Any) -> tuple[str, Any, Exception] | None:
+    """``(dotted key, leaf, error)`` of the first leaf of ``value`` (at config key ``where``) that wandb cannot turn
+    into JSON, or None where it can."""
+    from wandb.util import json_dumps_safer, json_friendly, json_friendly_val
+
+    try:
+        json_dumps_safer(json_friendly(json_friendly_val(value))[0])
+        return None
+    except (TypeError, ValueError, OverflowError) as exc:
+        error = exc
+    if isinstance(value, Mapping):
+        parts: Iterable[tuple[str, Any]] = ((f"{where}.{inner}", item) for inner, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        parts = ((f"{where}[{index}]", item) for index, item in enumerate(value))
+    else:
+        parts = ()
+    for inner_where, item in parts:
+        bad = _unstorable(inner_where, item)
+        if bad is not None:
+            return bad
+    return where, value, error
 
 
 def _logged(value: float) -> Any:
