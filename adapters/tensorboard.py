@@ -10,7 +10,8 @@ multiplexer (``tensorboard --load_fast=false``) plots and serves them as float64
 for the histogram plugin: ``Histograms(tag)`` gives its right edges and counts as float64, the multiplexer's
 ``Tensors(tag)`` the plugin's ``[left, right, count]`` rows (float32). At open the run's project,
 id, name, tags and config go into a text summary with tag ``metricbus/run``, and the config, flattened with ``.``
-(bool, int, float and str kept, anything else as ``str()``), into an hparams session start (group = run id), both
+(bool, int, float and str kept, anything else as ``str()``; two keys that flatten to one name keep both values,
+see :func:`hparams_of`), into an hparams session start (group = run id), both
 at step 0.
 
 Where. ``log_dir=None`` (the default) means ``runs/<project>/<run id>/tensorboard`` under the working directory at
@@ -37,6 +38,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import json
+import logging
 import numbers
 import os
 import re
@@ -66,6 +68,7 @@ RESERVED_TAGS = {
 """Tags the adapter (and the hparams plugin) writes for the run: a metric under one of them would take another
 plugin's data (readers show it under that plugin, not as a scalar), so the adapter refuses it."""
 
+logger = logging.getLogger(__name__)
 _INSTALL = "pip install 'metricbus[tensorboard]'"
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _HEADER = struct.Struct("<QI")  # TFRecord: payload length, masked CRC-32C of the length; then payload, its CRC
@@ -74,21 +77,58 @@ _FILE_SECONDS = re.compile(r"events\.out\.tfevents\.(\d+)\.")
 
 
 def hparams_of(config: Mapping[str, Any], *, prefix: str = "") -> dict[str, HParamValue]:
-    """Flatten a nested config with ``.``; bool, int, float and str stay, other leaves become ``str(value)``."""
-    flat: dict[str, HParamValue] = {}
+    """Flatten a nested config with ``.``; bool, int, float and str stay, other leaves become ``str(value)``.
+
+    Two leaves that flatten to one name (``{"a.b": 1, "a": {"b": 2}}``) both stay: the same value once; different
+    values, the first under the dotted name and each later one under its key path written as JSON (``["a", "b"]``),
+    so no config value is lost (:func:`hparams_clashes` names them)."""
+    return _flatten(config, prefix=prefix)[0]
+
+
+def hparams_clashes(config: Mapping[str, Any]) -> list[str]:
+    """The config keys whose different values would flatten to one hparams name, each said once (see
+    :func:`hparams_of`)."""
+    return _flatten(config, prefix="")[1]
+
+
+def _leaves(config: Mapping[str, Any], path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], HParamValue]]:
     for key, value in config.items():
-        name = f"{prefix}{key}"
+        where = (*path, str(key))
         if isinstance(value, Mapping):
-            flat.update(hparams_of(value, prefix=f"{name}."))
+            yield from _leaves(value, where)
         elif isinstance(value, (bool, str)):
-            flat[name] = value
+            yield where, value
         elif isinstance(value, numbers.Integral):
-            flat[name] = int(value)
+            yield where, int(value)
         elif isinstance(value, numbers.Real):
-            flat[name] = float(value)
+            yield where, float(value)
         else:
-            flat[name] = str(value)
-    return flat
+            yield where, str(value)
+
+
+def _flatten(config: Mapping[str, Any], *, prefix: str) -> tuple[dict[str, HParamValue], list[str]]:
+    flat: dict[str, HParamValue] = {}
+    owner: dict[str, tuple[str, ...]] = {}
+    clashes: list[str] = []
+    for path, value in _leaves(config, ()):
+        name = prefix + ".".join(path)
+        if name in flat:
+            held = flat[name]
+            if type(held) is type(value) and held == value:
+                continue  # the same value twice: nothing to keep apart
+            earlier, plain = owner[name], prefix + json.dumps(list(path))
+            name, count = plain, 1
+            while name in flat:  # a key that is itself written as JSON: number the later one
+                count += 1
+                name = f"{plain}#{count}"
+            clashes.append(f"{_path_text(earlier)} and {_path_text(path)} (kept as {name!r})")
+        flat[name], owner[name] = value, path
+    return flat, clashes
+
+
+def _path_text(path: tuple[str, ...]) -> str:
+    """A config key path as Python indexes it: ``config['a']['b']``, ``config['a.b']``."""
+    return "config" + "".join(f"[{part!r}]" for part in path)
 
 
 def _run_markdown(run: RunInfo) -> str:
@@ -402,7 +442,10 @@ class TensorBoardAdapter:
                 self._add(step=purge_step, session_log=pb.SessionLog(status=pb.SessionLog.START))
         if run_text:
             self._add(step=0, summary=pb.text_pb(RUN_TEXT_TAG, _run_markdown(run)))
-            hparams = hparams_of(run.config)
+            hparams, clashes = _flatten(run.config, prefix="")
+            if clashes:
+                logger.warning("tensorboard: config keys that flatten to one hparams name: %s; both values are kept "
+                               "(the later one under its key path as JSON)", "; ".join(clashes))
             if hparams:
                 start_s = run.start_time_unix_ns / 1e9
                 self._add(step=0, summary=pb.hparams_pb(hparams, trial_id=run.id, start_time_secs=start_s))
