@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
-from metricbus.errors import MetricValueError
+from metricbus.errors import MetricValueError, RejectedMetricsError
+
+V = TypeVar("V")
 
 MLFLOW_MAX_KEY_CHARS = 250
 _MLFLOW_BAD_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
@@ -81,6 +84,31 @@ class NameMapper:
         self._owner[mapped] = source
         self._forward[source] = mapped
         return mapped
+
+
+    def split(self, metrics: Mapping[str, V]) -> tuple[dict[str, V], dict[str, str]]:
+        """``({backend name: value}, {refused metric: why})`` of one step's ``metrics``: a name this mapper refuses
+        (reserved, colliding) leaves the step's other metrics to be written (see :meth:`refused`)."""
+        mapped: dict[str, V] = {}
+        rejected: dict[str, str] = {}
+        for name, value in metrics.items():
+            try:
+                mapped[self(name)] = value
+            except MetricValueError as exc:
+                rejected[name] = str(exc)
+        return mapped, rejected
+
+    def refused(self, step: int, rejected: Mapping[str, str], *, wrote: int) -> RejectedMetricsError:
+        """The error an adapter raises after writing the ``wrote`` other metrics of ``step`` without the
+        ``rejected`` ones (:meth:`split`)."""
+        names = ", ".join(map(repr, rejected))
+        reasons = "; ".join(rejected.values())
+        other = f"its other {wrote} metric{'s were' if wrote != 1 else ' was'} written" if wrote else "it had no other"
+        return RejectedMetricsError(
+            f"{self._backend} refuses metric{'s' if len(rejected) > 1 else ''} {names} at step {step} ({other}): "
+            f"{reasons}",
+            rejected=dict(rejected),
+        )
 
 
 def _describe(source: tuple[str, str | None]) -> str:

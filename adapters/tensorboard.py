@@ -12,7 +12,9 @@ for the histogram plugin: ``Histograms(tag)`` gives its right edges and counts a
 id, name, tags and config go into a text summary with tag ``metricbus/run``, and the config, flattened with ``.``
 (bool, int, float and str kept, anything else as ``str()``; two keys that flatten to one name keep both values,
 see :func:`hparams_of`), into an hparams session start (group = run id), both
-at step 0.
+at step 0. A metric under a tag the adapter keeps for these (:data:`RESERVED_TAGS`) is left out of its step's
+event, and ``write()`` then raises :class:`~metricbus.errors.RejectedMetricsError` naming it (the delivery reports
+it once per name and counts the step, whose other metrics were written, as delivered).
 
 Where. ``log_dir=None`` (the default) means ``runs/<project>/<run id>/tensorboard`` under the working directory at
 open: two runs never share it, and every process of one run (a resumed trainer, ``metricbus sync``) finds the same
@@ -378,8 +380,8 @@ class TensorBoardAdapter:
             raise RuntimeError("TensorBoardAdapter.write() before open()")
         pb, names, seen = self._pb, self._names, self._tags_in_file
         values, new_tags = [], []
-        for key, value in metrics.items():
-            tag = names(key)
+        mapped, rejected = names.split(metrics)
+        for tag, value in mapped.items():
             if isinstance(value, Histogram):  # a legacy histo value: readers give it the histogram plugin's metadata
                 values.append(pb.Summary.Value(tag=tag, histo=_histo(value, pb)))
                 continue
@@ -392,6 +394,8 @@ class TensorBoardAdapter:
         if values:
             self._add(step=int(step), summary=pb.Summary(value=values))
             seen.update(new_tags)
+        if rejected:  # the step's other metrics are in the event
+            raise names.refused(int(step), rejected, wrote=len(mapped))
 
     def rewind(self, *, step: int) -> None:
         """Hide every event at a step ``>= step`` (cut from metricbus's files, purged by START); start a new file."""

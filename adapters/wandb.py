@@ -44,7 +44,10 @@ point (run id, ``_step``, S-1) and whose history starts at S; by wandb's documen
 run's history there when it receives it (not checked against a server here).
 
 ``mode`` is checked at construction against what wandb accepts. System-stats sampling is off
-(``x_disable_stats=True``), so no ``wandb-symon`` process is spawned. Metric names are passed through.
+(``x_disable_stats=True``), so no ``wandb-symon`` process is spawned. Metric names are passed through, except
+the names wandb keeps for itself (:data:`RESERVED_KEYS`): a step holding one is logged without it, and ``write()``
+then raises :class:`~metricbus.errors.RejectedMetricsError` naming it (the delivery reports it once per name and
+counts the step as delivered).
 
 **Histograms.** A :class:`~metricbus.histogram.Histogram` (the ``hist`` kind) is logged as
 ``wandb.Histogram(np_histogram=(counts, edges))`` in the step's row, next to its scalars (neighbouring bins merged
@@ -325,7 +328,14 @@ class WandbAdapter:
                 f"step {step} is negative; wandb keeps only steps >= 0 (it drops the others without an error), so "
                 f"commit steps from 0 on to log to wandb"
             )
-        row = {names(key): _logged(value) for key, value in metrics.items()}
+        mapped, rejected = names.split(metrics)
+        self._log_row(step, {key: _logged(value) for key, value in mapped.items()})
+        if rejected:  # the step's other metrics are in the row (see the module docstring)
+            raise names.refused(step, rejected, wrote=len(mapped))
+
+    def _log_row(self, step: int, row: dict[str, Any]) -> None:
+        """``run.log(row, step=step)`` without what the run already holds, and the open/closed row bookkeeping."""
+        assert self._run is not None
         held = self._written.get(step) if self._written else None
         if held:  # drop what an earlier folder of the run already holds at this step (see the module docstring)
             row = {key: value for key, value in row.items() if key not in held or not _same(held[key], value)}

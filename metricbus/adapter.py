@@ -12,7 +12,10 @@ Four verbs, explicit keywords, no ``**kwargs``:
 * ``close(status="finished" | "failed")``: end the run with that status.
 
 The bus calls these with keyword arguments. An adapter raising is reported (or re-raised on a strict bus);
-it never reaches the training loop otherwise. A step counts as delivered once ``flush()`` returned after its
+it never reaches the training loop otherwise. A ``write()`` whose backend refuses some metric names (reserved,
+colliding) writes the step's other metrics, then raises :class:`~metricbus.errors.RejectedMetricsError` naming the
+refused ones: the step counts as delivered, and each refused name is reported once.
+A step counts as delivered once ``flush()`` returned after its
 ``write()``, so ``flush()`` must make what was written durable.
 
 Optional, looked up with ``getattr``:

@@ -23,6 +23,10 @@ of the adapter's own conversion, or a type in the adapter's
 kept in :attr:`Delivery.gaps` and passed to ``on_gap(index, adapter, step, reason)``. **An adapter that skipped a
 step is closed with status "failed"** (MLflow ``FAILED``, wandb exit code 1), never left running as if complete; so
 is one that lacks steps it was given (dropped at a full queue, or left unwritten when ``close()`` ran out of time).
+An adapter that wrote a step but refused some of its metric names (:class:`~metricbus.errors.RejectedMetricsError`:
+a name its backend keeps for itself) has delivered that step: each refused name is reported once
+(:attr:`Delivery.refused`, and kept for a strict bus), never retried (it is refused every time), and its run is
+closed as failed too.
 
 **A hung or dead adapter never stalls training.** An adapter whose ``open``, ``write`` or ``flush`` call has run
 longer than ``write_timeout_s`` (default :data:`WRITE_TIMEOUT_S`), or whose thread died of any ``BaseException``
@@ -49,7 +53,7 @@ from types import MappingProxyType
 
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.delivery_worker import WAIT_SLICE_S, Worker, _Resume, _Step, _Stop, _Sync
-from metricbus.errors import AdapterError
+from metricbus.errors import AdapterError, RejectedMetricsError
 
 logger = logging.getLogger("metricbus.delivery")
 REPORT_EVERY_S = 60.0
@@ -182,6 +186,9 @@ class Delivery:
         self.report = _Reporter()
         self.gaps: list[Gap] = []
         """Every step an adapter skipped because its backend rejected it, in the order they happened."""
+        self.refused: list[Gap] = []
+        """Every metric name an adapter's backend refuses (reserved, colliding), at the step it first came: the
+        steps' other metrics were delivered (see :class:`~metricbus.errors.RejectedMetricsError`)."""
         self._errors: list[AdapterError] = []
         self._lock = threading.Lock()
         self.cursor_lock = threading.Lock()  # the workers' ``acked`` and ``holds``, and the cursor writes
@@ -254,6 +261,20 @@ class Delivery:
                 self.on_gap(worker.index, worker.adapter, step, reason)
             except Exception:
                 logger.exception("on_gap failed for adapter %r at step %d", worker.label, step)
+
+    def refuse(self, worker: Worker, step: int, exc: RejectedMetricsError) -> None:
+        """``worker``'s backend refuses some metric names of ``step`` and wrote the others: report each name the
+        first time (it is refused at every step), keep it in :attr:`refused`; the step counts as delivered."""
+        for metric, why in exc.rejected.items():
+            if metric in worker.refused:
+                continue
+            worker.refused[metric] = why
+            self.refused.append(Gap(worker.label, step, metric, why))
+            logger.error("adapter %r refuses metric %r (first at step %d): %s; the other metrics of its steps are "
+                         "delivered, this one is not sent to this backend (the journal and the other adapters keep "
+                         "it; its run will be closed as failed); reported once", worker.label, metric, step, why)
+            self.keep(AdapterError(f"adapter {worker.label!r} refuses metric {metric!r} (first at step {step}; the "
+                                   f"step's other metrics were delivered): {why}"), exc)
 
     def stop(self, worker: Worker, why: str, cause: BaseException | None, *, dead: bool = True) -> None:
         """Give up on ``worker``: release its backlog, never wait for it again. ``dead``: a call hung or its thread
@@ -474,3 +495,7 @@ class Delivery:
         if worker.gaps:
             logger.error("adapter %r skipped %d rejected steps (see Delivery.gaps); its run was closed as failed",
                          worker.label, worker.gaps)
+        if worker.refused:
+            logger.error("adapter %r refused metric%s %s (see Delivery.refused): the other metrics of those steps "
+                         "were delivered; its run was closed as failed", worker.label,
+                         "s" if len(worker.refused) > 1 else "", ", ".join(map(repr, worker.refused)))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from metricbus.adapter import Adapter, Status
-from metricbus.errors import AdapterError
+from metricbus.errors import AdapterError, RejectedMetricsError
 from metricbus.errors_classify import backoff_s, classify, metric_named, permanent_errors_of
 
 if TYPE_CHECKING:
@@ -133,6 +133,7 @@ class Worker:
         self.failure: BaseException | None = None  # the last exception a _call() reported
         self.delivered = 0  # steps written
         self.gaps = 0  # steps the backend rejected (skipped)
+        self.refused: dict[str, str] = {}  # metric names the backend refuses (their steps' other metrics written)
         self.unacked: int | None = None  # the last step written but not yet flushed
         self.unacked_count = 0
         self.flush_due = 0.0
@@ -194,7 +195,8 @@ class Worker:
                     self._flush()
         if self.open_error is None:
             self._flush()
-            final: Status = "failed" if self.gaps or self.lost or self.dropped or self.stopped is not None else status
+            short = self.gaps or self.refused or self.lost or self.dropped or self.stopped is not None
+            final: Status = "failed" if short else status
             if self._call("close", lambda: self.adapter.close(status=final)) and self.last_step is not None:
                 self._acknowledge(self.last_step)  # close made every written step durable
 
@@ -271,6 +273,9 @@ class Worker:
             try:
                 self._busy("write")
                 self.adapter.write(step=item.step, metrics=item.metrics)
+                break
+            except RejectedMetricsError as exc:  # the step's other metrics were written: it is delivered
+                d.refuse(self, item.step, exc)
                 break
             except Exception as exc:
                 if classify(exc, permanent=self.permanent) == "permanent":

@@ -14,6 +14,18 @@ class MetricValueError(MetricBusError, ValueError):
     """A value or weight that has the right type but is not acceptable (negative weight, NaN under nan='error')."""
 
 
+class RejectedMetricsError(MetricValueError):
+    """An adapter wrote a step's other metrics, but its backend refuses some of its metric names (a name the backend
+    keeps for itself, two names landing on one backend name). ``rejected``: each refused metric -> why and what is
+    valid; ``metric``: the first of them. The step counts as delivered to that adapter (retrying it would write the
+    other metrics twice and refuse the same names again); the delivery reports each refused name once."""
+
+    def __init__(self, message: str, *, rejected: dict[str, str]) -> None:
+        super().__init__(message)
+        self.rejected: dict[str, str] = dict(rejected)
+        self.metric: str | None = next(iter(self.rejected), None)
+
+
 class MetricTypeError(MetricBusError, TypeError):
     """A value of a type metricbus cannot record (None, str, complex, object, ragged lists)."""
 

@@ -19,13 +19,13 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.canonical import nans
-from metricbus.errors import AdapterError, JournalError, SpecError
+from metricbus.errors import AdapterError, JournalError, RejectedMetricsError, SpecError
 from metricbus.errors_classify import backoff_s, classify, permanent_errors_of
 from metricbus.journal import CursorStore, Journal
 from metricbus.journal.cursors import identity_of, resume_adapter
@@ -323,6 +323,7 @@ def replay(
     stream = emitted(journal, rules=items, steps=steps, progress=progress, every_rule=every_rule)
     first = next(stream, None)  # a rule the journal cannot serve (its first commit's names) fails before any open
     opened: list[Adapter] = []
+    refused: dict[int, tuple[Adapter, dict[str, RejectedMetricsError]]] = {}  # per adapter (id): names it refuses
     sent = 0
     try:
         for adapter in adapters:
@@ -330,13 +331,38 @@ def replay(
             opened.append(adapter)
         for step, metrics in itertools.chain([first] if first is not None else [], stream):
             for adapter in adapters:
-                adapter.write(step=step, metrics=metrics)
+                try:
+                    adapter.write(step=step, metrics=metrics)
+                except RejectedMetricsError as exc:  # the step's other metrics were written: the replay goes on
+                    names = refused.setdefault(id(adapter), (adapter, {}))[1]
+                    for metric in exc.rejected:
+                        names.setdefault(metric, exc)
             sent += 1
     except BaseException:
         _close_all(opened, status="failed", raise_error=False)  # the error that stopped the replay is the one raised
         raise
-    _close_all(opened, status="finished", raise_error=True)
+    _close_all(opened, status="finished", raise_error=not refused, failing={id(a) for a, _ in refused.values()})
+    if refused:
+        said = [f"adapter {_label(adapter)!r} {_refusal(names)}" for adapter, names in refused.values()]
+        first_error = next(iter(next(iter(refused.values()))[1].values()))
+        raise AdapterError(f"replay sent {sent} steps, without metrics a backend refuses: " + "; ".join(said)) \
+            from first_error
     return sent
+
+
+def _label(adapter: Adapter) -> str:
+    return str(getattr(adapter, "name", type(adapter).__name__))
+
+
+def _refusal(refused: Mapping[str, BaseException]) -> str:
+    """``refuses metric 'x' (why, what is valid); ...``: the metric names an adapter refuses; the other metrics of
+    their steps were written."""
+    names = list(refused)
+    reasons = "; ".join(dict.fromkeys(str(getattr(e, "rejected", {}).get(n, e)) for n, e in refused.items()))
+    return (
+        f"refuses metric{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))} "
+        f"({reasons}); the other metrics of those steps were written"
+    )
 
 
 def _cursors(journal: Source) -> CursorStore:
@@ -353,12 +379,15 @@ def _new_runs(journal: Source, adapters: Sequence[Adapter]) -> None:
             new_run(live=store.identities(str(getattr(adapter, "name", type(adapter).__name__))))
 
 
-def _close_all(adapters: Sequence[Adapter], *, status: Status, raise_error: bool) -> None:
-    """Flush and close every adapter, each even where another's flush or close raised (one whose flush raised is
-    closed as failed, so no backend run is left open); then raise the first error if ``raise_error``."""
+def _close_all(
+    adapters: Sequence[Adapter], *, status: Status, raise_error: bool, failing: Collection[int] = ()
+) -> None:
+    """Flush and close every adapter, each even where another's flush or close raised (one whose flush raised, or
+    whose id is in ``failing``, is closed as failed, so no backend run is left open or complete without what it
+    lacks); then raise the first error if ``raise_error``."""
     error: Exception | None = None
     for adapter in adapters:
-        final = status
+        final: Status = "failed" if id(adapter) in failing else status
         try:
             adapter.flush()
         except Exception as exc:
@@ -404,6 +433,7 @@ class _Target:
     error: BaseException | None = None
     gaps: set[int] = field(default_factory=set)  # steps the backend rejected live: retried here
     rejected: dict[int, BaseException] = field(default_factory=dict)  # steps it rejected for good in this sync
+    refused: dict[str, BaseException] = field(default_factory=dict)  # metric names it refuses (steps still written)
     resent: set[int] = field(default_factory=set)  # gaps written, not yet acknowledged
     identity: dict[str, str] | None = None  # the backend run the live bus (or a last sync) wrote to
     rewind: int | None = None  # where a resume left its backend to be rewound before anything is sent
@@ -487,8 +517,8 @@ def _sync(
         raise
     _finish(opened, store, status="finished")
     failed = [t for t in targets if t.error is not None]
-    rejecting = [t for t in targets if t.rejected and t.error is None]
-    both = [t for t in failed if t.rejected]  # stopped by an error after rejecting steps: each is said
+    rejecting = [t for t in targets if (t.rejected or t.refused) and t.error is None]
+    both = [t for t in failed if t.rejected or t.refused]  # stopped by an error after rejecting steps: each is said
     if len(failed) + len(rejecting) > 1 or both:  # each adapter's own failure, not only the first one's
         said = [_failed(t) for t in failed] + [str(_rejected(t)) for t in rejecting]
         cause = failed[0].error if failed else _rejected(rejecting[0])
@@ -507,6 +537,8 @@ def _sync(
 def _failed(target: _Target) -> str:
     """What stopped ``target`` (its error), and the steps its backend had rejected for good before, if any."""
     said = f"adapter {target.label!r} failed ({type(target.error).__name__}: {target.error})"
+    if target.refused:
+        said += f", after it {_refusal(target.refused)}"
     if not target.rejected:
         return said
     steps = sorted(target.rejected)
@@ -525,11 +557,17 @@ def _steps(steps: list[int]) -> str:
 def _rejected(target: _Target) -> AdapterError:
     """The error that says which steps ``target``'s backend rejected for good (chained from the first one's)."""
     steps = sorted(target.rejected)
+    if not steps:  # only metric names refused: every step was sent without them
+        refused = next(iter(target.refused.values()))
+        error = AdapterError(f"adapter {target.label!r} {_refusal(target.refused)} ({target.sent} steps sent)")
+        error.__cause__ = refused
+        return error
     first = target.rejected[steps[0]]
+    also = f"; it {_refusal(target.refused)}" if target.refused else ""
     error = AdapterError(
         f"adapter {target.label!r} rejected step{'s' if len(steps) > 1 else ''} {_steps(steps)} for good "
         f"({type(first).__name__}: {first}); it sent every other step ({target.sent} steps), and the next sync "
-        f"retries the rejected ones (kept as gaps) once the cause is fixed"
+        f"retries the rejected ones (kept as gaps) once the cause is fixed{also}"
     )
     error.__cause__ = first
     return error
@@ -597,6 +635,9 @@ def _send(
                 continue
             try:
                 _write(target.adapter, step, metrics, stop)
+            except RejectedMetricsError as exc:  # the step's other metrics were written: it counts as sent
+                for metric in exc.rejected:
+                    target.refused.setdefault(metric, exc)
             except Exception as exc:
                 if classify(exc, permanent=permanent_errors_of(target.adapter)) == "transient":
                     target.error = exc
@@ -710,7 +751,8 @@ def _finish(targets: list[_Target], store: CursorStore, *, status: Status) -> No
     for target in targets:
         _acknowledge(target, store)
         try:
-            target.adapter.close(status="failed" if target.error is not None or target.rejected else status)
+            failed = target.error is not None or target.rejected or target.refused
+            target.adapter.close(status="failed" if failed else status)
         except Exception as exc:
             target.error = target.error or exc
             continue

@@ -76,15 +76,17 @@ def _wandb_rows(adapter: WandbAdapter) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("name", ["_step", "_runtime", "_timestamp"])
 def test_wandb_refuses_a_metric_named_like_its_own_history_keys(name: str) -> None:
-    """A metric named _step/_runtime/_timestamp would be dropped or overwritten by wandb: a gap naming it instead."""
+    """A metric named _step/_runtime/_timestamp would be dropped or overwritten by wandb: refused, naming it; the
+    step's other metrics are delivered (no gap)."""
     adapter = WandbAdapter(mode="offline", project="review")
     delivery, _ = _deliver(adapter, [(0, {"loss": 1.0}), (1, {name: 123.0, "loss": 2.0}), (2, {"loss": 3.0})])
-    (gap,) = delivery.gaps
-    assert (gap.adapter, gap.step, gap.metric) == ("wandb", 1, name)
-    assert f"metric name {name!r} maps to wandb name {name!r}, which wandb keeps for" in gap.reason
-    assert "rename the metric" in gap.reason
+    assert delivery.gaps == []
+    (refused,) = delivery.refused
+    assert (refused.adapter, refused.step, refused.metric) == ("wandb", 1, name)
+    assert f"metric name {name!r} maps to wandb name {name!r}, which wandb keeps for" in refused.reason
+    assert "rename the metric" in refused.reason
     rows = _wandb_rows(adapter)
-    assert [(row["_step"], row["loss"]) for row in rows] == [(0, 1), (2, 3)]
+    assert [(row["_step"], row["loss"]) for row in rows] == [(0, 1), (1, 2), (2, 3)]
 
 
 def test_wandb_refuses_a_negative_step() -> None:
@@ -119,14 +121,16 @@ def test_wandb_resume_writes_an_underscore_metric_once(tmp_path: Path) -> None:
 
 
 def test_tensorboard_refuses_a_metric_under_the_run_text_tag(tmp_path: Path) -> None:
-    """A metric named like the run's text tag would be read as text, not as scalars: a gap naming it instead."""
+    """A metric named like the run's text tag would be read as text, not as scalars: refused, naming it; the step's
+    other metrics are delivered (no gap)."""
     adapter = TensorBoardAdapter(log_dir=tmp_path / "tb")
     delivery, _ = _deliver(adapter, [(0, {"loss": 1.0}), (1, {RUN_TEXT_TAG: 5.0, "loss": 2.0}), (2, {"loss": 3.0})])
-    (gap,) = delivery.gaps
-    assert (gap.adapter, gap.step, gap.metric) == ("tensorboard", 1, RUN_TEXT_TAG)
-    assert "which TensorBoard keeps for the run's text summary" in gap.reason
+    assert delivery.gaps == []
+    (refused,) = delivery.refused
+    assert (refused.adapter, refused.step, refused.metric) == ("tensorboard", 1, RUN_TEXT_TAG)
+    assert "which TensorBoard keeps for the run's text summary" in refused.reason
     acc = legacy_accumulator(tmp_path / "tb")
-    assert tensor_points(acc, "loss") == [(0, 1.0), (2, 3.0)]
+    assert tensor_points(acc, "loss") == [(0, 1.0), (1, 2.0), (2, 3.0)]
     assert acc.SummaryMetadata(RUN_TEXT_TAG).plugin_data.plugin_name == "text"
     assert len(acc.Tensors(RUN_TEXT_TAG)) == 1  # the run text alone
 

@@ -297,7 +297,8 @@ def test_a_run_id_or_project_that_leaves_runs_is_refused(
 
 
 def test_wandb_refuses_a_metric_named_like_its_own_summary_key(wandb_env: Path) -> None:
-    """A metric named _wandb would replace wandb's own summary entry (its runtime): refused, naming it."""
+    """A metric named _wandb would replace wandb's own summary entry (its runtime): refused, naming it; the step's
+    other metrics are logged."""
     from metricbus.adapters.wandb import WandbAdapter
 
     adapter = WandbAdapter(mode="offline")
@@ -310,4 +311,4 @@ def test_wandb_refuses_a_metric_named_like_its_own_summary_key(wandb_env: Path) 
     finally:
         adapter.close(status="finished")
     rows = read_wandb_history(Path(adapter.identity["dir"]))  # type: ignore[index]
-    assert [(row["_step"], row["loss"]) for row in rows] == [(1, 2)]
+    assert [(row["_step"], row["loss"]) for row in rows] == [(0, 1), (1, 2)]
