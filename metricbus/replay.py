@@ -341,10 +341,18 @@ def replay(
     except BaseException:
         _close_all(opened, status="failed", raise_error=False)  # the error that stopped the replay is the one raised
         raise
-    _close_all(opened, status="finished", raise_error=not refused, failing={id(a) for a, _ in refused.values()})
+    closing: Exception | None = None
+    try:
+        _close_all(opened, status="finished", raise_error=True, failing={id(a) for a, _ in refused.values()})
+    except Exception as exc:
+        if not refused:
+            raise
+        closing = exc
     if refused:
         said = [f"adapter {_label(adapter)!r} {_refusal(names)}" for adapter, names in refused.values()]
-        first_error = next(iter(next(iter(refused.values()))[1].values()))
+        if closing is not None:
+            said.append(f"then closing failed ({type(closing).__name__}: {closing})")
+        first_error = closing or next(iter(next(iter(refused.values()))[1].values()))
         raise AdapterError(f"replay sent {sent} steps, without metrics a backend refuses: " + "; ".join(said)) \
             from first_error
     return sent
