@@ -119,6 +119,7 @@ class MetricBus:
         self._collector = Collector(table=self._table, nan=opts.nan)
         self._fast = self._collector.fast
         self._reducer = StepReducer(log_every=opts.log_every)
+        self._log_every = opts.log_every
         self._ingested: list[Partial] = []
         # the partials of a commit that failed before anything left this process, worker by worker (ingest order):
         # the next commit joins worker i's with the i-th partial ingested for it (records stay buffered)
@@ -325,13 +326,27 @@ class MetricBus:
         """The step of the last commit (None before the first)."""
         return self._last_step
 
-    def commit(self, step: SupportsIndex | None = None) -> dict[str, float]:
+    @property
+    def log_every(self) -> int:
+        """How many commits one emitted window spans."""
+        return self._log_every
+
+    def commit(self, step: SupportsIndex | None = None, *, only: Iterable[str] | None = None) -> dict[str, float]:
         """End a step: reduce and (every ``log_every``-th commit) emit; returns what was emitted, else ``{}``.
 
         A metric whose records cannot be reduced (a negative tensor weight, a NaN under ``nan="error"`` found on
         the device) is left out: the others are committed, then :class:`~metricbus.errors.MetricValueError`
         names it. Safe to call from several threads: commits run one at a time.
+
+        ``only``: commit just the records of these names; the others stay buffered, in their updates, for the next
+        commit (e.g. evaluation metrics at a step between two training commits, which must not end the training
+        window). Under torch.distributed every rank passes the same names.
         """
+        kept = None if only is None or isinstance(only, str) else frozenset(only)
+        if isinstance(only, str) or (kept is not None and any(not isinstance(name, str) for name in kept)):
+            raise MetricTypeError(
+                f"commit(only={only!r}): pass an iterable of metric names (str); nothing was committed"
+            )
         with self._lock:
             self._check_open("commit")
             ranks = self._ranks
@@ -359,6 +374,9 @@ class MetricBus:
                     "torch.distributed.destroy_process_group()"
                 )
             updates, errors = self._collector.take()
+            if kept is not None:  # the other names' records go back, in their updates (the open one stays open)
+                self._collector.restore([{n: s for n, s in u.items() if n not in kept} for u in updates])
+                updates = [part for u in updates if (part := {n: s for n, s in u.items() if n in kept})]
             out, rejected = self._commit(step, updates, errors, invalid=invalid)
             if rejected:
                 raise _rejected(rejected, what=f"step {step}", kept="committed without them")

@@ -7,7 +7,9 @@ never does.
 * :class:`MetricBusCallback` owns the bus. ``on_train_begin`` builds it (on every process: under DDP ``dist="auto"``
   uses the process group the Trainer initialized), ``on_optimizer_step`` ends an update, ``on_log`` of a training
   log commits at ``state.global_step`` (the Trainer's own logging decision, so ``logging_steps``,
-  ``logging_first_step`` and ``logging_strategy`` apply as configured), ``on_train_end`` commits what is left and
+  ``logging_first_step`` and ``logging_strategy`` apply as configured; ``logging_steps`` is the window, so a bus with
+  ``log_every > 1`` is refused), an evaluation's log commits its own values alone (``commit(only=...)``: the
+  micro-batches of the open training window stay for its log), ``on_train_end`` commits what is left and
   flushes: every step is delivered (written and flushed by each adapter) when ``train()`` returns. The bus stays
   open, so a ``trainer.evaluate()`` after ``train()`` is logged at ``state.global_step`` and flushed before
   ``evaluate()`` returns (as Hugging Face's ``WandbCallback`` leaves its run open). A bus the callback built is
@@ -113,7 +115,11 @@ class MetricBusCallback(TrainerCallback):
             overrides: dict[str, Any] = {}
             if "run" not in given:
                 overrides["run"] = {"name": args.run_name, "config": args.to_sanitized_dict()}
-            self.bus = MetricBus.from_config(self.config, **overrides)
+            bus = MetricBus.from_config(self.config, **overrides)
+            if bus.log_every > 1:  # every process alike (a collective bus's ranks agree on it)
+                bus.close()
+                raise HFIntegrationError(_window_message(bus.log_every, "the config"))
+            self.bus = bus
             self._built = True
             self._trained = False
             self._step_values = {}
@@ -132,6 +138,8 @@ class MetricBusCallback(TrainerCallback):
                 "MetricBusCallback: the bus it was given is closed; pass a new MetricBus for this train(), or none "
                 "to have the callback build one from the config"
             )
+        if bus.log_every > 1:
+            raise HFIntegrationError(_window_message(bus.log_every, "the bus it was given"))
         last = bus.last_step
         if last is not None and state.global_step < last:
             raise HFIntegrationError(
@@ -206,7 +214,9 @@ class MetricBusCallback(TrainerCallback):
                 continue
             logged[name] = number
         try:
-            bus.commit(step=step)
+            # An evaluation (or the end-of-training summary) commits its own values alone: the micro-batches logged
+            # since the last training log stay buffered for the next one, so its window is the one without it.
+            bus.commit(step=step, only=None if training else logged)
         except MetricBusError as exc:  # e.g. a nan="error" value found at commit: report, keep training
             self._report(type(exc).__name__, f"commit at step {step}: {exc}")
         self._step_values = {**again, **logged}
@@ -221,9 +231,11 @@ class MetricBusCallback(TrainerCallback):
         if bus is None or bus.closed:
             return
         last = bus.last_step
-        if last is None or state.global_step > last:
+        if last is None or state.global_step > last or self._window_micro:  # (an evaluation's commit left them)
+            if last is None or state.global_step > last:
+                self._step_values = {}  # the step holds only the mixin's records, never a forwarded name
             bus.commit(step=state.global_step)
-            self._step_values = {}  # the step holds only the mixin's records, never a forwarded name
+            self._window_micro = False
         self._flush("train()")
 
     def micro_logged(self) -> None:
@@ -247,6 +259,14 @@ class MetricBusCallback(TrainerCallback):
         if kind not in self._reported:
             self._reported.add(kind)
             _log.warning("metricbus Trainer callback: %s (reported once)", message)
+
+
+def _window_message(every: int, what: str) -> str:
+    return (
+        f"MetricBusCallback: {what} has log_every={every}; the Trainer's logging_steps is the window here (each "
+        "training log commits the micro-batches since the last one; evaluations commit apart), so build the bus "
+        f"with log_every=1 and set TrainingArguments(logging_steps=...) to the window you want (x{every})"
+    )
 
 
 class MetricBusTrainerMixin:
