@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
@@ -275,8 +276,11 @@ class MetricBus:
 
         Each partial carries its worker's specs: a name this bus has no rule for takes the worker's declared
         spec. Two different declared specs (this bus's ``agg=`` or rule against a worker's, or two workers')
-        raise :class:`~metricbus.errors.SpecError` naming both, and nothing of the call is ingested. So does a
-        :class:`~metricbus.errors.MetricValueError` for a Partial object ingested twice before a commit reduced it.
+        raise :class:`~metricbus.errors.SpecError` naming both; a worker's NaN under a ``nan="error"`` name here a
+        :class:`~metricbus.errors.MetricValueError`. Such a metric of one partial is left out and the rest of the
+        call is ingested (partials in order, the first one's spec settling a conflict): the error lists each
+        refused metric with its partial's index in the call. A Partial object ingested twice before a commit
+        reduced it is a MetricValueError, and nothing of the call is ingested.
         """
         with self._lock:
             self._check_open("ingest")
@@ -296,18 +300,56 @@ class MetricBus:
                 if not isinstance(part, Partial):
                     raise MetricTypeError(f"ingest() takes Partial objects from export(), got {type(part).__name__}")
             _check_once(batch, held=[*self._held, *self._ingested])
-            collector, first = self._collector, len(self._ingested)
+            try:
+                self._ingest(batch)
+                return
+            except (SpecError, MetricValueError) as exc:
+                if len(batch) == 1 and len(set(batch[0].names())) <= 1:
+                    raise  # nothing else in the call to keep
+                kind = type(exc)
+            # One worker's bad metric would cost every worker's step: take the partials one by one, each without
+            # the names it cannot bring, and name what was left out
+            refused: list[str] = []
+            for i, part in enumerate(batch):
+                bad: dict[str, str] = {}
+                for name in dict.fromkeys(part.names()):
+                    try:
+                        self._ingest([_only(part, {name})], dry=True)
+                    except (SpecError, MetricValueError) as exc:
+                        bad[name] = _NOTHING_TAKEN.sub("", str(exc))
+                kept = _only(part, set(part.names()) - set(bad)) if bad else part
+                try:
+                    if len(kept):
+                        self._ingest([kept])
+                except (SpecError, MetricValueError) as exc:  # its names together (e.g. two emitting one output)
+                    bad = {", ".join(sorted(set(kept.names()))): _NOTHING_TAKEN.sub("", str(exc))}
+                refused.extend(f"  partial {i} of this call: {name!r}: {why}" for name, why in bad.items())
+            lines = "\n".join(refused)
+            raise kind(
+                f"ingest(): {len(refused)} metric(s) of the {len(batch)} partials of this call could not be taken "
+                f"(left out of the step); every other record of the call was ingested:\n{lines}"
+            )
 
-            def check(decided: dict[str, Claim]) -> None:
-                # this bus's own records of a name were logged under its policy then, and the workers' summaries
-                # under theirs: either must fit the policy settled now
-                for name, claim in decided.items():
-                    collector.check_adopted_nan(name, claim.spec, claim.where)
-                check_ingested_nan(batch, nan_of=lambda name: collector.nan_of(decided[name].spec), first_worker=first)
+    def _ingest(self, batch: list[Partial], *, dry: bool = False) -> None:
+        """Adopt ``batch``'s specs and take it whole, or raise SpecError or MetricValueError and change nothing
+        (``dry``: only check)."""
+        collector, first = self._collector, len(self._ingested)
 
+        def check(decided: dict[str, Claim]) -> None:
+            # this bus's own records of a name were logged under its policy then, and the workers' summaries
+            # under theirs: either must fit the policy settled now
+            for name, claim in decided.items():
+                collector.check_adopted_nan(name, claim.spec, claim.where)
+            check_ingested_nan(batch, nan_of=lambda name: collector.nan_of(decided[name].spec), first_worker=first)
+            if dry:
+                raise _DryRunError
+
+        try:
             self._table.adopt(batch, first_worker=first, check=check)
-            self._collector.respec()
-            self._ingested.extend(batch)
+        except _DryRunError:
+            return
+        self._collector.respec()
+        self._ingested.extend(batch)
 
     def drop_ingested(self) -> int:
         """Forget the partials ingested since the last commit (and those a refused commit kept), e.g. when a step's
@@ -667,6 +709,19 @@ def _resolve(index: int, adapter: Any) -> Any:
         if str(exc).startswith("adapters["):
             raise
         raise type(exc)(f"adapters[{index}]: {exc}") from exc
+
+
+# what a refusal of one metric says of its own ingest() call, not of the call that went on without it
+_NOTHING_TAKEN = re.compile(r"[;.] [Nn]othing of this ingest\(\) was taken\.?|\. Nothing of the call was ingested")
+
+
+class _DryRunError(Exception):
+    """ingest()'s check of one metric passed: nothing is adopted."""
+
+
+def _only(part: Partial, names: set[str]) -> Partial:
+    """``part`` holding only the records of ``names`` (each update's order kept)."""
+    return Partial(tuple(e for e in part.entries if e[0] in names), part.undeclared & names)
 
 
 def _check_once(batch: Sequence[Partial], *, held: Sequence[Partial]) -> None:

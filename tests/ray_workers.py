@@ -107,9 +107,10 @@ class Output:
 class PolicyWorker:
     """A verl-style actor worker (wrapped with ``ray.remote`` by the tests): its own bus, one call per step."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, rules: dict[str, SpecLike] | None = None) -> None:
         self.rank = rank
-        self.bus = MetricBus(dist=None, rules=RULES)  # no adapters: workers only reduce their micro-batches
+        # no adapters: workers only reduce their micro-batches (``rules``: a misconfigured worker's own)
+        self.bus = MetricBus(dist=None, rules=RULES if rules is None else rules)
 
     def update_actor(
         self, step: int, updates: list[list[Micro]], *, die_at: int | None = None, pause_s: float = 0.0
