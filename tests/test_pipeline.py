@@ -79,13 +79,14 @@ def test_the_drivers_rule_against_a_workers_declaration_is_an_error() -> None:
     assert "ingested worker 0" in text
 
 
-def test_two_workers_disagreeing_is_an_error_and_ingests_nothing() -> None:
-    """Two workers declare different specs: SpecError naming both workers; the call ingests nothing."""
+def test_two_workers_disagreeing_is_an_error_naming_both_and_the_first_is_taken() -> None:
+    """Two workers declare different specs: SpecError naming both workers and the refused partial; the first
+    worker's spec settles it and its records are taken (the rest of a call is never lost to one bad metric)."""
     d = bus()
     d.log("own", 1.0)
-    with pytest.raises(SpecError, match=r"ingested worker 0.*ingested worker 1|ingested worker 1.*ingested worker 0"):
+    with pytest.raises(SpecError, match=r"partial 1 of this call: 'x': .*worker 0.*ingested worker 1"):
         d.ingest([exported({"x": [1.0]}, agg="sum"), exported({"x": [2.0]}, agg="mean")])
-    assert d.commit() == {"own": 1.0}
+    assert d.commit() == {"own": 1.0, "x": 1.0}
 
 
 def test_the_drivers_explicit_spec_against_a_worker_is_an_error() -> None:
