@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -122,3 +123,44 @@ def test_commit_only_keeps_the_other_records_in_their_update() -> None:
         assert bus.commit(step=2) == {"loss": 2.0, "n": 1.5}
         with pytest.raises(MetricTypeError, match="only='loss'"):
             bus.commit(step=3, only="loss")
+
+
+def test_lightning_a_crash_mid_window_commits_it_at_lightnings_step_and_resume_continues(tmp_path: Path) -> None:
+    """log_every_n_steps=4, a checkpoint every 2 steps, a crash before step 7: the window 4..6 is committed at 6
+    (not at 4); the fit resumed from the step-6 checkpoint commits 6..7 at 7 and 8..9 at 9, nothing lost."""
+    pl = pytest.importorskip("pytorch_lightning")
+    import lightning_workers as lw
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from metricbus.integrations.lightning import MetricBusCallback
+
+    class Crash(pl.Callback):  # type: ignore[misc]
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step == 7:
+                raise RuntimeError("the node went away")
+
+    def means(records: list[tuple[int, float, float]], steps: range) -> float:
+        kept = [(t, n) for s, t, n in records if s in steps]
+        return math.fsum(t for t, _ in kept) / sum(n for _, n in kept)
+
+    args = {**lw.TRAINER_ARGS, "enable_checkpointing": True, "max_steps": 10, "log_every_n_steps": 4}
+    first, memory = lw.TinyLM(), MemoryAdapter()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1)
+    trainer = pl.Trainer(
+        **args, devices=1, logger=False, default_root_dir=tmp_path,
+        callbacks=[MetricBusCallback(adapters=[memory]), checkpoints, Crash()],
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="the node went away"):
+        trainer.fit(first, lw.loader())
+    ours = {step: metrics["train/loss"] for step, metrics in memory.rows}
+    assert sorted(ours) == [3, 6]
+    assert abs(ours[6] - means(first.records, range(4, 7))) <= 1e-12
+    second, resumed = lw.TinyLM(), MemoryAdapter()
+    trainer = pl.Trainer(
+        **args, devices=1, logger=False, default_root_dir=tmp_path, callbacks=[MetricBusCallback(adapters=[resumed])]
+    )
+    trainer.fit(second, lw.loader(), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=6.ckpt"))
+    ours = {step: metrics["train/loss"] for step, metrics in resumed.rows}
+    assert sorted(ours) == [7, 9]
+    assert abs(ours[7] - means(second.records, range(6, 8))) <= 1e-12
+    assert abs(ours[9] - means(second.records, range(8, 10))) <= 1e-12

@@ -150,9 +150,21 @@ class MetricBusCallback(pl.Callback):
             self._bus.close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Close this rank's bus as failed, without a collective (the other ranks may be anywhere)."""
-        if self._bus is not None:
-            self._bus.close(status="failed")
+        """Close this rank's bus as failed, without a collective (the other ranks may be anywhere). In one process
+        the records of the unfinished window are committed first at Lightning's step of its last batch that
+        stepped (close() alone would label them with the step after the last commit: the window's first step)."""
+        bus = self._bus
+        if bus is None:
+            return
+        try:
+            if trainer.world_size == 1 and not bus.closed:
+                last = bus.last_step
+                step = max(_logging_step(trainer) - 1, 0 if last is None else last)
+                self._commit(step)
+        except MetricBusError:  # (never masks the exception that ends fit(): close() commits them at its step)
+            pass
+        finally:
+            bus.close(status="failed")
 
     def _commit(self, step: int) -> None:
         self._updates = 0
