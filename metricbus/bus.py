@@ -324,6 +324,8 @@ class MetricBus:
                 except (SpecError, MetricValueError) as exc:  # its names together (e.g. two emitting one output)
                     bad = {", ".join(sorted(set(kept.names()))): _NOTHING_TAKEN.sub("", str(exc))}
                 refused.extend(f"  partial {i} of this call: {name!r}: {why}" for name, why in bad.items())
+            if not refused:  # one by one, every partial fitted (the call's claims together did not)
+                return
             lines = "\n".join(refused)
             raise kind(
                 f"ingest(): {len(refused)} metric(s) of the {len(batch)} partials of this call could not be taken "
