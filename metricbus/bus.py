@@ -459,6 +459,12 @@ class MetricBus:
             elif isinstance(exc, DistributedError) and exc.refused:  # every rank refused it alike
                 dropped = self._put_back(updates, errors, {}, refused=exc.refused)
                 raise DistributedError(f"{exc}. The other records stay buffered{dropped}") from None
+            elif isinstance(exc, DistributedError) and self._ranks.ended is not None:  # the backend failed: no rank
+                dropped = self._put_back(updates, errors, {})  # reduced this step; the ranks cannot commit any more
+                raise DistributedError(
+                    f"commit(step={step}) on rank {self._ranks.rank}: {self._ranks.ended}; later commits raise, and "
+                    f"close() closes this rank alone. The records stay buffered{dropped}"
+                ) from None
             raise
         if exchange.mixed:  # another rank is in close(): every rank sees it (dist.TorchRanks.ended)
             dropped = self._put_back(updates, errors, exchange.rejected)

@@ -260,7 +260,12 @@ class TorchRanks:
         """True if any rank has uncommitted records. ``check`` is a commit of nothing whose ``doing`` says whether
         this rank has some: it runs a commit's collectives (the same shapes as a commit another rank may be in), so
         a rank in ``commit()`` meanwhile is found, and both raise ``DistributedError``."""
-        exchange = self.exchange(check)
+        try:
+            exchange = self.exchange(check)
+        except DistributedError:
+            if self.ended is None:
+                raise
+            raise DistributedError(f"close() on rank {self.rank}: {self.ended}; this rank closes alone") from None
         if exchange.mixed:
             raise DistributedError(
                 f"close() on rank {self.rank}: another rank called commit() meanwhile (close() and commit() are "
@@ -304,8 +309,22 @@ class TorchRanks:
     def _collective(self, fn: Any, *tensors: Any, **kwargs: Any) -> None:
         """Run ``fn(*tensors)`` on the group and hold the tensors until the backend lets go of them."""
         before = [t._use_count() for t in tensors]
-        fn(*tensors, group=self._group, **kwargs)
+        try:
+            fn(*tensors, group=self._group, **kwargs)
+        except RuntimeError as exc:  # gloo's "Connection closed by peer", a timeout, NCCL's DistBackendError
+            raise self._failed(exc) from None
         self._hold(list(tensors), before)
+
+    def _failed(self, exc: RuntimeError) -> DistributedError:
+        """A collective the backend failed (another rank's process ended or crashed, or the group timed out): no
+        collective can run any more (``ended``, so commit() raises and close() closes this rank alone)."""
+        lines = str(exc).strip().splitlines()
+        said = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        self.ended = (
+            f"a torch.distributed collective failed ({said}); another rank's process ended without calling "
+            "bus.close() (close() is a collective: every rank calls it), crashed, or the group timed out"
+        )
+        return DistributedError(f"rank {self.rank}: {self.ended}")
 
     def _hold(self, tensors: list[Any], before: list[int]) -> None:
         """Keep ``tensors`` until the backend lets go of them (their use counts back to ``before``)."""
@@ -358,9 +377,12 @@ class TorchRanks:
         buffer = torch.from_numpy(both).to(self._device)
         first, second = buffer[: maxima.size].view(torch.float64), buffer[maxima.size :]
         before = [first._use_count(), second._use_count()]
-        held = dist.all_reduce(first, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        dist.all_reduce(second, op=dist.ReduceOp.SUM, group=self._group, async_op=True).wait()
-        held.wait()
+        try:
+            held = dist.all_reduce(first, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            dist.all_reduce(second, op=dist.ReduceOp.SUM, group=self._group, async_op=True).wait()
+            held.wait()
+        except RuntimeError as exc:  # (see _collective)
+            raise self._failed(exc) from None
         del held  # a Work keeps its tensors: drop it before waiting for the backend to let go of them
         self._hold([first, second], before)
         out = _host(buffer)

@@ -11,7 +11,12 @@ Every rank logs and commits ``STEPS`` steps through ``MetricBus(dist="torch")`` 
   after the last commit;
 * ``neither``: the script just ends;
 * ``raise``: a ``ValueError`` inside ``with bus:`` on every rank at step ``RAISE_AT`` (exit code 1);
-* ``raise-one``: the ``ValueError`` on rank 1 only; rank 0 runs into the next commit and gets an error there.
+* ``raise-one``: the ``ValueError`` on rank 1 only; rank 0 runs into the next commit and gets an error there;
+* ``close-one``: rank 0 calls ``bus.close()`` (then ``destroy_process_group()``); rank 1 logs once more and just
+  ends, its bus still open (closed alone at interpreter exit);
+* ``commit-one``: as ``close-one``, but rank 0 logs and commits once more before ``bus.close()``.
+
+Rank 0 prints an error of ``close()`` or ``commit()`` as ``close: ...`` / ``commit: ...``, and each warning.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from metricbus import Agg, DistributedError, MetricBus
 
 STEPS = 12
 RAISE_AT = 5
-ORDERS = ("close-destroy", "destroy", "destroy-close", "neither", "raise", "raise-one")
+ORDERS = ("close-destroy", "destroy", "destroy-close", "neither", "raise", "raise-one", "close-one", "commit-one")
 
 
 def log_step(bus: MetricBus, step: int, rank: int) -> None:
@@ -67,6 +72,24 @@ def main(argv: list[str]) -> int:
         bus.close()
         tdist.destroy_process_group()
     elif order == "destroy":
+        tdist.destroy_process_group()
+    elif order in ("close-one", "commit-one") and rank == 1:
+        log_step(bus, STEPS, rank)  # logged, never committed: the close at exit says so
+    elif order in ("close-one", "commit-one"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if order == "commit-one":
+                log_step(bus, STEPS, rank)
+                try:
+                    bus.commit(step=STEPS)
+                except DistributedError as exc:  # the records stay buffered
+                    print(f"commit: {exc}", flush=True)
+            try:
+                bus.close()
+            except DistributedError as exc:
+                print(f"close: {exc}", flush=True)
+        for warning in caught:
+            print(f"warning: {warning.message}", flush=True)
         tdist.destroy_process_group()
     elif order == "destroy-close":
         log_step(bus, STEPS, rank)  # logged, never committed: close() says so
