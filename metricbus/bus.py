@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, SupportsIndex
@@ -129,6 +131,7 @@ class MetricBus:
         self._resumed_after = None if previous is None else previous.last_step  # commit() without a step: next one
         self._step_names: set[str] = set()  # the metrics the last step's commits held
         self._closed = False
+        self._forked_from: int | None = None  # in a child of os.fork(): the PID of the process that built the bus
         # run first by close() (not at exit): an owner holding records for this bus commits them (MetricBusLogger)
         self._before_close: Callable[[], None] | None = None
         self._lock = shutdown.BusLock()  # commits, ingests, exports and close run one at a time
@@ -149,6 +152,7 @@ class MetricBus:
         )  # fmt: skip
         if self._sink.durable or self._ranks.collective:
             shutdown.track(id(self), self._close_at_exit)
+        _watch_forks(self)
 
     def _agreed_options(self, opts: BusOptions) -> list[Any]:
         """The writer's run id and start time, from every rank's (one collective); every rank raises
@@ -236,7 +240,7 @@ class MetricBus:
             elif value is None and type(name) is dict and self._collector.log_floats(name):
                 return
         if self._closed:
-            raise ClosedError(f"cannot log {name!r}: the bus is closed")
+            raise self._closed_error(f"log {name!r}")
         self._collector.log(name, value, weight=weight, agg=agg)
 
     def end_update(self) -> None:
@@ -602,7 +606,34 @@ class MetricBus:
 
     def _check_open(self, verb: str) -> None:
         if self._closed:
-            raise ClosedError(f"cannot {verb}: the bus is closed")
+            raise self._closed_error(verb)
+
+    def _closed_error(self, verb: str) -> ClosedError:
+        if self._forked_from is None:
+            return ClosedError(f"cannot {verb}: the bus is closed")
+        return ClosedError(
+            f"cannot {verb}: this MetricBus was built in process {self._forked_from}, and this process "
+            f"({os.getpid()}) is a child of os.fork() (a multiprocessing 'fork' worker, a DataLoader worker) holding "
+            "only a copy of it: its journal, adapters and delivery threads are the parent's, which commits and "
+            "delivers what it logged. Log in the parent, or build a MetricBus in the child (export() there and "
+            "ingest() in the parent); close() in the child does nothing"
+        )
+
+    def _fork_child(self) -> None:
+        """In a child of ``os.fork()``: this copy of an open bus is closed without touching what the parent's bus
+        still uses (its journal file, adapters, their threads) and without committing the records it inherited (the
+        parent commits them); ``log()``, ``commit()`` and the others raise ClosedError saying so, ``close()`` does
+        nothing. Its locks are new: one a parent thread held at the fork would stay held in the child forever."""
+        if self._closed:
+            return
+        self._forked_from = os.getppid()
+        self._closed = True
+        self._before_close = None
+        self._lock = shutdown.BusLock()
+        collector = self._collector
+        collector.lock = shutdown.BusLock()
+        collector.closed = True
+        collector.fast = self._fast = {}  # the lock-free log() paths find no buffer: the validated path raises
 
     @property
     def closed(self) -> bool:
@@ -707,6 +738,25 @@ class MetricBus:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close(status="failed" if exc_type is not None else "finished")
+
+
+_LIVE: weakref.WeakSet[MetricBus] = weakref.WeakSet()  # the buses of this process, for the fork hook
+_FORK_HOOKED = False
+
+
+def _watch_forks(bus: MetricBus) -> None:
+    """Close ``bus``'s copy in a child of ``os.fork()`` (:meth:`MetricBus._fork_child`); the hook is installed by the
+    first bus built, not at import."""
+    global _FORK_HOOKED
+    _LIVE.add(bus)
+    if not _FORK_HOOKED and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_forked)
+        _FORK_HOOKED = True
+
+
+def _forked() -> None:
+    for bus in list(_LIVE):
+        bus._fork_child()
 
 
 def _resolve(index: int, adapter: Any) -> Any:

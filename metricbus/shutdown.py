@@ -63,10 +63,20 @@ def track(key: int, closer: Callable[[Status], None]) -> None:
     with _lock:
         if not _hooked:
             atexit.register(close_open_buses)
+            if hasattr(os, "register_at_fork"):
+                os.register_at_fork(after_in_child=_forked)
             _hooked = True
         _open[key] = (os.getpid(), closer)
     install_sigterm()
     install_sigint()
+
+
+def _forked() -> None:
+    """In a child of ``os.fork()``: a new lock (one a parent thread held at the fork stays held in the child, and the
+    child's exit would wait on it for ever), and no signal deferred by the parent's bus calls."""
+    global _lock, _deferred
+    _lock = threading.RLock()
+    _deferred = None
 
 
 def untrack(key: int) -> None:

@@ -139,3 +139,15 @@ if __name__ == "__main__":
         hold_child(sys.argv[2])
     elif sys.argv[1] == "efbig":
         efbig_child(sys.argv[2])
+
+
+def journal_as_a_forked_child(bus: Any, step: int, values: list[tuple[str, float]]) -> None:
+    """In a child of ``os.fork()``: write ``step`` (``values`` logged) to ``bus``'s journal as its commit would. The
+    bus's own ``commit()`` refuses in a forked child (its copy is closed there); the journal's handling of a child
+    that writes to the file it shares with its parent (fsync thread, cut bytes) is tested underneath it."""
+    from metricbus import MetricBus
+
+    scratch = MetricBus(dist=None)
+    for name, value in values:
+        scratch.log(name, value)
+    bus._sink.record(step=step, entries=[(0, scratch.export())])

@@ -18,6 +18,7 @@ from metricbus import MetricBus
 from metricbus.errors import JournalError, JournalWarning
 from metricbus.journal import cursors, read_journal, writer
 from metricbus.testing import MemoryAdapter
+from tests.journal_workers import journal_as_a_forked_child
 
 Write = Callable[[int, bytes], int]
 
@@ -86,8 +87,7 @@ def test_a_failed_write_cuts_only_its_own_bytes_a_forked_childs_commit_stays(
     if pid == 0:  # pragma: no cover (the child)
         code = 1
         try:
-            bus.log("x", 1.0)
-            bus.commit(1)
+            journal_as_a_forked_child(bus, 1, [("x", 1.0)])
             code = 0
         finally:
             os._exit(code)

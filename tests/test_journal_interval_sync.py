@@ -19,7 +19,7 @@ import pytest
 from metricbus import MetricBus
 from metricbus.errors import JournalError
 from metricbus.journal import Gap, rank_file, writer
-from tests.journal_workers import fault_values
+from tests.journal_workers import fault_values, journal_as_a_forked_child
 from tests.test_journal_faults import commit_steps, expected, quietly_read, recovered, torn_then_full
 
 WAIT_S = 30.0  # a bound on waiting for the thread, never reached when the code is right
@@ -252,7 +252,7 @@ def test_a_forked_child_syncs_from_a_thread_of_its_own(tmp_path: Path, monkeypat
         ok = False
         try:
             callers.clear()
-            commit_steps(bus, range(1, 2))
+            journal_as_a_forked_child(bus, 1, fault_values(1))
             for _ in range(int(WAIT_S / 0.01)):
                 if "metricbus-journal-0" in callers:
                     ok = True

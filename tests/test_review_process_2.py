@@ -6,6 +6,8 @@ is the real interpreter exit.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ pytest.importorskip("torch")
 from metricbus.adapters.jsonl import read_jsonl
 
 from tests.exit_workers import STEPS
-from tests.test_exit import check_clean, committed, run_order
+from tests.test_exit import ROOT, check_clean, committed, run_order
 
 
 def test_close_while_another_rank_ends_with_its_bus_open(tmp_path: Path) -> None:
@@ -46,4 +48,111 @@ def test_commit_while_another_rank_ends_with_its_bus_open(tmp_path: Path) -> Non
     assert "were not committed" in said, said
     assert committed(tmp_path) == list(range(STEPS))
     assert [step for step, _ in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(STEPS))
+
+
+FORK_CHILD = """
+import multiprocessing, sys
+from metricbus import ClosedError, MetricBus
+
+def child(bus, said):
+    for call in (lambda: bus.log("loss", 99.0), lambda: bus.log({{"loss": 1.0, "acc": 2.0}}),
+                 lambda: bus.commit(step=3), lambda: bus.end_update()):
+        try:
+            call()
+            said.put("no error")
+        except ClosedError as exc:
+            said.put(str(exc))
+    bus.close()  # does nothing in the child: the parent's records, journal and adapters are the parent's
+    said.put(f"closed {{bus.closed}}")
+
+if __name__ == "__main__":
+    bus = MetricBus(dist=None, adapters=["jsonl:{path}"], journal="{journal}")
+    for step in range(3):
+        bus.log({{"loss": float(step), "acc": 0.5}})
+        bus.commit(step=step)
+    bus.log("loss", 10.0)  # pending at the fork: the parent's to commit
+    ctx = multiprocessing.get_context("fork")
+    said = ctx.Queue()
+    proc = ctx.Process(target=child, args=(bus, said))
+    proc.start()
+    for _ in range(5):
+        print(said.get(timeout=60), flush=True)
+    proc.join()
+    print(f"exit {{proc.exitcode}}", flush=True)
+    bus.commit(step=3)
+    bus.close()
+"""
+
+
+def test_a_forked_child_cannot_use_its_copy_of_the_bus(tmp_path: Path) -> None:
+    """log()/commit() in a multiprocessing fork worker raise ClosedError saying why; close() there does nothing."""
+    from metricbus.journal import read_journal
+    from metricbus.replay import emitted
+
+    code = FORK_CHILD.format(path=tmp_path / "m.jsonl", journal=tmp_path / "journal")
+    script = tmp_path / "fork_child.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 6, done.stdout
+    for line, verb in zip(lines, ["log 'loss'", "log {'loss'", "commit", "end_update"], strict=False):
+        assert line.startswith(f"cannot {verb}"), line
+        assert "is a child of os.fork()" in line, line
+        assert "build a MetricBus in the child" in line, line
+    assert lines[4:] == ["closed True", "exit 0"]
+    got = list(read_jsonl(tmp_path / "m.jsonl"))
+    assert [step for step, _ in got] == [0, 1, 2, 3]
+    assert got[3][1] == {"loss": 10.0}  # the parent's record, once; none of the child's
+    assert [(step, out) for step, out in emitted(read_journal(tmp_path / "journal"))] == got
+
+
+HELD_AT_FORK = """
+import os, sys, threading
+from metricbus import ClosedError, MetricBus, shutdown
+
+bus = MetricBus(dist=None, adapters=["jsonl:{path}"], journal="{journal}")
+bus.log("loss", 1.0)
+bus.commit(step=0)
+held, release = threading.Event(), threading.Event()
+
+def hold():  # a parent thread inside the bus (and the exit table) at the fork
+    with bus._lock, bus._collector.lock, shutdown._lock:
+        held.set()
+        release.wait()
+
+thread = threading.Thread(target=hold)
+thread.start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    import signal
+    signal.alarm(60)  # a child that hangs ends itself (the test sees its exit status), not left behind
+    for call in (lambda: bus.commit(step=1), lambda: bus.define("x", "sum"), lambda: bus.log("loss", 2.0)):
+        try:
+            call()
+        except ClosedError:
+            pass
+    bus.close()
+    sys.exit(0)  # runs atexit in the child, which reads the exit table
+release.set()
+thread.join()
+_, status = os.waitpid(pid, 0)
+print(f"child exit {{os.waitstatus_to_exitcode(status)}}", flush=True)
+bus.log("loss", 3.0)
+bus.commit(step=1)
+bus.close()
+"""
+
+
+def test_a_child_forked_while_a_thread_holds_the_bus_locks_does_not_hang(tmp_path: Path) -> None:
+    """A fork while another thread holds the bus's, collector's and exit table's locks: the child's calls and its
+    exit return (a lock held at the fork stays held in the child); the parent delivers each step once."""
+    code = HELD_AT_FORK.format(path=tmp_path / "m.jsonl", journal=tmp_path / "journal")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["child exit 0"]
+    assert list(read_jsonl(tmp_path / "m.jsonl")) == [(0, {"loss": 1.0}), (1, {"loss": 3.0})]
 
