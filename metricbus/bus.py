@@ -152,6 +152,8 @@ class MetricBus:
         )  # fmt: skip
         if self._sink.durable or self._ranks.collective:
             shutdown.track(id(self), self._close_at_exit)
+        else:  # nothing to close at exit; a Ctrl-C inside its commit() still waits for the commit to be whole
+            shutdown.guard(id(self), self)
         _watch_forks(self)
 
     def _agreed_options(self, opts: BusOptions) -> list[Any]:

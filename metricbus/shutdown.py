@@ -19,7 +19,8 @@ SIGTERM: exit status -15 / 143). When a Python-level handler was installed befor
 checkpoint and stops on its own), the buses are *flushed* instead, within the same grace period, and that handler
 is called: the program goes on, and its buses are closed when it ends.
 
-**Ctrl-C** (SIGINT). The same bus, where SIGINT has Python's default handler (``KeyboardInterrupt``), installs a
+**Ctrl-C** (SIGINT). Every bus (also one with no journal, adapters or collectives, which nothing closes at exit),
+where SIGINT has Python's default handler (``KeyboardInterrupt``), installs a
 handler that defers a SIGINT landing inside a bus call (the main thread holding its locks) until that call returns,
 then raises ``KeyboardInterrupt`` as the default handler would. A commit is then never cut between its journal write
 and the rest of it (a KeyboardInterrupt right after the write, where a Ctrl-C during a commit mostly lands, left the
@@ -38,6 +39,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -48,6 +50,9 @@ logger = logging.getLogger("metricbus")
 EXIT_TIMEOUT_S = 20.0  # under the 30 s Kubernetes (terminationGracePeriodSeconds) and SLURM (KillWait) leave
 FLUSH_AT_SIGTERM_S = 3600.0  # asked of each bus when chaining; its sink bounds it by exit_timeout_s
 _open: dict[int, tuple[int, Callable[[Status], None]]] = {}  # id(bus) -> (pid that built it, closer), build order
+# the open buses with nothing to close at exit (no journal, adapters or collectives), whose calls a SIGINT waits for
+# too: id(bus) -> (pid that built it, the bus; an entry leaves when the bus is closed or garbage collected)
+_guarded: dict[int, tuple[int, weakref.ref[Any]]] = {}
 _lock = threading.RLock()  # reentrant: the SIGTERM handler may run while the main thread holds it
 _hooked = False
 _sigterm_done = False
@@ -79,13 +84,29 @@ def _forked() -> None:
     _deferred = None
 
 
+def guard(key: int, bus: object) -> None:
+    """A bus with nothing to close at exit (not tracked): a SIGINT landing inside its calls waits for them too
+    (:func:`install_sigint`), while it is open and alive."""
+    with _lock:
+        _guarded[key] = (os.getpid(), weakref.ref(bus, lambda _: untrack(key)))
+    install_sigint()
+
+
 def untrack(key: int) -> None:
     """The bus was closed: nothing to do for it at exit (the last one of this process gives SIGINT back to Python's
     default handler, where ours is still the one installed and this is the main thread)."""
     with _lock:
         _open.pop(key, None)
-        if not _closers():
+        _guarded.pop(key, None)
+        if not _closers() and not _guarded_buses():
             uninstall_sigint()
+
+
+def _guarded_buses() -> list[Any]:
+    """This process's guarded buses still alive."""
+    pid = os.getpid()
+    with _lock:
+        return [bus for owner, ref in list(_guarded.values()) if owner == pid and (bus := ref()) is not None]
 
 
 def bounded(timeout_s: float, exit_timeout_s: float) -> float:
@@ -211,8 +232,7 @@ def _grace_s() -> float:
 
 def _main_is_inside_a_bus() -> bool:
     """True when the main thread (which runs signal handlers) holds a bus's lock: it was interrupted inside one."""
-    for closer in _closers():
-        bus = getattr(closer, "__self__", None)
+    for bus in [getattr(closer, "__self__", None) for closer in _closers()] + _guarded_buses():
         locks = [getattr(bus, "_lock", None), getattr(getattr(bus, "_collector", None), "lock", None)]
         if any(isinstance(lock, BusLock) and lock._is_owned() for lock in locks):
             return True
