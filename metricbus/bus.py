@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -31,6 +32,7 @@ from metricbus.errors import (
     ConfigError,
     DistributedError,
     JournalError,
+    MetricBusError,
     MetricBusWarning,
     MetricTypeError,
     MetricValueError,
@@ -132,6 +134,7 @@ class MetricBus:
         self._step_names: set[str] = set()  # the metrics the last step's commits held
         self._closed = False
         self._forked_from: int | None = None  # in a child of os.fork(): the PID of the process that built the bus
+        self._late_names: set[str] = set()  # metrics an adapter logged while close() drained it (named once)
         # run first by close() (not at exit): an owner holding records for this bus commits them (MetricBusLogger)
         self._before_close: Callable[[], None] | None = None
         self._lock = shutdown.BusLock()  # commits, ingests, exports and close run one at a time
@@ -235,15 +238,51 @@ class MetricBus:
                 if buffer is not None:
                     buffer.append(value)  # atomic under the GIL; see metricbus.accumulate
                     if self._fast is not fast:  # close() began on another thread since the buffer was read
-                        self._collector.late(name, ((buffer, value),))
+                        try:
+                            self._collector.late(name, ((buffer, value),))
+                        except ClosedError as exc:
+                            self._logged_while_closing(name, exc)
                     elif len(buffer) >= FOLD_AT:
                         self._collector.fold(name)  # type: ignore[arg-type]
                     return
             elif value is None and type(name) is dict and self._collector.log_floats(name):
                 return
-        if self._closed:
-            raise self._closed_error(f"log {name!r}")
-        self._collector.log(name, value, weight=weight, agg=agg)
+        try:
+            if self._closed:
+                raise self._closed_error(f"log {name!r}")
+            self._collector.log(name, value, weight=weight, agg=agg)
+        except ClosedError as exc:
+            self._logged_while_closing(name, exc)
+
+    def _logged_while_closing(self, name: Any, exc: ClosedError) -> None:
+        """A log() refused because close() began: raise ClosedError, except on an adapter's delivery thread (a backend
+        that logs into this bus from its write() or close(), or a logging handler that does, while close() drains
+        it): there the records are dropped and the metric named once in metricbus's log, where the ClosedError
+        failed that write, and so lost the last steps, and stalled close() for its whole timeout."""
+        label = None if self._forked_from is not None else self._sink.delivery.label_of(threading.current_thread())
+        if label is None:
+            raise exc
+        key = ", ".join(map(repr, name)) if isinstance(name, Mapping) else repr(name)
+        if key in self._late_names:
+            return
+        self._late_names.add(key)
+        shutdown.logger.warning(
+            "metricbus: adapter %r logged %s into the bus while close() delivers its last steps; those records come "
+            "after the last commit and were dropped (a backend's records are committed only while the bus is open)",
+            label, key,
+        )  # fmt: skip
+
+    def _on_delivery_thread(self, verb: str) -> None:
+        """Refuse ``verb`` on an adapter's delivery thread (from a backend's write() or close(), or a logging handler
+        it triggers): close() and a commit() that waits for room in a full queue hold the bus while they wait for
+        that thread, so it would wait for itself (close() for its whole timeout, losing the last steps)."""
+        label = self._sink.delivery.label_of(threading.current_thread())
+        if label is not None:
+            raise MetricBusError(
+                f"cannot {verb} from adapter {label!r}'s delivery thread (inside its backend's write() or close()): "
+                "close() and a commit() waiting for room in its queue wait for that thread, so this would wait for "
+                "itself. log() from there is fine; commit and close from the training loop"
+            )
 
     def end_update(self) -> None:
         """End one optimizer update on this worker: the records since the last boundary are its micro level.
@@ -267,6 +306,7 @@ class MetricBus:
 
     def export(self) -> Partial:
         """This worker's uncommitted records as a picklable Partial; the buffer is left empty."""
+        self._on_delivery_thread("export()")
         with self._lock:
             self._check_open("export")
             updates, errors = self._collector.take()
@@ -288,6 +328,7 @@ class MetricBus:
         refused metric with its partial's index in the call. A Partial object ingested twice before a commit
         reduced it is a MetricValueError, and nothing of the call is ingested.
         """
+        self._on_delivery_thread("ingest()")
         with self._lock:
             self._check_open("ingest")
             if self._ranks.collective:
@@ -363,6 +404,7 @@ class MetricBus:
         """Forget the partials ingested since the last commit (and those a refused commit kept), e.g. when a step's
         gather from another group of workers failed and the step is skipped: else the next commit would reduce
         them with its own. Returns how many were dropped. The specs they brought stay adopted."""
+        self._on_delivery_thread("drop_ingested()")
         with self._lock:
             self._check_open("drop_ingested")
             dropped = len(self._ingested) + len(self._held)
@@ -397,6 +439,7 @@ class MetricBus:
             raise MetricTypeError(
                 f"commit(only={only!r}): pass an iterable of metric names (str); nothing was committed"
             )
+        self._on_delivery_thread("commit()")
         with self._lock:
             self._check_open("commit")
             ranks = self._ranks
@@ -658,6 +701,7 @@ class MetricBus:
             )
         if self._closed:
             return
+        self._on_delivery_thread("close()")
         before, self._before_close = self._before_close, None
         if before is not None:
             before()

@@ -350,6 +350,13 @@ class Delivery:
         if not worker.put(item, deadline=time.monotonic() + self._timeout_s, even_degraded=True):
             worker.dropped += len(steps)
 
+    def label_of(self, thread: threading.Thread) -> str | None:
+        """The label of the adapter whose delivery thread ``thread`` is, else None."""
+        for worker in self._workers:
+            if worker.thread is thread:
+                return worker.label
+        return None
+
     @property
     def adapters(self) -> list[Adapter]:
         """The adapters, in order (index = position)."""

@@ -6,8 +6,10 @@ is the real interpreter exit.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,9 @@ pytest.importorskip("torch")
 
 from metricbus.adapters.jsonl import read_jsonl
 
+from metricbus import MetricBus, MetricBusError
+from metricbus.adapter import Status
+from metricbus.testing import MemoryAdapter
 from tests.exit_workers import STEPS
 from tests.test_exit import ROOT, check_clean, committed, run_order
 
@@ -193,3 +198,99 @@ def test_a_ctrl_c_during_a_commit_of_a_bus_without_journal_or_adapters_waits_for
                           timeout=120, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["step 0 {}", "interrupted, last step 1", "step 2 {}", "step 3 {'c': 1100.0}"]
+
+
+class _ToBus(logging.Handler):
+    """A logging handler that counts a backend's log lines into a bus (``bus`` set after the bus is built)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bus: MetricBus | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        assert self.bus is not None
+        self.bus.log("backend/lines", 1.0)
+
+
+class _Chatty(MemoryAdapter):
+    """A backend that logs a line (through Python logging) in each write() and in close()."""
+
+    name = "chatty"
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self.logger = logger
+        self.commit_error: BaseException | None = None
+
+    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
+        self.logger.info("wrote step %d", step)
+        super().write(step=step, metrics=metrics)
+
+    def close(self, *, status: Status) -> None:
+        self.logger.info("closing")
+        super().close(status=status)
+
+
+def test_a_blocking_backend_that_logs_into_the_bus_while_close_drains_it_loses_no_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """queue_policy="block", the backend's write()/close() log into the bus: close() delivers every step and ends the
+    run; the records logged after the last commit are dropped and named once (no ClosedError failing the write)."""
+    backend = logging.getLogger("tests.chatty_backend")
+    handler = _ToBus()
+    backend.addHandler(handler)
+    backend.setLevel(logging.INFO)
+    try:
+        adapter = _Chatty(backend)
+        bus = MetricBus(dist=None, adapters=[adapter], queue_policy="block", queue_size=2)
+        handler.bus = bus
+        for step in range(10):
+            bus.log("loss", float(step))
+            bus.commit(step=step)
+        with caplog.at_level(logging.WARNING, logger="metricbus"):
+            bus.close(timeout_s=60)
+    finally:
+        backend.removeHandler(handler)
+    assert adapter.status == "finished"
+    steps = [step for step, _ in adapter.rows]
+    assert steps[:10] == list(range(10))
+    assert steps[10:] in ([], [10])  # the lines of the writes before close()'s commit, committed by it
+    assert all("loss" in metrics for _, metrics in adapter.rows[:10])
+    dropped = [r.getMessage() for r in caplog.records if "after the last commit and were dropped" in r.getMessage()]
+    assert len(dropped) == 1, dropped
+    assert "adapter 'chatty' logged 'backend/lines'" in dropped[0]
+
+
+class _Committing(MemoryAdapter):
+    """A backend whose close() calls back into the bus's commit()."""
+
+    name = "committing"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bus: MetricBus | None = None
+        self.error: BaseException | None = None
+
+    def close(self, *, status: Status) -> None:
+        assert self.bus is not None
+        try:
+            self.bus.commit()
+        except MetricBusError as exc:
+            self.error = exc
+        super().close(status=status)
+
+
+def test_a_backend_that_commits_from_its_close_is_refused_at_once() -> None:
+    """commit() from the adapter's delivery thread while close() waits for it: a MetricBusError saying why (it waited
+    for the lock close() holds until close() timed out, then ClosedError), every step delivered, the run ended."""
+    adapter = _Committing()
+    bus = MetricBus(dist=None, adapters=[adapter], queue_policy="block", queue_size=2)
+    adapter.bus = bus
+    for step in range(5):
+        bus.log("loss", float(step))
+        bus.commit(step=step)
+    bus.close(timeout_s=60)
+    assert type(adapter.error) is MetricBusError, adapter.error
+    assert "from adapter 'committing''s delivery thread" in str(adapter.error)
+    assert [step for step, _ in adapter.rows] == list(range(5))
+    assert adapter.status == "finished"
