@@ -10,8 +10,8 @@ round-half-even, except that a value beyond the double range rounds to ±MAX (th
 * within the double range ``c0`` IS the correctly rounded sum, ``c1`` the correctly rounded remainder, and so on;
 * beyond it, the tuple starts with one or more ±MAX (about ``|V| / MAX`` of them: finite doubles that sum to a
   value beyond the range must be that many) and continues as the canonical form of what is left;
-* a zero sum is ``(0.0,)`` (or ``(-0.0,)``, as ``math.fsum`` gives); a tuple is never empty, and no component but a
-  lone first one is ever 0.
+* a zero sum is ``(0.0,)``, or ``(-0.0,)`` where every part is ``-0.0`` (IEEE's sign, :mod:`metricbus.signed_zero`);
+  a tuple is never empty, and no component but a lone first one is ever 0.
 
 Non-finite inputs: the sum is one component, the IEEE sum of the non-finite inputs alone (finite ones cannot change
 it): NaN if a NaN or both infinities are present, else ±inf. So a tuple whose first component is not finite stands
@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from metricbus import signed_zero
+
 MAX = sys.float_info.max
 _NAN = math.nan
 _INF = math.inf
@@ -37,6 +39,8 @@ def components(parts: Sequence[float]) -> tuple[float, ...]:
     """The greedy components of the exact sum of ``parts`` (see the module docstring)."""
     try:
         hi = _fsum(parts)
+        if hi == 0.0:  # an exact zero: -0.0 only if every part is (IEEE's sign, whatever fsum gives)
+            return (signed_zero.of_sum(parts),)
         if hi - hi == 0.0:
             out = [hi]
             rest = [*parts, -hi]
@@ -174,8 +178,11 @@ def _dekker_errors(weights: Sequence[float], values: Sequence[float]) -> list[fl
 
 
 def _product_error(w: float, x: float, p: float) -> float:
-    """``fl(w·x - p)`` by integer arithmetic; 0 where ``p`` is 0 (then ``w·x`` rounds to 0) or not finite."""
-    if p == 0.0 or p - p != 0.0:
+    """``fl(w·x - p)`` by integer arithmetic; ``p`` itself where ``p`` is a zero (so a product of -0.0 adds only
+    -0.0s, and a Σw·x of such products stays -0.0: :mod:`metricbus.signed_zero`), 0 where ``p`` is not finite."""
+    if p == 0.0:
+        return p
+    if p - p != 0.0:
         return 0.0
     a, b = w.as_integer_ratio()
     c, d = x.as_integer_ratio()

@@ -39,7 +39,6 @@ from metricbus.summary import N_FIELDS, NEAR, Rest, Summary, near_mean_m2
 _fsum = math.fsum
 COLUMNS_FROM = 8  # plain metrics in an update from which they are summarised in columns
 _new = tuple.__new__
-_FSUM_SIGNED_ZERO = math.copysign(1.0, _fsum([-0.0, -0.0])) < 0.0  # fsum of -0.0s is -0.0 (newer Pythons)
 _EXP_TOP = 1020  # _exact_sums takes magnitudes below 2**(_EXP_TOP - M) (so sigma and every partial sum are finite)
 _MAX = sys.float_info.max
 _QUIET = 2.0**500  # below this magnitude no square of a deviation overflows, and _exact_sums stays in range
@@ -119,7 +118,7 @@ class Segments:
     records, every one >= 1). Built once per list of counts: a collector keeps the last one, as the counts of one
     commit are mostly those of the one before."""
 
-    __slots__ = ("counts", "ends", "n", "near", "scale", "shift", "sigma", "single", "sizes", "starts", "top")
+    __slots__ = ("counts", "ends", "n", "near", "scale", "shift", "sigma", "sizes", "starts", "top")
 
     def __init__(self, counts: list[int]) -> None:
         self.counts = counts
@@ -131,7 +130,6 @@ class Segments:
         self.ends = np.stack((starts, starts + (sizes - 1)))  # each metric's first and last record
         self.n = sizes.astype(np.float64)
         self.near = self.n * NEAR  # m2 up to near·mean² is taken again (summary.NEAR)
-        self.single = 1 in counts  # a metric of one record (its total keeps a -0.0)
         self.shift = (2 * max(counts) - 1).bit_length()  # M of _exact_sums: 2**M >= twice the longest metric
         self.sigma = 2.0**self.shift
         self.scale = 2.0 ** (self.shift - 53)  # the second extraction's sigma over the first's
@@ -195,13 +193,10 @@ def _columns(
         if left:
             return _split(names, segments, flat, others, left)
     negative_zero = flat.view(np.int64).min() == signed_zero.NEGATIVE_ZERO_BITS  # its bits are the least int64
-    if negative_zero and _FSUM_SIGNED_ZERO:  # fsum keeps the sign of a sum of -0.0s: take its zeros
-        zero = np.flatnonzero(total == 0.0).tolist()
-        for i, row in zip(zero, segments.rows(flat, zero), strict=True):
-            total[i] = _fsum(row)
     sizes, starts = segments.sizes, segments.starts
-    if segments.single:  # one record: its value is the sum (of_value keeps -0.0, which fsum makes 0.0)
-        total = np.where(sizes == 1, flat[starts], total)
+    if negative_zero:  # a zero sum is -0.0 where every record is (signed_zero.of_sum), else +0.0
+        negative = np.add.reduceat((flat.view(np.int64) == signed_zero.NEGATIVE_ZERO_BITS).astype(np.intp), starts)
+        total = np.where(total == 0.0, np.where(negative == sizes, -0.0, 0.0), total)
     means = total / segments.n
     deviations = flat - np.repeat(means, sizes)
     deviations *= deviations

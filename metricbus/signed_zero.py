@@ -1,4 +1,4 @@
-"""Which zero a ``min`` or ``max`` is: every path orders ``-0.0`` below ``+0.0``.
+"""Which zero a ``min``, ``max`` or zero sum is: every path orders ``-0.0`` below ``+0.0``, and sums as IEEE 754 does.
 
 IEEE comparison finds ``-0.0 == +0.0``, so Python's ``min()``, numpy's reductions, ``torch.minimum`` and an
 all_reduce(MAX) each keep an unspecified one of two tied zeros (the first, the last, or the hardware's choice).
@@ -6,7 +6,14 @@ metricbus orders them as IEEE 754's totalOrder does: the min of records holding 
 ``+0.0``, whatever the order of the records, the split into micro-batches, updates and workers, and the path (log,
 ingest, torch.distributed, replay). A NaN among them still makes the min and max NaN.
 
-Only a zero extreme needs this: the helpers here fix one up after the ordinary reduction found it.
+A zero *sum* (``sum``, ``mean``: Σx, Σw·x, Σw) is ``-0.0`` exactly when every term is ``-0.0`` (the records,
+or for Σw·x every product ``w·x``), else ``+0.0``: what IEEE 754 addition gives in any order (``x + (-x)`` is
+``+0.0``), and what :func:`math.fsum` gives from Python 3.12 on (before, it gives ``+0.0`` for ``-0.0``s). Every
+path follows it: :func:`metricbus.exact.components` (and so ``Summary.of_batch`` and the list paths), the columns
+of :mod:`metricbus.micro_columns`, ``Summary.merge`` (TwoSum keeps IEEE's sign) and the rank level, which counts
+the workers whose sum is ``-0.0`` (:mod:`metricbus.rank_finish`). So the sign does not depend on the split.
+
+Only a zero extreme or sum needs this: the helpers here fix one up after the ordinary reduction found it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,14 @@ import numpy as np
 _NAN = math.nan
 _COPYSIGN = math.copysign
 NEGATIVE_ZERO_BITS = -(2**63)  # the bits of -0.0, read as an int64 (+0.0's are 0)
+
+
+def of_sum(terms: Iterable[float]) -> float:
+    """The zero that a sum of ``terms`` is when it is exactly zero: ``-0.0`` if every term is ``-0.0``."""
+    for x in terms:
+        if x != 0.0 or _COPYSIGN(1.0, x) > 0.0:
+            return 0.0
+    return -0.0
 
 
 def least(a: float, b: float) -> float:

@@ -83,6 +83,8 @@ class Summary(NamedTuple):
             # give (a third one checks that nothing is left when lo != 0). total_lo NaN: take the general path.
             try:
                 total = _fsum(values)
+                if total == 0.0:  # an exact zero: -0.0 only if every record is (IEEE's sign, signed_zero.of_sum)
+                    total = signed_zero.of_sum(values)
                 total_lo = _fsum([*values, -total])
                 if total_lo != 0.0 and _fsum([*values, -total, -total_lo]) != 0.0:
                     total_lo = _NAN

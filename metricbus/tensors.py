@@ -198,6 +198,11 @@ class DeviceStates:
         fields[_TO_FIELDS] = rows[:, : len(_TO_FIELDS)].T
         for f, signed, logged in ((8, -0.0, _NEGATIVE_ZERO), (9, 0.0, _POSITIVE_ZERO)):  # -0.0 below +0.0
             fields[f] = np.where((fields[f] == 0.0) & (rows[:, logged] != 0), signed, fields[f])
+        # every record -0.0 (a zero min, a max of -0.0): Σx and Σw·x are -0.0, as IEEE says (signed_zero.of_sum);
+        # torch's sum of -0.0s is +0.0
+        every_negative_zero = (fields[8] == 0.0) & (fields[9] == 0.0) & np.signbit(fields[9])
+        if every_negative_zero.any():
+            fields[[3, 5]] = np.where(every_negative_zero, -0.0, fields[[3, 5]])
         hosts = rows[:, [_HOST_FIRST, _HOST_LAST]].T
         out: dict[int, tuple[tuple[str, ...], Any, Any]] = {}
         start = 0
