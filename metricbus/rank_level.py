@@ -19,11 +19,12 @@ column; and ``m2``:
 
 * one worker has the column: its own ``m2``, unchanged (so the rank level of one worker is the identity);
 * several, where a chain reads it (the column's rank kind is ``std``): ``m2 = Σ t_r - S²/W`` with
-  ``t_r = m2_r + S_r²/W_r`` (``S`` = Σw·x, ``W`` = Σw). Each ``t_r`` is a double-double computed by the same numpy
-  code on every path (error below ~2**-100 · t_r); ``Σ t_r`` is exact, and ``(T·W - S²)/W`` is evaluated in exact
-  integer arithmetic, then correctly rounded. So ``m2`` is the same bits on every path, and its error beyond the
-  workers' own ``m2_r`` is at most ``(2**-96 · (1 + mean²/variance) + 2**-52) · m2`` (tests/test_rank_level.py):
-  ~1e-13 at mean 1e6 and spread 1e-3, where each worker's two-pass ``m2_r`` already carries ~1e-15;
+  ``t_r = m2_r + S_r²/W_r`` (``S`` = Σw·x, ``W`` = Σw). Each ``t_r`` is a short expansion computed by the same
+  numpy code on every path, exact but for a term of ~2**-150 · W_r·mean_r² (:func:`second_moment.t_parts`);
+  ``Σ t_r`` is exact, and ``(T·W - S²)/W`` is evaluated in exact integer arithmetic, then correctly rounded. So
+  ``m2`` is the same bits on every path, exactly 0 for a constant metric, and its error beyond the workers' own
+  ``m2_r`` is at most ``(2**-140 · (1 + mean²/variance) + 2**-52) · m2`` (tests/test_rank_level.py,
+  tests/test_review_exactness_2.py): the final rounding alone at mean 1e9 and spread 1e-6;
 * several, where no chain reads it: NaN (not computed: ``t`` costs as much as the rest of the merge).
 
 Unit weights (every worker's Σw is its count and Σw·x its Σx, the common case) are agreed in pass 1, and such a
@@ -37,6 +38,7 @@ Summaries are assembled column-wise, vectorized, by :mod:`metricbus.rank_finish`
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, replace
 
@@ -110,7 +112,7 @@ class Prepared:
     weighted: Array  # (R, C) bool: present, not unit
     sources: tuple[tuple[int, Array], ...]  # (slot, (n, C) values): the dense terms of each sum slot
     extra: fixed.Terms  # the rests' further components
-    t_hi: Array | None  # (R, C): t where the column's m2 is merged (moments), else 0; None: no such column
+    t_hi: Array | None  # (R, C): t's leading part where the column's m2 is merged (moments), else 0; None: none
     dense: fixed.Terms  # the sources' terms, decomposed once for both passes
 
 
@@ -132,12 +134,18 @@ def _prepared(block: Block, *, decompose: bool) -> Prepared:
     chosen = present & block.moments if block.moments.any() else None
     if chosen is not None and chosen.any():
         where = np.nonzero(chosen)
-        hi, lo = second_moment.t_parts(fields[:, where[0], where[1]])
-        t_hi = np.zeros(present.shape)
-        t_hi[where] = hi
-        t_lo = np.zeros(present.shape)
-        t_lo[where] = lo
-        sources.extend(((3, t_hi), (3, t_lo)))
+        rests: list[Array | None] = [None, None]  # Σw's and Σw·x's further components, summed, where any
+        for r, c, which, parts in block.rests:
+            if which < 2 and chosen[r, c]:
+                if rests[which] is None:
+                    rests[which] = np.zeros(present.shape)
+                rests[which][r, c] = math.fsum(parts)  # type: ignore[index]
+        picked = [None if rest is None else rest[where] for rest in rests]
+        for part in second_moment.t_parts(fields[:, where[0], where[1]], *picked):
+            held = np.zeros(present.shape)
+            held[where] = part
+            sources.append((3, held))
+        t_hi = sources[2][1]  # the leading part: NaN or ±inf where t is not finite
     weighted = present ^ unit  # (unit rows are present)
     if weighted.any():
         sources.extend((slot, np.where(weighted, fields[f], 0.0)) for slot, f in ((0, 1), (0, 2), (1, 3), (1, 4)))

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 from metricbus import MetricBus
 from metricbus.journal import read_journal
+from metricbus.rank_level import block_of, merge, merge_collective
 from metricbus.replay import emitted
+from metricbus.summary import Summary
 from tests.gloo_ranks import run_ranks
 
 RULES = {"x": ["sum", "mean"], "c*": ["mean", "std"]}
@@ -122,3 +124,95 @@ def test_zero_sums_on_gloo_ranks_follow_ieee(tmp_path: Path) -> None:
         }, got[rank]
     replayed = next(metrics for _, metrics in emitted(read_journal(journal)))
     assert {k: _bits(v) for k, v in replayed.items()} == {k: _bits(v) for k, v in got[0].items()}
+
+
+CONSTANTS = [0.1, 1 / 3, 1e9 + 0.1, 7.123456789, 1e-5, 123456.789, -2.5e-300, 3e150]  # (mean² within the range)
+
+
+def _constants_through_ingest(journal: str, weighted: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """Three worker buses log each constant (``c0``...) in shares of 3, 5 and 2 records; (emitted, replayed)."""
+    driver = MetricBus(dist=None, rules=RULES, journal=journal)
+    parts = []
+    for share in (3, 5, 2):
+        worker = MetricBus(dist=None, rules=RULES)
+        for i, c in enumerate(CONSTANTS):
+            worker.log(f"c{i}", [c] * share, weight=[0.3, 0.7, 1.1, 2.0, 0.1][:share] if weighted else None)
+        parts.append(worker.export())
+        worker.close()
+    driver.ingest(parts)
+    out = driver.commit(step=0)
+    driver.close()
+    return out, next(metrics for _, metrics in emitted(read_journal(journal)))
+
+
+def test_a_constant_metric_has_std_zero_across_workers(tmp_path: Path) -> None:
+    """A metric constant across ingested workers (weighted or not) has std exactly 0.0, replay too."""
+    for weighted in (False, True):
+        out, replayed = _constants_through_ingest(str(tmp_path / f"j{weighted}"), weighted)
+        for got in (out, replayed):
+            for i, c in enumerate(CONSTANTS):
+                assert _bits(got[f"c{i}/std"]) == _bits(0.0), (c, weighted, got[f"c{i}/std"])
+                assert got[f"c{i}/mean"] == c
+
+
+def constants_on_a_rank(rank: int, size: int) -> dict[str, float]:
+    """Each rank logs every constant, ``rank + 2`` records of each, in two updates; the emitted row."""
+    bus = MetricBus(rules=RULES)
+    for i, c in enumerate(CONSTANTS):
+        bus.log(f"c{i}", [c] * (rank + 1))
+    bus.end_update()
+    for i, c in enumerate(CONSTANTS):
+        bus.log(f"c{i}", c)
+    out = bus.commit(step=0)
+    bus.close()
+    return out
+
+
+def test_a_constant_metric_has_std_zero_on_gloo_ranks() -> None:
+    """Real gloo ranks: a metric constant across ranks has std exactly 0.0 on every rank."""
+    got = run_ranks(constants_on_a_rank, 3)
+    for rank in range(3):
+        assert {k: _bits(v) for k, v in got[rank].items() if k.endswith("/std")} == {
+            f"c{i}/std": _bits(0.0) for i in range(len(CONSTANTS))
+        }, got[rank]
+
+
+def _exact_m2(shares: list[tuple[list[float], list[float]]]) -> tuple[Fraction, Fraction, Fraction]:
+    """(m2, mean, W) of every share's weighted records, exactly."""
+    pairs = [(Fraction(x), Fraction(w)) for xs, ws in shares for x, w in zip(xs, ws, strict=True)]
+    weight = sum((w for _, w in pairs), Fraction(0))
+    mean = sum((w * x for x, w in pairs), Fraction(0)) / weight
+    return sum((w * (x - mean) ** 2 for x, w in pairs), Fraction(0)), mean, weight
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    mean=st.sampled_from([0.0, 1.0, 1e6, -3e8, 1e9, 1e12, 1e100, 1e-100]),
+    spread=st.sampled_from([1e-15, 1e-12, 1e-9, 1e-3, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+    workers=st.integers(2, 5),
+    weighted=st.booleans(),
+)
+def test_the_merged_second_moment_is_as_exact_as_the_workers(
+    mean: float, spread: float, seed: int, workers: int, weighted: bool
+) -> None:
+    """Across workers m2 is off by at most 2**-52 of it (its rounding) and 2**-140 of W·mean², beyond the
+    workers' own m2 (README, Scale: precision); one process and the collectives' limbs agree bit for bit."""
+    rng = np.random.default_rng(seed)
+    scale = abs(mean) * spread or spread
+    shares = []
+    for _ in range(workers):
+        n = int(rng.integers(1, 9))
+        xs = (mean + scale * rng.standard_normal(n)).tolist()
+        shares.append((xs, rng.random(n).tolist() if weighted else [1.0] * n))
+    rows = [[Summary.of_batch(xs, ws if weighted else None)] for xs, ws in shares]
+    block = block_of(rows, list(range(workers)), [True])
+    merged, collective = merge(block)[0], merge_collective(block)[0]
+    assert merged is not None
+    assert collective is not None
+    assert _bits(merged.m2) == _bits(collective.m2)
+    exact, mu, weight = _exact_m2(shares)
+    own = sum((Fraction(row[0].m2) - _exact_m2([share])[0] for row, share in zip(rows, shares, strict=True)),
+              Fraction(0))  # the workers' own error, which the merge carries along
+    bound = Fraction(2.0**-52) * abs(exact) + Fraction(2.0**-140) * (weight * mu * mu + exact)
+    assert abs(Fraction(merged.m2) - exact - own) <= bound, (merged.m2, float(exact))
