@@ -54,7 +54,12 @@ for that request to end (again at most ``request_timeout_s``) and sends only wha
 again keeps the timestamp of its first request, so where that request failed on the client (MLflow's read timeout)
 but the server committed it anyway, the SQL store (sqlite, or a server's database) holds the row once. A server
 that is down for a while thus receives every step, in order, once each, when it is back, without a change to the
-environment (MLflow's settings stay the trainer's).
+environment (MLflow's settings stay the trainer's). ``open`` and ``rewind`` wait as long for each of their requests
+(a server that accepts the connection and never answers fails ``metricbus sync`` with TimeoutError after
+``request_timeout_s``, not after MLflow's retries). A request a timeout gave up on goes on; ``open`` of the same run
+in this process (the next sync) first waits for it (again at most ``request_timeout_s``, else TimeoutError), so
+that it lands before, not after, what the new adapter writes (a step logged twice, a FINISHED run marked FAILED by
+the earlier sync's late close).
 
 Wide steps. MLflow takes at most 1000 metrics per batch (``MAX_METRICS_PER_BATCH``), and each batch is its own
 request and transaction, so a step with more is sent as several batches by the adapter itself. When one of them
@@ -223,6 +228,7 @@ class MlflowAdapter:
         self._after_step: int | None = None
         self._names: NameMapper = mlflow_mapper()
         self._client: Any = None
+        self._bounded: Any = None  # the client whose calls wait at most request_timeout_s (open, rewind)
         self._metric: Any = None
         self._mlflow_error: type[Exception] = Exception
         self._run_id: str | None = None
@@ -284,7 +290,8 @@ class MlflowAdapter:
         self._metric, self._mlflow_error = Metric, MlflowException
         uri, run_id, source = self._named_run(mlflow)
         _ensure_sqlite_folder(uri)
-        client = MlflowClient(tracking_uri=uri)
+        raw = MlflowClient(tracking_uri=uri)
+        client = _Bounded(raw, timeout_s=self._request_timeout_s, uri=uri)  # no call waits on the store for minutes
         tags = {mlflow_key(tag): "true" for tag in run.tags} | {PROJECT_TAG: run.project, RUN_ID_TAG: run.id}
         found = self._existing(client, run_id) if run_id else None
         if run_id and found is None and source != "resume identity":
@@ -306,7 +313,8 @@ class MlflowAdapter:
                 run_name=self._run_name or run.name,
             )
         self._check_experiment(client, found, source)
-        self._client, self._run_id = client, str(found.info.run_id)
+        self._run_id = client.run_id = str(found.info.run_id)
+        self._wait_for_earlier(self._run_id)
         if not created and not self._attach and found.info.status != "RUNNING":
             client.update_run(self._run_id, status="RUNNING")
         new_tags = [] if created else [RunTag(key, value) for key, value in tags.items()]
@@ -315,6 +323,24 @@ class MlflowAdapter:
             {"run_id": self._run_id, "tracking_uri": uri, "experiment_id": str(found.info.experiment_id)}
         )
         self._held = {} if created else self._held_points(client, found, self._after_step)
+        self._client, self._bounded = raw, client
+
+    def _wait_for_earlier(self, run_id: str) -> None:
+        """Wait (at most ``request_timeout_s`` in all) for the requests to ``run_id`` that earlier adapters of this
+        process left running when a timeout gave up on them (a sync that timed out, then another one): they land
+        before this adapter reads what the run holds and marks it RUNNING, not after what it writes. TimeoutError
+        naming them when some are still running then."""
+        deadline = time.monotonic() + self._request_timeout_s
+        with _IN_FLIGHT_LOCK:
+            earlier = list(_IN_FLIGHT.get(run_id, ()))
+        running = [r for r in earlier if not r.done.wait(max(0.0, deadline - time.monotonic()))]
+        if running:
+            said = ", ".join(sorted({r.what for r in running}))
+            raise TimeoutError(
+                f"MLflow run {run_id}: {said} that an earlier adapter sent (and a timeout gave up on) did not end "
+                f"within request_timeout_s={self._request_timeout_s:g} s; nothing is written into the run until it "
+                f"did (it would land after this adapter's requests): run sync again once the server answers"
+            )
 
     def _named_run(self, mlflow: Any) -> tuple[str, str | None, str]:
         """(tracking URI, run id or None, what named it) from attach, MLFLOW_RUN_ID or the resume identity."""
@@ -431,11 +457,13 @@ class MlflowAdapter:
     def _held_points(self, client: Any, found: Any, after: int | None) -> dict[tuple[str, int], set[float]]:
         """The points run ``found`` holds after step ``after`` (every point for None), to not log them twice."""
         held: dict[tuple[str, int], set[float]] = {}
-        for latest in found.data.to_proto().metrics:  # the latest point of each key: largest (step, timestamp)
-            if after is None or latest.step > after:
-                for point in client.get_metric_history(found.info.run_id, latest.key):
-                    if after is None or point.step > after:
-                        held.setdefault((point.key, point.step), set()).add(_comparable(point.value))
+        run_id = found.info.run_id
+        # the latest point of each key (largest (step, timestamp)): only keys with points after ``after`` are read
+        keys = [m.key for m in found.data.to_proto().metrics if after is None or m.step > after]
+        for history in client.each("get_metric_history", [(run_id, key) for key in keys]):
+            for point in history:
+                if after is None or point.step > after:
+                    held.setdefault((point.key, point.step), set()).add(_comparable(point.value))
         return held
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
@@ -466,7 +494,9 @@ class MlflowAdapter:
         for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
             # one request, one transaction: all or nothing
             part = batch[start : start + MAX_METRICS_PER_BATCH]
-            self._pending = _Request(partial(self._client.log_batch, self._run_id, metrics=part), step, part)
+            self._pending = _Request(
+                partial(self._client.log_batch, self._run_id, metrics=part), step, part, run_id=self._run_id
+            )
             self._settle(own=True)
 
     def _settle(self, *, own: bool = False) -> None:
@@ -514,7 +544,7 @@ class MlflowAdapter:
         """Steps ``>= step`` come again: log them next to the old points (identical ones once), tag the rewind."""
         if self._client is None:
             raise RuntimeError("MlflowAdapter.rewind() before open()")
-        client, step = self._client, int(step)
+        client, step = self._bounded, int(step)
         self._settle()  # what a request left running logs is read back below, not sent again
         self._held = self._held_points(client, client.get_run(self._run_id), step - 1)
         self._sent_step, self._sent, self._tried = None, {}, {}  # what the new timeline holds is in _held now
@@ -531,7 +561,8 @@ class MlflowAdapter:
         if self._client is not None and self._run_id is not None:
             if not self._attach:
                 state = _STATUS[status]
-                call = _Request(partial(self._client.set_terminated, self._run_id, status=state), -1, [])
+                send = partial(self._client.set_terminated, self._run_id, status=state)
+                call = _Request(send, -1, [], what=f"the set_terminated({state})", run_id=self._run_id)
                 if not call.done.wait(self._request_timeout_s):
                     raise TimeoutError(
                         f"MLflow did not answer the request to mark run {self._run_id} {state} within "
@@ -544,25 +575,88 @@ class MlflowAdapter:
 
 
 class _Request:
-    """One request (``send``: the ``log_batch`` of ``part`` at ``step``, or the run's ``set_terminated``) running on
-    a daemon thread of its own (a request hung in MLflow's retries never holds up the interpreter's exit); ``done``
-    is set when it ended, ``error`` is what it raised."""
+    """One request (``send``: the ``log_batch`` of ``part`` at ``step``, the run's ``set_terminated``, or any other call
+    to the store, said by ``what``) running on a daemon thread of its own (a request hung in MLflow's retries never
+    holds up the interpreter's exit); ``done`` is set when it ended, ``result`` is what it returned and ``error`` what
+    it raised. One sent to a run (``run_id``) is listed in :data:`_IN_FLIGHT` until it ended, so that another adapter
+    of this process reopening that run waits for it (see :meth:`MlflowAdapter._wait_for_earlier`)."""
 
-    __slots__ = ("done", "error", "part", "step")
+    __slots__ = ("done", "error", "part", "result", "run_id", "step", "what")
 
-    def __init__(self, send: Callable[[], object], step: int, part: list[Any]) -> None:
+    def __init__(
+        self, send: Callable[[], object], step: int, part: list[Any], *, what: str = "", run_id: str | None = None
+    ) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self.step, self.part = step, part
+        self.result: Any = None
+        self.step, self.part, self.what, self.run_id = step, part, what or f"the log_batch of step {step}", run_id
+        if run_id is not None:
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.setdefault(run_id, set()).add(self)
         threading.Thread(target=self._run, args=(send,), name="metricbus-mlflow-request", daemon=True).start()
 
     def _run(self, send: Callable[[], object]) -> None:
         try:
-            send()
+            self.result = send()
         except BaseException as exc:  # raised by write(), as if it had called log_batch itself
             self.error = exc
         finally:
+            if self.run_id is not None:
+                with _IN_FLIGHT_LOCK:
+                    _IN_FLIGHT.get(self.run_id, set()).discard(self)
             self.done.set()
+
+
+# run id -> the requests still running on that run, from any adapter of this process: a request a timeout gave up on
+# goes on, and one that ends after another adapter reopened the run (a second sync) would land after what that one
+# wrote (a step logged twice, a FINISHED run marked FAILED)
+_IN_FLIGHT: dict[str, set[_Request]] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+class _Bounded:
+    """``MlflowClient`` whose every call runs as a :class:`_Request` waited for at most ``timeout_s``: one still
+    running then raises TimeoutError naming the call and the store (``open`` and ``rewind`` make several requests, each
+    of which MLflow's HTTP client would otherwise wait on for minutes). ``run_id``, once set, lists the calls as
+    requests to that run."""
+
+    def __init__(self, client: Any, *, timeout_s: float, uri: str) -> None:
+        self.client, self.timeout_s, self.uri = client, timeout_s, uri
+        self.run_id: str | None = None
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        getattr(self.client, name)  # AttributeError now for a method the client lacks
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self.each(name, [args], **kwargs)[0]
+
+        return call
+
+    def each(self, name: str, calls: Sequence[tuple[Any, ...]], **kwargs: Any) -> list[Any]:
+        """``client.<name>(*args, **kwargs)`` for each ``args`` of ``calls``, in order, on one thread (not one per
+        call: reopening a run reads one history per metric key); each call waited for at most ``timeout_s``."""
+        method, results = getattr(self.client, name), []
+        ended = [time.monotonic()]  # when the last call ended (the thread's start, before the first)
+        stop = threading.Event()  # set when this gave up: the thread sends no further call
+
+        def send() -> None:
+            for args in calls:
+                if stop.is_set():
+                    return
+                results.append(method(*args, **kwargs))
+                ended[0] = time.monotonic()
+
+        request = _Request(send, -1, [], what=f"{name}()", run_id=self.run_id)
+        while not request.done.wait(max(0.0, ended[0] + self.timeout_s - time.monotonic())):
+            if time.monotonic() >= ended[0] + self.timeout_s:
+                stop.set()
+                raise TimeoutError(
+                    f"MLflow at {self.uri} did not answer {name}() within request_timeout_s={self.timeout_s:g} s; "
+                    f"the request goes on, and nothing more is sent (a later sync tries again)"
+                )
+        if request.error is not None:
+            raise request.error
+        return results
 
 
 def _ensure_sqlite_folder(uri: str) -> None:

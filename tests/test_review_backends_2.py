@@ -139,8 +139,9 @@ def test_mlflow_write_that_outlived_its_wait_is_retried_once_per_point(tmp_path:
     from metricbus.adapter import RunInfo
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    adapter = MlflowAdapter(tracking_uri=uri, request_timeout_s=1e-9)
-    adapter.open(run=RunInfo())
+    adapter = MlflowAdapter(tracking_uri=uri)
+    adapter.open(run=RunInfo())  # its requests, too, wait at most request_timeout_s
+    adapter._request_timeout_s = 1e-9  # every write's request outlives its wait
     timeouts = 0
     for step in range(2):
         metrics = {f"m{i:04d}": float(i + step) for i in range(2500)}

@@ -71,12 +71,13 @@ def test_sync_against_a_server_that_stops_answering_ends_instead_of_waiting_out_
 
     class PausesTheServerOnceOpen(MlflowAdapter):
         def open(self, *, run: RunInfo) -> None:
-            super().open(run=run)
+            super().open(run=run)  # with time to spare on a busy machine; each paused request then waits 1 s
+            self._request_timeout_s = 1.0
             os.killpg(server.pid, signal.SIGSTOP)  # each request now waits (MLflow: 120 s, 7 retries)
 
     try:
         with pytest.raises(TimeoutError):  # the writes, then the close's set_terminated, each waited 1 s at most
-            sync(journal, [PausesTheServerOnceOpen(tracking_uri=mlflow_server.uri, request_timeout_s=1)])
+            sync(journal, [PausesTheServerOnceOpen(tracking_uri=mlflow_server.uri, request_timeout_s=30)])
     finally:
         os.killpg(server.pid, signal.SIGCONT)
     # the first sync's requests end now that the server answers: let them, so its FAILED comes before the next FINISHED
