@@ -38,8 +38,10 @@ as its quantiles, metrics ``<key>/p50``, ``<key>/p90``, ``<key>/p99`` (mapped li
 and the adapter warns once per such key (:class:`~metricbus.errors.MetricBusWarning`).
 
 MLflow's metric history is append-only: nothing can be dropped. When a reopened run already holds points after
-the resume cursor (``after_step``; every point without one), those keys' histories are read once at open, and a
-point sent again with the same key, step and value is not logged twice. ``rewind(step=S)`` reads the points at
+the resume cursor (``after_step``; every point without one), those keys' points after it are read once at open
+(a SQL store selects those steps, up to :data:`MAX_STEPS_READ` of them, so a reopen costs what the cursor left, not
+the run's length; a server's REST API has no such query and sends each key's whole history), and a point sent again
+with the same key, step and value is not logged twice. ``rewind(step=S)`` reads the points at
 steps ``>= S`` the same way (the old timeline a resume replays up to its checkpoint is logged once), logs the new
 values next to the old ones and sets the tag ``metricbus.rewind`` to ``S``. ``get_metric_history`` then returns
 both values at each step both timelines wrote, and the run's latest value (``run.data.metrics``, the one with the
@@ -109,6 +111,9 @@ TRACKING_SCHEMES = ("file", *DATABASE_SCHEMES, "http", "https", "databricks")
 # a longer list into several requests itself, and a failure in a later one would leave the earlier ones applied.
 MAX_METRICS_PER_BATCH = 1000
 REQUEST_TIMEOUT_S = 5.0  # how long write() waits for one request (see the module docstring)
+# a reopened run's points after the cursor: each key's steps after it are read STEPS_PER_READ at a time (a database
+# caps the parameters of one query), its whole history where they are more than MAX_STEPS_READ
+STEPS_PER_READ, MAX_STEPS_READ = 500, 5000
 INSTALL_HINT = "the mlflow adapter needs mlflow: pip install 'metricbus[mlflow]'"
 _STATUS = {"finished": "FINISHED", "failed": "FAILED"}
 _SQLITE_URI = re.compile(r"^sqlite(\+\w+)?:///(?P<path>[^?]*)")
@@ -174,6 +179,23 @@ def _active_run_elsewhere() -> str | None:
     stacks: dict[int, list[Any]] = getattr(getattr(fluent, "_active_run_stack", None), "get_all_thread_values", dict)()
     run_ids = {stack[-1].info.run_id for stack in stacks.values() if stack}
     return run_ids.pop() if len(run_ids) == 1 else None
+
+
+def _steps_reader(client: Any) -> Callable[..., Any] | None:
+    """The ``get_metric_history_bulk_interval_from_steps`` of the client's store where the store implements it (the
+    SQL stores: one query), None where it only filters the whole history (AbstractStore's, which a REST store has),
+    or where MLflow moved it (``MlflowClient._tracking_client.store``, mlflow 3.17)."""
+    try:
+        from mlflow.store.tracking.abstract_store import AbstractStore
+    except ImportError:
+        return None
+    store = getattr(getattr(client, "_tracking_client", None), "store", None)
+    name = "get_metric_history_bulk_interval_from_steps"
+    own = getattr(type(store), name, None)
+    if own is None or own is getattr(AbstractStore, name, None):
+        return None
+    method: Callable[..., Any] = getattr(store, name)
+    return method
 
 
 def _comparable(value: float) -> float:
@@ -458,12 +480,26 @@ class MlflowAdapter:
         """The points run ``found`` holds after step ``after`` (every point for None), to not log them twice."""
         held: dict[tuple[str, int], set[float]] = {}
         run_id = found.info.run_id
-        # the latest point of each key (largest (step, timestamp)): only keys with points after ``after`` are read
-        keys = [m.key for m in found.data.to_proto().metrics if after is None or m.step > after]
-        for history in client.each("get_metric_history", [(run_id, key) for key in keys]):
-            for point in history:
-                if after is None or point.step > after:
-                    held.setdefault((point.key, point.step), set()).add(_comparable(point.value))
+        # the latest point of each key (largest (step, timestamp)): only keys with points after ``after`` are read,
+        # and of each only the steps after it (MLflow's SQL stores select them; a key's whole history would make a
+        # reopen as slow as the run is long); every point where that is not known
+        latest = [(m.key, m.step) for m in found.data.to_proto().metrics if after is None or m.step > after]
+        whole = [(run_id, key) for key, last in latest if after is None or last - after > MAX_STEPS_READ]
+        tails = [
+            (run_id, key, list(range(first, min(first + STEPS_PER_READ, last + 1))), 2**31 - 1)
+            for key, last in latest
+            if after is not None and last - after <= MAX_STEPS_READ
+            for first in range(after + 1, last + 1, STEPS_PER_READ)
+        ]
+        read_tail = _steps_reader(client.client)
+        if read_tail is None:  # a REST store (it has no such query) or MLflow changed: whole histories, filtered here
+            whole += list(dict.fromkeys((run_id, key) for run_id, key, _, _ in tails))
+            tails = []
+        points = [p for history in client.each("get_metric_history", whole) for p in history]
+        points += [p for at_steps in client.each(read_tail, tails) for p in at_steps] if tails else []
+        for point in points:
+            if after is None or point.step > after:
+                held.setdefault((point.key, point.step), set()).add(_comparable(point.value))
         return held
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
@@ -632,10 +668,13 @@ class _Bounded:
 
         return call
 
-    def each(self, name: str, calls: Sequence[tuple[Any, ...]], **kwargs: Any) -> list[Any]:
-        """``client.<name>(*args, **kwargs)`` for each ``args`` of ``calls``, in order, on one thread (not one per
-        call: reopening a run reads one history per metric key); each call waited for at most ``timeout_s``."""
-        method, results = getattr(self.client, name), []
+    def each(self, name: str | Callable[..., Any], calls: Sequence[tuple[Any, ...]], **kwargs: Any) -> list[Any]:
+        """``client.<name>(*args, **kwargs)`` (or ``name(...)``, a method of its store) for each ``args`` of ``calls``,
+        in order, on one thread (not one per call: reopening a run reads one history per metric key); each call waited
+        for at most ``timeout_s``."""
+        method = getattr(self.client, name) if isinstance(name, str) else name
+        name = getattr(method, "__name__", str(name))
+        results: list[Any] = []
         ended = [time.monotonic()]  # when the last call ended (the thread's start, before the first)
         stop = threading.Event()  # set when this gave up: the thread sends no further call
 

@@ -173,3 +173,27 @@ def test_a_sync_after_one_whose_requests_answer_late_neither_logs_twice_nor_ends
     finally:
         proxy.close()
     assert _history(mlflow_server.uri, "loss") == ("FINISHED", [(s, float(s)) for s in range(3)])
+
+
+def test_reopening_a_long_run_at_its_cursor_logs_each_point_after_it_once(tmp_path: Path) -> None:
+    """A 700-step run reopened at cursor 100 (its later steps read in chunks): sent again, each point lands once."""
+    from metricbus.adapters.mlflow import MlflowAdapter
+    from mlflow.tracking import MlflowClient
+
+    uri, run = f"sqlite:///{tmp_path / 'mlflow.db'}", RunInfo()
+    first = MlflowAdapter(tracking_uri=uri)
+    first.open(run=run)
+    for step in range(700):
+        first.write(step=step, metrics={"loss": float(step), "lr": 0.1})
+    first.close(status="failed")  # the trainer died: steps after 100 were written, never acknowledged
+    again = MlflowAdapter(tracking_uri=uri)
+    again.resume(after_step=100, identity=first.identity)
+    again.open(run=run)
+    for step in range(101, 701):
+        again.write(step=step, metrics={"loss": float(step), "lr": 0.1})
+    again.close(status="finished")
+    client = MlflowClient(tracking_uri=uri)
+    for key, value in (("loss", float), ("lr", lambda _: 0.1)):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(again.run_id, key))
+        assert history == [(s, value(s)) for s in range(701)]
+    assert client.get_run(again.run_id).info.status == "FINISHED"
