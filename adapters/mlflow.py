@@ -518,9 +518,16 @@ class MlflowAdapter:
         # add twice (a new timestamp would make it a second point at this step)
         now_ms, tried = time.time_ns() // 1_000_000, self._tried
         batch = []
+        rejected: dict[str, str] = {}  # a name MLflow cannot take (a collision): the step's others are written
         for key, value, of in self._points(metrics):
-            name, number = names(key, part_of=of), float(value)
+            try:
+                name = names(key, part_of=of)
+            except MetricValueError as exc:
+                rejected[key] = str(exc)
+                continue
+            number = float(value)
             batch.append(metric(name, number, tried.setdefault((name, _comparable(number)), now_ms), step))
+        wrote = len(batch)
         if self._held:
             held = self._held
             batch = [m for m in batch if _comparable(m.value) not in held.get((m.key, step), ())]
@@ -534,6 +541,8 @@ class MlflowAdapter:
                 partial(self._client.log_batch, self._run_id, metrics=part), step, part, run_id=self._run_id
             )
             self._settle(own=True)
+        if rejected:  # after the others reached MLflow: the step is delivered, these names never will be
+            raise names.refused(step, rejected, wrote=wrote)
 
     def _settle(self, *, own: bool = False) -> None:
         """Wait (at most ``request_timeout_s``) for the pending request; once it ended, mark what it logged as sent.

@@ -18,6 +18,7 @@ from metricbus.errors import (
     MetricBusWarning,
     MetricTypeError,
     MetricValueError,
+    RejectedMetricsError,
     SpecError,
     StepError,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "MetricTypeError",
     "MetricValueError",
     "Partial",
+    "RejectedMetricsError",
     "RunInfo",
     "Sketch",
     "SpecError",

@@ -614,3 +614,22 @@ def test_server_from_environment_and_killed_run(mlflow_server: str, monkeypatch:
     assert (run.info.run_id, run.info.status) == (synced.run_id, "FINISHED")
     assert _history(client, run.info.run_id, "loss") == [(s, float(s)) for s in range(20)]
     assert client.get_experiment_by_name("ignored") is None
+
+
+def test_a_colliding_name_leaves_the_steps_other_metrics_written(sqlite_uri: str) -> None:
+    """A name that collides with another's MLflow key is refused alone: the step's other metrics are logged."""
+    from mlflow.tracking import MlflowClient
+
+    from metricbus.errors import RejectedMetricsError
+
+    adapter = MlflowAdapter(tracking_uri=sqlite_uri)
+    adapter.open(run=RunInfo(project="collide"))
+    adapter.write(step=0, metrics={"x@y": 1.0, "loss": 1.0})
+    with pytest.raises(RejectedMetricsError, match=r"'x_y' at step 1 \(its other 1 metric was written\)") as info:
+        adapter.write(step=1, metrics={"x_y": 2.0, "loss": 2.0})
+    assert list(info.value.rejected) == ["x_y"]
+    adapter.close(status="finished")
+    client = MlflowClient(tracking_uri=sqlite_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("collide").experiment_id])
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(0, 1.0), (1, 2.0)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "x_y")] == [(0, 1.0)]
