@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -55,7 +56,7 @@ def wait_http(url: str, *, proc: subprocess.Popen[bytes], timeout_s: float = 60.
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not up yet, or another process's answer on the port
             pass
         time.sleep(0.2)
     raise AssertionError(f"{url} did not answer within {timeout_s} s")
@@ -196,15 +197,33 @@ class MlflowServer:
         exe = shutil.which("mlflow", path=str(Path(sys.executable).parent))
         assert exe is not None
         self.root = root
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._exe = exe
+        self._started = False
+        self._pick_port()
+
+    def _pick_port(self) -> None:
         self.uri = f"http://127.0.0.1:{free_port()}"
         port = self.uri.rsplit(":", 1)[1]
-        self.args = [exe, "server", "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--host", "127.0.0.1"]
-        self.args += ["--port", port, "--workers", "1", "--default-artifact-root", str(root / "artifacts")]
-        self.proc: subprocess.Popen[bytes] | None = None
+        root = self.root
+        self.args = [self._exe, "server", "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--host"]
+        self.args += ["127.0.0.1", "--port", port, "--workers", "1", "--default-artifact-root", str(root / "artifacts")]
 
     def start(self) -> None:
-        self.proc = start_server(self.args, log=self.root / f"mlflow-server-{len(list(self.root.glob('*.log')))}.log")
-        wait_http(f"{self.uri}/health", proc=self.proc, timeout_s=90)
+        """Start the server; on its first start, where another process took the free port before the server bound
+        it (the server exits), on another port (a restart keeps the port: tests reconnect to the same URI)."""
+        for attempt in range(3):
+            log = self.root / f"mlflow-server-{len(list(self.root.glob('*.log')))}.log"
+            self.proc = start_server(self.args, log=log)
+            try:
+                wait_http(f"{self.uri}/health", proc=self.proc, timeout_s=90)
+            except AssertionError:
+                if self._started or self.proc.poll() is None or attempt == 2:
+                    raise
+                self._pick_port()
+                continue
+            self._started = True
+            return
 
     def stop(self) -> None:
         if self.proc is not None:
