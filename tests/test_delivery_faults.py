@@ -186,9 +186,11 @@ def test_adapter_thread_dying_of_system_exit(caplog: pytest.LogCaptureFixture) -
 # -- backends that reject a step for good ------------------------------------------------------------------------
 
 
-def test_permanent_mlflow_rejection_skips_the_step(isolated_env: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Step 3 holds two names that map to one MLflow key: that step is rejected for good, the other 9 steps reach
-    MLflow, the gap is recorded, the run FAILED."""
+def test_permanent_mlflow_rejection_refuses_the_name_alone(
+    isolated_env: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 3 holds two names that map to one MLflow key: the second is refused for good and reported once, the
+    step's other metrics and the other 9 steps reach MLflow, no step is a gap, the run FAILED."""
     from metricbus.adapters.mlflow import MlflowAdapter
     from mlflow.tracking import MlflowClient
 
@@ -207,16 +209,17 @@ def test_permanent_mlflow_rejection_skips_the_step(isolated_env: Path, caplog: p
     client = MlflowClient(tracking_uri=uri)
     assert adapter.run_id is not None
     history = sorted((m.step, m.value) for m in client.get_metric_history(adapter.run_id, "loss"))
-    assert history == [(s, float(s)) for s in range(10) if s != 3]
+    assert history == [(s, float(s)) for s in range(10)]
+    assert [(m.step, m.value) for m in client.get_metric_history(adapter.run_id, "a/b")] == [(3, 1.0)]  # 'a//b'
     assert client.get_run(adapter.run_id).info.status == "FAILED"
     assert _steps(mem) == list(range(10))
-    (gap,) = delivery.gaps
-    assert (gap.adapter, gap.step) == ("mlflow", 3)
-    assert gap.reason.startswith("MetricValueError: metric names 'a//b' and 'a/b' both map to MLflow name 'a/b'")
-    assert [(i, name, step) for i, name, step, _ in seen] == [(0, "mlflow", 3)]
-    reports = [r.getMessage() for r in caplog.records if "'mlflow' rejected step" in r.getMessage()]
+    assert delivery.gaps == []
+    assert seen == []
+    (refused,) = delivery.refused
+    assert (refused.adapter, refused.step, refused.metric) == ("mlflow", 3, "a/b")
+    assert "metric names 'a//b' and 'a/b' both map to MLflow name 'a/b'" in refused.reason
+    reports = [r.getMessage() for r in caplog.records if "'mlflow' refuses metric 'a/b'" in r.getMessage()]
     assert len(reports) == 1
-    assert "'mlflow' rejected step 3" in reports[0]
 
 
 def test_tensorboard_out_of_range_step_is_skipped(isolated_env: Path) -> None:
