@@ -129,6 +129,9 @@ class MetricBus:
         # the partials of a commit that failed before anything left this process, worker by worker (ingest order):
         # the next commit joins worker i's with the i-th partial ingested for it (records stay buffered)
         self._held: list[Partial] = []
+        # the Partial objects whose records are partly in _ingested or _held (a refused metric left out at ingest(),
+        # a commit(only=...) that took some names): ingesting one again would count the rest twice (_check_once)
+        self._sources: list[Partial] = []
         self._last_step: int | None = None
         self._resumed_after = None if previous is None else previous.last_step  # commit() without a step: next one
         self._step_names: set[str] = set()  # the metrics the last step's commits held
@@ -346,7 +349,7 @@ class MetricBus:
             for part in batch:  # check all before taking any, so a bad call ingests nothing
                 if not isinstance(part, Partial):
                     raise MetricTypeError(f"ingest() takes Partial objects from export(), got {type(part).__name__}")
-            _check_once(batch, held=[*self._held, *self._ingested])
+            _check_once(batch, held=[*self._held, *self._ingested, *self._sources])
             try:
                 self._ingest(batch)
                 return
@@ -368,6 +371,8 @@ class MetricBus:
                 try:
                     if len(kept):
                         self._ingest([kept])
+                        if kept is not part:
+                            self._sources.append(part)
                 except (SpecError, MetricValueError) as exc:  # its names together (e.g. two emitting one output)
                     bad = {", ".join(sorted(set(kept.names()))): _NOTHING_TAKEN.sub("", str(exc))}
                 refused.extend(f"  partial {i} of this call: {name!r}: {why}" for name, why in bad.items())
@@ -408,7 +413,7 @@ class MetricBus:
         with self._lock:
             self._check_open("drop_ingested")
             dropped = len(self._ingested) + len(self._held)
-            self._ingested, self._held = [], []
+            self._ingested, self._held, self._sources = [], [], []
             return dropped
 
     # -- committing --------------------------------------------------------------------------------------------
@@ -467,10 +472,13 @@ class MetricBus:
                     "torch.distributed.destroy_process_group()"
                 )
             updates, errors = self._collector.take()
-            if kept is not None:  # the other names' records go back, in their updates (the open one stays open)
-                self._collector.restore([{n: s for n, s in u.items() if n not in kept} for u in updates])
+            apart = None
+            if kept is not None:  # the other names' records (own and ingested) stay for the next commit: _Apart
+                apart = _Apart(kept, updates, joined_workers(self._held, self._ingested))
+                self._sources += [*self._held, *self._ingested]
                 updates = [part for u in updates if (part := {n: s for n, s in u.items() if n in kept})]
-            out, rejected = self._commit(step, updates, errors, invalid=invalid)
+                self._ingested, self._held = [_only(part, kept) for part in apart.workers], []
+            out, rejected = self._commit(step, updates, errors, invalid=invalid, apart=apart)
             if rejected:
                 raise _rejected(rejected, what=f"step {step}", kept="committed without them")
             # A strict bus's adapter failure is raised only now, after the step: raising before the collective
@@ -479,8 +487,16 @@ class MetricBus:
             return out
 
     def _commit(
-        self, step: int, updates: Updates, errors: dict[str, MetricValueError], *, invalid: StepError | None = None
+        self,
+        step: int,
+        updates: Updates,
+        errors: dict[str, MetricValueError],
+        *,
+        invalid: StepError | None = None,
+        apart: _Apart | None = None,
     ) -> tuple[dict[str, float], dict[str, MetricValueError]]:
+        # ``apart``: a commit(only=...) of ``updates`` and the ingested partials' records of those names; where the
+        # commit is refused, every record is put back as taken (``back``), else only the other names' (apart.keep)
         # One worker's usual commit (LocalRanks, nothing ingested: this process is worker 0) is journaled from its
         # update's columns as they are, without a Partial; any other from the partials the transport hands back
         journaled = self._sink.journaled
@@ -495,6 +511,7 @@ class MetricBus:
         ingested, self._ingested = self._ingested, []
         if self._held:
             ingested, self._held = joined_workers(self._held, ingested), []
+        back, workers = (updates, ingested) if apart is None else (apart.updates, apart.workers)
         try:
             commit = Commit(
                 own=own, own_updates=updates, ingested=ingested, table=self._table, reducer=self._reducer,
@@ -503,27 +520,27 @@ class MetricBus:
             exchange = self._ranks.exchange(commit)
         except BaseException as exc:
             if not self._ranks.collective:  # nothing left this process: put the records back
-                self._collector.restore(updates)
-                self._held = ingested
+                self._collector.restore(back)
+                self._held = workers
             elif isinstance(exc, DistributedError) and exc.refused:  # every rank refused it alike
-                dropped = self._put_back(updates, errors, {}, refused=exc.refused)
+                dropped = self._put_back(back, errors, {}, refused=exc.refused)
                 raise DistributedError(f"{exc}. The other records stay buffered{dropped}") from None
             elif isinstance(exc, DistributedError) and self._ranks.ended is not None:  # the backend failed: no rank
-                dropped = self._put_back(updates, errors, {})  # reduced this step; the ranks cannot commit any more
+                dropped = self._put_back(back, errors, {})  # reduced this step; the ranks cannot commit any more
                 raise DistributedError(
                     f"commit(step={step}) on rank {self._ranks.rank}: {self._ranks.ended}; later commits raise, and "
                     f"close() closes this rank alone. The records stay buffered{dropped}"
                 ) from None
             raise
         if exchange.mixed:  # another rank is in close(): every rank sees it (dist.TorchRanks.ended)
-            dropped = self._put_back(updates, errors, exchange.rejected)
+            dropped = self._put_back(back, errors, exchange.rejected)
             raise DistributedError(
                 f"commit(step={step}) on rank {self._ranks.rank}: {self._ranks.ended}; the ranks cannot commit "
                 f"together any more: later commits raise, and close() closes this rank alone. The records stay "
                 f"buffered{dropped}"
             )
         if exchange.steps is not None or invalid is not None:  # every rank sees the same steps: every rank raises
-            dropped = self._put_back(updates, errors, exchange.rejected)  # here, keeping its records
+            dropped = self._put_back(back, errors, exchange.rejected)  # here, keeping its records
             if invalid is not None:
                 raise StepError(
                     f"{invalid}; on rank {self._ranks.rank} of a torch.distributed group, whose other ranks raised too "
@@ -542,8 +559,8 @@ class MetricBus:
         if step == self._last_step:
             again = names & self._step_names
             if again:  # every rank sees the same states, so every rank raises here, and nothing is lost
-                dropped = self._put_back(updates, errors, exchange.rejected)
-                self._held = ingested
+                dropped = self._put_back(back, errors, exchange.rejected)
+                self._held = workers
                 shown = ", ".join(repr(n) for n in sorted(again)[:5]) + (" ..." if len(again) > 5 else "")
                 raise StepError(
                     f"step {step}: {shown} already committed at this step; a step may hold several commits "
@@ -552,6 +569,10 @@ class MetricBus:
             self._step_names = self._step_names | names
         else:
             self._step_names = names
+        if apart is not None:  # committed: the other names' records wait for the next commit (without those of a
+            apart.keep(self, dropped=set(errors) | set(exchange.rejected))  # metric another rank rejected now)
+        if not self._held:
+            self._sources = []
         # a second commit at a step: the adapters' cursors stay below it until its emission is written (so a crash
         # once it is journaled never leaves a cursor covering a step an adapter did not get whole)
         held = step == self._last_step and self._ranks.is_writer and self._sink.hold(step)
@@ -823,9 +844,29 @@ class _DryRunError(Exception):
     """ingest()'s check of one metric passed: nothing is adopted."""
 
 
-def _only(part: Partial, names: set[str]) -> Partial:
+def _only(part: Partial, names: set[str] | frozenset[str]) -> Partial:
     """``part`` holding only the records of ``names`` (each update's order kept)."""
     return Partial(tuple(e for e in part.entries if e[0] in names), part.undeclared & names)
+
+
+class _Apart:
+    """A ``commit(only=...)``'s records as taken: its own ``updates`` and the ingested partials (``workers``, one per
+    worker in ingest order, those a refused commit kept joined in), to put back whole where the commit is refused,
+    or without the committed names where it is not."""
+
+    __slots__ = ("kept", "updates", "workers")
+
+    def __init__(self, kept: frozenset[str], updates: Updates, workers: list[Partial]) -> None:
+        self.kept, self.updates, self.workers = kept, updates, workers
+
+    def keep(self, bus: MetricBus, *, dropped: set[str]) -> None:
+        """The commit went through: the other names' records go back, in their updates (the open one stays open),
+        and each worker's partial without the committed names waits to be joined with its next one."""
+        gone = self.kept | dropped
+        bus._collector.restore([{n: s for n, s in u.items() if n not in gone} for u in self.updates])
+        rest = [_only(part, set(part.names()) - gone) for part in self.workers]
+        if any(len(part) for part in rest):
+            bus._held = rest
 
 
 def _check_once(batch: Sequence[Partial], *, held: Sequence[Partial]) -> None:
