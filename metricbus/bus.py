@@ -689,15 +689,17 @@ class MetricBus:
         """In a child of ``os.fork()``: this copy of an open bus is closed without touching what the parent's bus
         still uses (its journal file, adapters, their threads) and without committing the records it inherited (the
         parent commits them); ``log()``, ``commit()`` and the others raise ClosedError saying so, ``close()`` does
-        nothing. Its locks are new: one a parent thread held at the fork would stay held in the child forever."""
+        nothing. Its locks are new: one a parent thread held at the fork would stay held in the child forever (also
+        where the fork came while another thread's close() held them, past setting ``closed``: a commit() in the
+        child hung there instead of raising ClosedError)."""
+        self._lock = shutdown.BusLock()
+        collector = self._collector
+        collector.lock = shutdown.BusLock()
         if self._closed:
             return
         self._forked_from = os.getppid()
         self._closed = True
         self._before_close = None
-        self._lock = shutdown.BusLock()
-        collector = self._collector
-        collector.lock = shutdown.BusLock()
         collector.closed = True
         collector.fast = self._fast = {}  # the lock-free log() paths find no buffer: the validated path raises
 

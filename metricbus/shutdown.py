@@ -55,6 +55,7 @@ _open: dict[int, tuple[int, Callable[[Status], None]]] = {}  # id(bus) -> (pid t
 _guarded: dict[int, tuple[int, weakref.ref[Any]]] = {}
 _lock = threading.RLock()  # reentrant: the SIGTERM handler may run while the main thread holds it
 _hooked = False
+_fork_hooked = False
 _sigterm_done = False
 _previous: Any = None  # the SIGTERM handler installed before ours
 _exit_started: float | None = None  # when exit or SIGTERM handling began (None: not exiting)
@@ -68,12 +69,19 @@ def track(key: int, closer: Callable[[Status], None]) -> None:
     with _lock:
         if not _hooked:
             atexit.register(close_open_buses)
-            if hasattr(os, "register_at_fork"):
-                os.register_at_fork(after_in_child=_forked)
             _hooked = True
+        _hook_forks()
         _open[key] = (os.getpid(), closer)
     install_sigterm()
     install_sigint()
+
+
+def _hook_forks() -> None:
+    """Install :func:`_forked` once (by the first bus built, tracked or guarded; the caller holds ``_lock``)."""
+    global _fork_hooked
+    if not _fork_hooked and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_forked)
+        _fork_hooked = True
 
 
 def _forked() -> None:
@@ -88,6 +96,7 @@ def guard(key: int, bus: object) -> None:
     """A bus with nothing to close at exit (not tracked): a SIGINT landing inside its calls waits for them too
     (:func:`install_sigint`), while it is open and alive."""
     with _lock:
+        _hook_forks()  # (a process whose buses are all guarded needs a new _lock in a child too)
         _guarded[key] = (os.getpid(), weakref.ref(bus, lambda _: untrack(key)))
     install_sigint()
 

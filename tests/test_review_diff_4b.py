@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ from metricbus import MetricBus, MetricValueError, SpecError, StepError
 from metricbus.journal import read_journal
 from metricbus.replay import emitted
 from tests.gloo_ranks import run_ranks
+from tests.test_exit import ROOT
 
 
 def test_commit_only_keeps_the_ingested_partials_other_names() -> None:
@@ -152,3 +155,91 @@ def test_commit_only_drops_a_metric_another_rank_rejected_on_every_rank() -> Non
     results = run_ranks(only_with_a_rejected_other, 2)
     assert results == {0: ["MetricValueError", {"b": 2.0}], 1: ["MetricValueError", {"b": 2.0}]}
 
+
+FORK_DURING_CLOSE = """
+import os, sys, threading
+from metricbus import ClosedError, MetricBus
+from metricbus.testing import MemoryAdapter
+
+draining, release = threading.Event(), threading.Event()
+
+class Slow(MemoryAdapter):
+    def close(self, *, status):
+        draining.set()
+        release.wait()
+        super().close(status=status)
+
+bus = MetricBus(dist=None, adapters=[Slow()])
+bus.log("loss", 1.0)
+bus.commit(step=0)
+closing = threading.Thread(target=bus.close)
+closing.start()
+draining.wait()  # close() holds the bus's lock, past setting closed, while the adapter drains
+assert bus.closed
+pid = os.fork()
+if pid == 0:
+    import signal
+    signal.alarm(60)  # a child that hangs ends itself (the test sees its exit status), not left behind
+    said = []
+    for call in (lambda: bus.commit(step=1), bus.export, lambda: bus.ingest([]), bus.drop_ingested):
+        try:
+            call()
+        except ClosedError:
+            said.append("closed")
+    bus.close()
+    os._exit(0 if said == ["closed"] * 4 else 3)
+release.set()
+closing.join()
+_, status = os.waitpid(pid, 0)
+print(f"child exit {os.waitstatus_to_exitcode(status)}", flush=True)
+"""
+
+
+def test_a_child_forked_while_close_drains_raises_instead_of_hanging() -> None:
+    """A fork while another thread's close() drains the adapters (the bus closed, its lock held): the child's commit(),
+    export(), ingest() and drop_ingested() raise ClosedError instead of waiting for ever on the parent's lock."""
+    done = subprocess.run([sys.executable, "-c", FORK_DURING_CLOSE], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["child exit 0"]
+
+
+GUARDED_FORK = """
+import os, threading
+from metricbus import MetricBus, shutdown
+
+first = MetricBus(dist=None)  # no journal, adapters or collectives: guarded, not tracked
+held, release = threading.Event(), threading.Event()
+
+def hold():  # a parent thread inside the exit table at the fork (building or closing another bus)
+    with shutdown._lock:
+        held.set()
+        release.wait()
+
+thread = threading.Thread(target=hold)
+thread.start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    import signal
+    signal.alarm(60)
+    bus = MetricBus(dist=None)  # the child's own bus
+    bus.log("x", 1.0)
+    ok = bus.commit(step=0) == {"x": 1.0}
+    bus.close()
+    os._exit(0 if ok else 3)
+release.set()
+thread.join()
+_, status = os.waitpid(pid, 0)
+print(f"child exit {os.waitstatus_to_exitcode(status)}", flush=True)
+first.close()
+"""
+
+
+def test_a_child_of_a_process_with_only_guarded_buses_builds_its_own_bus() -> None:
+    """A fork while a parent thread holds the exit table's lock, where every bus is guarded (none tracked): the
+    child builds, uses and closes a bus of its own instead of waiting for ever on that lock."""
+    done = subprocess.run([sys.executable, "-c", GUARDED_FORK], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["child exit 0"]
