@@ -329,7 +329,8 @@ class MetricBus:
         :class:`~metricbus.errors.MetricValueError`. Such a metric of one partial is left out and the rest of the
         call is ingested (partials in order, the first one's spec settling a conflict): the error lists each
         refused metric with its partial's index in the call. A Partial object ingested twice before a commit
-        reduced it is a MetricValueError, and nothing of the call is ingested.
+        reduced it (or all of it: one partly taken, by such a refusal or a ``commit(only=...)``) is a
+        MetricValueError, and nothing of the call is ingested.
         """
         self._on_delivery_thread("ingest()")
         with self._lock:
