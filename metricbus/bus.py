@@ -665,6 +665,7 @@ class MetricBus:
         ``metricbus sync``). The bus stays open.
         """
         timeout_s = check_wait_s("flush", timeout_s)
+        self._on_delivery_thread("flush()")  # it would wait for its own thread until timeout_s
         if self._closed:
             return True
         return self._sink.flush(timeout_s=timeout_s)

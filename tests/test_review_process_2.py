@@ -294,3 +294,38 @@ def test_a_backend_that_commits_from_its_close_is_refused_at_once() -> None:
     assert "from adapter 'committing''s delivery thread" in str(adapter.error)
     assert [step for step, _ in adapter.rows] == list(range(5))
     assert adapter.status == "finished"
+
+
+class _Flushing(MemoryAdapter):
+    """A backend whose write() calls back into the bus's flush()."""
+
+    name = "flushing"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bus: MetricBus | None = None
+        self.error: BaseException | None = None
+
+    def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
+        assert self.bus is not None
+        try:
+            self.bus.flush(timeout_s=60)
+        except MetricBusError as exc:
+            self.error = exc
+        super().write(step=step, metrics=metrics)
+
+
+def test_a_backend_that_flushes_from_its_write_is_refused_at_once() -> None:
+    """flush() from the adapter's delivery thread would wait for that very thread until its timeout: refused at
+    once with a MetricBusError saying why, every step delivered."""
+    adapter = _Flushing()
+    bus = MetricBus(dist=None, adapters=[adapter])
+    adapter.bus = bus
+    for step in range(3):
+        bus.log("loss", float(step))
+        bus.commit(step=step)
+    assert bus.flush(timeout_s=60)
+    bus.close(timeout_s=60)
+    assert type(adapter.error) is MetricBusError, adapter.error
+    assert "cannot flush() from adapter 'flushing''s delivery thread" in str(adapter.error)
+    assert [step for step, _ in adapter.rows] == list(range(3))
