@@ -315,6 +315,7 @@ class MlflowAdapter:
         raw = MlflowClient(tracking_uri=uri)
         client = _Bounded(raw, timeout_s=self._request_timeout_s, uri=uri)  # no call waits on the store for minutes
         tags = {mlflow_key(tag): "true" for tag in run.tags} | {PROJECT_TAG: run.project, RUN_ID_TAG: run.id}
+        landed = _LANDED[0]  # requests an earlier adapter left running that ended before the run is read below
         found = self._existing(client, run_id) if run_id else None
         if run_id and found is None and source != "resume identity":
             raise ConfigError(f"mlflow: {source} names run {run_id!r}, which {uri} does not hold (or it is deleted)")
@@ -337,6 +338,8 @@ class MlflowAdapter:
         self._check_experiment(client, found, source)
         self._run_id = client.run_id = str(found.info.run_id)
         self._wait_for_earlier(self._run_id)
+        if not created and _LANDED[0] != landed:  # one may have landed after ``found`` was read: read it again
+            found = client.get_run(self._run_id)
         if not created and not self._attach and found.info.status != "RUNNING":
             client.update_run(self._run_id, status="RUNNING")
         new_tags = [] if created else [RunTag(key, value) for key, value in tags.items()]
@@ -350,8 +353,9 @@ class MlflowAdapter:
     def _wait_for_earlier(self, run_id: str) -> None:
         """Wait (at most ``request_timeout_s`` in all) for the requests to ``run_id`` that earlier adapters of this
         process left running when a timeout gave up on them (a sync that timed out, then another one): they land
-        before this adapter reads what the run holds and marks it RUNNING, not after what it writes. TimeoutError
-        naming them when some are still running then."""
+        before this adapter reads what the run holds and marks it RUNNING, not after what it writes (``open`` reads
+        the run again where one ended after it first read it). TimeoutError naming them when some are still running
+        then."""
         deadline = time.monotonic() + self._request_timeout_s
         with _IN_FLIGHT_LOCK:
             earlier = list(_IN_FLIGHT.get(run_id, ()))
@@ -649,6 +653,7 @@ class _Request:
             if self.run_id is not None:
                 with _IN_FLIGHT_LOCK:
                     _IN_FLIGHT.get(self.run_id, set()).discard(self)
+                    _LANDED[0] += 1
             self.done.set()
 
 
@@ -657,6 +662,9 @@ class _Request:
 # wrote (a step logged twice, a FINISHED run marked FAILED)
 _IN_FLIGHT: dict[str, set[_Request]] = {}
 _IN_FLIGHT_LOCK = threading.Lock()
+# how many of those requests ended (any run): open() reads the run again where one ended after it read it (what that
+# request logged or set, such as a late log_batch or FAILED, is then in what open() holds; else sent twice)
+_LANDED = [0]
 
 
 class _Bounded:

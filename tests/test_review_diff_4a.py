@@ -1,0 +1,82 @@
+"""Review of the fixes since 059c06a: MLflow's request tracking across syncs, refused metric names."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from backend_env import MlflowServer, isolate_env
+
+from metricbus.adapter import RunInfo
+from metricbus.replay import sync
+from tests.test_review_backends_2 import _history
+from tests.test_review_mlflow_sync_2 import _HoldingProxy, _journal
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """HOME and friends inside tmp_path, telemetry off, no MLflow settings from the caller's environment."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    return isolate_env(monkeypatch, tmp_path)
+
+
+def _on_path(proxy: _HoldingProxy, method: str, part: str) -> threading.Event:
+    """An event set once the proxy has answered a ``method`` request whose path holds ``part``."""
+    seen = threading.Event()
+    handler: Any = proxy.server.RequestHandlerClass
+    forward: Callable[[Any], None] = getattr(handler, f"do_{method}")
+
+    def answered(self: Any) -> None:
+        forward(self)
+        if part in self.path:
+            seen.set()
+
+    setattr(handler, f"do_{method}", answered)
+    return seen
+
+
+@pytest.mark.slow
+def test_a_sync_opening_while_the_earlier_syncs_requests_land_logs_each_step_once(
+    mlflow_server: MlflowServer, tmp_path: Path
+) -> None:
+    """Sync 1's log_batch lands while sync 2 waits for it after reading the run: sync 2 reads again, logs it once."""
+    from metricbus.adapters.mlflow import MlflowAdapter
+
+    journal = _journal(tmp_path)
+    proxy = _HoldingProxy(mlflow_server.uri)
+
+    class HoldsOnceOpen(MlflowAdapter):
+        def open(self, *, run: RunInfo) -> None:
+            super().open(run=run)
+            self._request_timeout_s = 1.0
+            proxy.hold.set()  # sync 1's writes and its close now wait in the proxy
+
+    errors: list[BaseException] = []
+
+    def second_sync() -> None:
+        try:
+            sync(journal, [MlflowAdapter(tracking_uri=proxy.uri, request_timeout_s=120)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        with pytest.raises(TimeoutError, match="log_batch of step 0"):
+            sync(journal, [HoldsOnceOpen(tracking_uri=proxy.uri, request_timeout_s=30)])
+        assert proxy.held == 2  # the log_batch of step 0 and the set_terminated(FAILED)
+        proxy.hold.clear()
+        read = _on_path(proxy, "POST", "runs/search")  # sync 2 found the run (and holds what it read)
+        thread = threading.Thread(target=second_sync)
+        thread.start()
+        assert read.wait(120)
+        proxy.release.set()  # sync 1's requests land now, while sync 2 waits for them
+        thread.join(300)
+        assert not thread.is_alive()
+    finally:
+        proxy.close()
+    assert errors == []
+    assert _history(mlflow_server.uri, "loss") == ("FINISHED", [(s, float(s)) for s in range(3)])
+
