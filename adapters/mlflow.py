@@ -114,6 +114,7 @@ REQUEST_TIMEOUT_S = 5.0  # how long write() waits for one request (see the modul
 # a reopened run's points after the cursor: each key's steps after it are read STEPS_PER_READ at a time (a database
 # caps the parameters of one query), its whole history where they are more than MAX_STEPS_READ
 STEPS_PER_READ, MAX_STEPS_READ = 500, 5000
+HISTORY_PAGE = 25_000  # a whole history is read this many points a request (MLflow's own page size)
 INSTALL_HINT = "the mlflow adapter needs mlflow: pip install 'metricbus[mlflow]'"
 _STATUS = {"finished": "FINISHED", "failed": "FAILED"}
 _SQLITE_URI = re.compile(r"^sqlite(\+\w+)?:///(?P<path>[^?]*)")
@@ -181,6 +182,12 @@ def _active_run_elsewhere() -> str | None:
     return run_ids.pop() if len(run_ids) == 1 else None
 
 
+def _store_of(client: Any) -> Any:
+    """The store of an ``MlflowClient`` (``MlflowClient._tracking_client.store``, mlflow 3.17), or None where MLflow
+    moved it."""
+    return getattr(getattr(client, "_tracking_client", None), "store", None)
+
+
 def _steps_reader(client: Any) -> Callable[..., Any] | None:
     """The ``get_metric_history_bulk_interval_from_steps`` of the client's store where the store implements it (the
     SQL stores: one query), None where it only filters the whole history (AbstractStore's, which a REST store has),
@@ -189,7 +196,7 @@ def _steps_reader(client: Any) -> Callable[..., Any] | None:
         from mlflow.store.tracking.abstract_store import AbstractStore
     except ImportError:
         return None
-    store = getattr(getattr(client, "_tracking_client", None), "store", None)
+    store = _store_of(client)
     name = "get_metric_history_bulk_interval_from_steps"
     own = getattr(type(store), name, None)
     if own is None or own is getattr(AbstractStore, name, None):
@@ -499,7 +506,7 @@ class MlflowAdapter:
         if read_tail is None:  # a REST store (it has no such query) or MLflow changed: whole histories, filtered here
             whole += list(dict.fromkeys((run_id, key) for run_id, key, _, _ in tails))
             tails = []
-        points = [p for history in client.each("get_metric_history", whole) for p in history]
+        points = [p for history in client.histories(whole) for p in history]
         points += [p for at_steps in client.each(read_tail, tails) for p in at_steps] if tails else []
         for point in points:
             if after is None or point.step > after:
@@ -690,29 +697,65 @@ class _Bounded:
         in order, on one thread (not one per call: reopening a run reads one history per metric key); each call waited
         for at most ``timeout_s``."""
         method = getattr(self.client, name) if isinstance(name, str) else name
-        name = getattr(method, "__name__", str(name))
-        results: list[Any] = []
-        ended = [time.monotonic()]  # when the last call ended (the thread's start, before the first)
-        stop = threading.Event()  # set when this gave up: the thread sends no further call
 
-        def send() -> None:
+        def work(request: Callable[[], None]) -> list[Any]:
+            results = []
             for args in calls:
-                if stop.is_set():
-                    return
+                request()
                 results.append(method(*args, **kwargs))
-                ended[0] = time.monotonic()
+            return results
 
-        request = _Request(send, -1, [], what=f"{name}()", run_id=self.run_id)
-        while not request.done.wait(max(0.0, ended[0] + self.timeout_s - time.monotonic())):
-            if time.monotonic() >= ended[0] + self.timeout_s:
+        return self._bounded(str(getattr(method, "__name__", name)), work)
+
+    def histories(self, calls: Sequence[tuple[str, str]]) -> list[list[Any]]:
+        """``client.get_metric_history(run_id, key)`` for each ``(run_id, key)`` of ``calls``, read page by page
+        (MLflow's 25,000 points a request) where the store is reachable, each page waited for at most ``timeout_s``:
+        a long run's history takes several requests, and a bound on their sum would keep it from ever being read."""
+        store = _store_of(self.client)
+        if store is None or not callable(getattr(store, "get_metric_history", None)):
+            return self.each("get_metric_history", calls)
+
+        def work(request: Callable[[], None]) -> list[list[Any]]:
+            histories = []
+            for run_id, key in calls:
+                points: list[Any] = []
+                token = None
+                while True:
+                    request()
+                    page = store.get_metric_history(
+                        run_id=run_id, metric_key=key, max_results=HISTORY_PAGE, page_token=token
+                    )
+                    points.extend(page)
+                    token = getattr(page, "token", None)
+                    if not token:
+                        break
+                histories.append(points)
+            return histories
+
+        return self._bounded("get_metric_history", work)
+
+    def _bounded(self, name: str, work: Callable[[Callable[[], None]], Any]) -> Any:
+        """``work(request)`` on a thread of its own, which calls ``request()`` before each request it sends; each
+        request waited for at most ``timeout_s`` (TimeoutError then, and the thread sends no further request)."""
+        started = [time.monotonic()]  # when the last request started
+        stop = threading.Event()  # set when this gave up: the thread sends no further request
+
+        def request() -> None:
+            if stop.is_set():
+                raise TimeoutError(f"{name}() given up on")
+            started[0] = time.monotonic()
+
+        call = _Request(lambda: work(request), -1, [], what=f"{name}()", run_id=self.run_id)
+        while not call.done.wait(max(0.0, started[0] + self.timeout_s - time.monotonic())):
+            if time.monotonic() >= started[0] + self.timeout_s:
                 stop.set()
                 raise TimeoutError(
                     f"MLflow at {self.uri} did not answer {name}() within request_timeout_s={self.timeout_s:g} s; "
                     f"the request goes on, and nothing more is sent (a later sync tries again)"
                 )
-        if request.error is not None:
-            raise request.error
-        return results
+        if call.error is not None:
+            raise call.error
+        return call.result
 
 
 def _ensure_sqlite_folder(uri: str) -> None:

@@ -80,3 +80,52 @@ def test_a_sync_opening_while_the_earlier_syncs_requests_land_logs_each_step_onc
     assert errors == []
     assert _history(mlflow_server.uri, "loss") == ("FINISHED", [(s, float(s)) for s in range(3)])
 
+
+def _slow_history(proxy: _HoldingProxy, delay_s: float) -> list[str]:
+    """Each metric history request the proxy forwards waits ``delay_s`` first; returns the paths it saw."""
+    seen: list[str] = []
+    handler: Any = proxy.server.RequestHandlerClass
+    forward: Callable[[Any], None] = handler.do_GET
+
+    def slowly(self: Any) -> None:
+        if "metrics/get-history" in self.path:
+            seen.append(self.path)
+            threading.Event().wait(delay_s)
+        forward(self)
+
+    handler.do_GET = slowly
+    return seen
+
+
+@pytest.mark.slow
+def test_reopening_a_run_whose_history_takes_several_requests_bounds_each_request_not_their_sum(
+    mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A history read in 6 pages of ~1 s each, request_timeout_s=4: the reopen reads it (each page bounded), once."""
+    import mlflow.tracking._tracking_service.client as tracking_client
+
+    from metricbus.adapters import mlflow as adapter_module
+    from metricbus.adapters.mlflow import MlflowAdapter
+
+    monkeypatch.setattr(tracking_client, "GET_METRIC_HISTORY_MAX_RESULTS", 10)  # MLflow's page, as for 25,000 points
+    monkeypatch.setattr(adapter_module, "HISTORY_PAGE", 10)
+    run = RunInfo(project="p")
+    first = MlflowAdapter(tracking_uri=mlflow_server.uri)
+    first.open(run=run)
+    for step in range(60):
+        first.write(step=step, metrics={"loss": float(step)})
+    first.close(status="failed")
+    proxy = _HoldingProxy(mlflow_server.uri)
+    pages = _slow_history(proxy, 1.0)
+    try:
+        again = MlflowAdapter(tracking_uri=proxy.uri, request_timeout_s=4)
+        again.resume(after_step=55, identity=dict(first.identity))  # steps 56..59 written, never acknowledged
+        again.open(run=run)
+        for step in range(56, 60):
+            again.write(step=step, metrics={"loss": float(step)})
+        again.close(status="finished")
+    finally:
+        proxy.close()
+    assert len(pages) == 6
+    assert _history(mlflow_server.uri, "loss") == ("FINISHED", [(s, float(s)) for s in range(60)])
+
