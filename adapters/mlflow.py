@@ -347,6 +347,7 @@ class MlflowAdapter:
         self._wait_for_earlier(self._run_id)
         if not created and _LANDED[0] != landed:  # one may have landed after ``found`` was read: read it again
             found = client.get_run(self._run_id)
+        self._client, self._bounded = raw, client  # from here on, close() marks the run (FAILED if open fails)
         if not created and not self._attach and found.info.status != "RUNNING":
             client.update_run(self._run_id, status="RUNNING")
         new_tags = [] if created else [RunTag(key, value) for key, value in tags.items()]
@@ -355,7 +356,6 @@ class MlflowAdapter:
             {"run_id": self._run_id, "tracking_uri": uri, "experiment_id": str(found.info.experiment_id)}
         )
         self._held = {} if created else self._held_points(client, found, self._after_step)
-        self._client, self._bounded = raw, client
 
     def _wait_for_earlier(self, run_id: str) -> None:
         """Wait (at most ``request_timeout_s`` in all) for the requests to ``run_id`` that earlier adapters of this

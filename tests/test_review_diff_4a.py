@@ -129,3 +129,28 @@ def test_reopening_a_run_whose_history_takes_several_requests_bounds_each_reques
     assert len(pages) == 6
     assert _history(mlflow_server.uri, "loss") == ("FINISHED", [(s, float(s)) for s in range(60)])
 
+
+@pytest.mark.slow
+def test_an_open_that_times_out_after_marking_the_run_running_leaves_it_failed_after_close(
+    mlflow_server: MlflowServer,
+) -> None:
+    """open() marked the FAILED run RUNNING, then timed out reading its history: close(failed) marks it FAILED."""
+    from metricbus.adapters.mlflow import MlflowAdapter
+
+    run = RunInfo(project="p")
+    first = MlflowAdapter(tracking_uri=mlflow_server.uri)
+    first.open(run=run)
+    for step in range(5):
+        first.write(step=step, metrics={"loss": float(step)})
+    first.close(status="failed")
+    proxy = _HoldingProxy(mlflow_server.uri)
+    _slow_history(proxy, 3.0)
+    try:
+        again = MlflowAdapter(tracking_uri=proxy.uri, request_timeout_s=1)
+        again.resume(after_step=2, identity=dict(first.identity))
+        with pytest.raises(TimeoutError, match=r"get_metric_history\(\) within request_timeout_s=1 s"):
+            again.open(run=run)
+        again.close(status="failed")  # as live delivery and sync do after a failed open
+    finally:
+        proxy.close()
+    assert _history(mlflow_server.uri, "loss") == ("FAILED", [(s, float(s)) for s in range(5)])
