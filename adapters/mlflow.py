@@ -705,7 +705,8 @@ class _Bounded:
                 results.append(method(*args, **kwargs))
             return results
 
-        return self._bounded(str(getattr(method, "__name__", name)), work)
+        results: list[Any] = self._bounded(str(getattr(method, "__name__", name)), work)
+        return results
 
     def histories(self, calls: Sequence[tuple[str, str]]) -> list[list[Any]]:
         """``client.get_metric_history(run_id, key)`` for each ``(run_id, key)`` of ``calls``, read page by page
@@ -732,7 +733,8 @@ class _Bounded:
                 histories.append(points)
             return histories
 
-        return self._bounded("get_metric_history", work)
+        read: list[list[Any]] = self._bounded("get_metric_history", work)
+        return read
 
     def _bounded(self, name: str, work: Callable[[Callable[[], None]], Any]) -> Any:
         """``work(request)`` on a thread of its own, which calls ``request()`` before each request it sends; each
