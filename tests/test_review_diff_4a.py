@@ -103,7 +103,6 @@ def test_reopening_a_run_whose_history_takes_several_requests_bounds_each_reques
 ) -> None:
     """A history read in 6 pages of ~1 s each, request_timeout_s=4: the reopen reads it (each page bounded), once."""
     import mlflow.tracking._tracking_service.client as tracking_client
-
     from metricbus.adapters import mlflow as adapter_module
     from metricbus.adapters.mlflow import MlflowAdapter
 
