@@ -13,7 +13,7 @@ from backend_env import MlflowServer, isolate_env
 from metricbus.adapter import RunInfo
 from metricbus.replay import sync
 from tests.test_review_backends_2 import _history
-from tests.test_review_mlflow_sync_2 import _HoldingProxy, _journal
+from tests.test_review_mlflow_sync_2 import _HoldingProxy, _journal, held_once_open
 
 
 @pytest.fixture(autouse=True)
@@ -49,11 +49,7 @@ def test_a_sync_opening_while_the_earlier_syncs_requests_land_logs_each_step_onc
     journal = _journal(tmp_path)
     proxy = _HoldingProxy(mlflow_server.uri)
 
-    class HoldsOnceOpen(MlflowAdapter):
-        def open(self, *, run: RunInfo) -> None:
-            super().open(run=run)
-            self._request_timeout_s = 1.0
-            proxy.hold.set()  # sync 1's writes and its close now wait in the proxy
+    holds_once_open = held_once_open(proxy)
 
     errors: list[BaseException] = []
 
@@ -65,7 +61,7 @@ def test_a_sync_opening_while_the_earlier_syncs_requests_land_logs_each_step_onc
 
     try:
         with pytest.raises(TimeoutError, match="log_batch of step 0"):
-            sync(journal, [HoldsOnceOpen(tracking_uri=proxy.uri, request_timeout_s=30)])
+            sync(journal, [holds_once_open(tracking_uri=proxy.uri, request_timeout_s=30)])
         assert proxy.held == 2  # the log_batch of step 0 and the set_terminated(FAILED)
         proxy.hold.clear()
         read = _on_path(proxy, "POST", "runs/search")  # sync 2 found the run (and holds what it read)

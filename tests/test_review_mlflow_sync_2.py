@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from backend_env import MlflowServer, isolate_env
@@ -122,6 +123,20 @@ class _HoldingProxy:
         self.thread.join(10)
 
 
+def held_once_open(proxy: _HoldingProxy) -> Any:
+    """An MlflowAdapter class whose writes and close wait in ``proxy`` once it opened (with time to spare on a busy
+    machine): its request timeout is then 1 s for each held request."""
+    from metricbus.adapters.mlflow import MlflowAdapter
+
+    class HoldsOnceOpen(MlflowAdapter):
+        def open(self, *, run: RunInfo) -> None:
+            super().open(run=run)
+            self._request_timeout_s = 1.0
+            proxy.hold.set()  # sync 1's writes and its close now wait in the proxy
+
+    return HoldsOnceOpen
+
+
 @pytest.mark.slow
 def test_cli_sync_against_a_server_that_never_answers_fails_with_the_request_timeout(
     silent_server: str, tmp_path: Path
@@ -151,15 +166,11 @@ def test_a_sync_after_one_whose_requests_answer_late_neither_logs_twice_nor_ends
     journal = _journal(tmp_path)
     proxy = _HoldingProxy(mlflow_server.uri)
 
-    class HoldsOnceOpen(MlflowAdapter):
-        def open(self, *, run: RunInfo) -> None:
-            super().open(run=run)  # with time to spare on a busy machine; each held request then waits 1 s
-            self._request_timeout_s = 1.0
-            proxy.hold.set()  # sync 1's writes and its close now wait in the proxy
+    holds_once_open = held_once_open(proxy)
 
     try:
         with pytest.raises(TimeoutError, match="log_batch of step 0"):
-            sync(journal, [HoldsOnceOpen(tracking_uri=proxy.uri, request_timeout_s=30)])
+            sync(journal, [holds_once_open(tracking_uri=proxy.uri, request_timeout_s=30)])
         assert proxy.held == 2  # the log_batch of step 0 (each retry waited for it) and the set_terminated(FAILED)
         proxy.hold.clear()
         earlier = r"the log_batch of step 0, the set_terminated\(FAILED\) that an earlier adapter sent"
