@@ -45,6 +45,7 @@ def _journal(tmp_path: Path, steps: int = 3) -> Path:
 def silent_server() -> Iterator[str]:
     """A socket on 127.0.0.1 that accepts every connection and never answers (nor closes it); its http:// URI."""
     listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)  # the thread sees ``stop`` (closing the socket does not wake a blocked accept())
     accepted: list[socket.socket] = []
     stop = threading.Event()
 
@@ -52,6 +53,8 @@ def silent_server() -> Iterator[str]:
         while not stop.is_set():
             try:
                 conn, _ = listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
             accepted.append(conn)
@@ -62,8 +65,8 @@ def silent_server() -> Iterator[str]:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
     finally:
         stop.set()
-        listener.close()
         thread.join(10)
+        listener.close()
         for conn in accepted:
             conn.close()
 
