@@ -139,7 +139,7 @@ def _prepared(block: Block, *, decompose: bool) -> Prepared:
             if which < 2 and chosen[r, c]:
                 if rests[which] is None:
                     rests[which] = np.zeros(present.shape)
-                rests[which][r, c] = math.fsum(parts)  # type: ignore[index]
+                rests[which][r, c] = _summed(parts)  # type: ignore[index]
         picked = [None if rest is None else rest[where] for rest in rests]
         for part in second_moment.t_parts(fields[:, where[0], where[1]], *picked):
             held = np.zeros(present.shape)
@@ -156,6 +156,15 @@ def _prepared(block: Block, *, decompose: bool) -> Prepared:
         extra = fixed.decompose(np.array(values, dtype=np.float64), np.array(slots, dtype=np.int64))
     dense = _terms(sources) if decompose else fixed.NO_TERMS
     return Prepared(block, present, unit, weighted, tuple(sources), extra, t_hi, dense)
+
+
+def _summed(parts: tuple[float, ...]) -> float:
+    """The correctly rounded sum of a state's further components (greedy: the first carries the sign), ±inf
+    beyond the double range (then ``t`` is inf: the merged second moment overflows, as it does from ``S²/W``)."""
+    try:
+        return math.fsum(parts)
+    except OverflowError:  # (a Σw·x of records near the top of the range, in several components)
+        return math.copysign(math.inf, parts[0])
 
 
 def _terms(sources: Sequence[tuple[int, Array]]) -> fixed.Terms:

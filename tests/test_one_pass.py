@@ -67,6 +67,15 @@ def test_a_hit_where_one_block_of_every_row_would_agree_wider_maxima() -> None:
     assert _check(earlier, rows, [False, False, False], [0, 0])
 
 
+def test_a_sum_beyond_the_double_range_read_as_std() -> None:
+    """Found by hypothesis: records at the top of the range in a column read as std: Σw·x holds further components
+    whose sum overflows, which raised OverflowError out of prepare() (every path's commit) instead of giving t inf."""
+    top = 1.7976931348623157e308
+    earlier = [[summary(([top] * 4, None)), None, None]]
+    assert _check(earlier, [[None, None, None]], [True, False, False], [0]) in (True, False)
+    assert _check(earlier, earlier, [True, False, False], [0])
+
+
 def _check(earlier: list[list[object]], rows: list[list[object]], moments: list[bool], lengths: list[int]) -> bool:
     """A one-pass commit of ``rows`` under the guess made from ``earlier``: it hits exactly when the agreed maxima
     fit the guess, bounds the longest payload, and a hit finishes to the one-process merge; returns the hit."""
