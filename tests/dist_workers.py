@@ -18,22 +18,25 @@ def init_gloo(rank: int, size: int, port: int) -> None:
 
 
 def split_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
-    rank: int, size: int, port: int, micro: int, records: dict[str, list[float]], out: Any
+    rank: int, size: int, port: int, micros: tuple[int, ...], records: dict[str, list[float]], out: Any
 ) -> None:
-    """Log this rank's contiguous share of every metric's records in ``micro`` batches; commit once."""
+    """For each ``micro`` of ``micros``, one bus after another on the group: log this rank's contiguous share of
+    every metric's records in ``micro`` batches, commit, then commit a step where nothing was logged anywhere."""
     init_gloo(rank, size, port)
     try:
-        bus = MetricBus(dist="torch")
-        for name in sorted(records, reverse=rank % 2 == 1):  # different logging orders per rank
-            values = records[name]
-            share = values[rank * len(values) // size : (rank + 1) * len(values) // size]
-            for m in range(micro):
-                chunk = share[m * len(share) // micro : (m + 1) * len(share) // micro]
-                if chunk:
-                    bus.log(name, chunk, agg=name.split("/")[0])
-        out.put((rank, bus.commit(step=0)))
-        out.put((rank, bus.commit(step=1)))  # a step where nothing was logged anywhere
-        bus.close()
+        results = {}
+        for micro in micros:
+            bus = MetricBus(dist="torch")
+            for name in sorted(records, reverse=rank % 2 == 1):  # different logging orders per rank
+                values = records[name]
+                share = values[rank * len(values) // size : (rank + 1) * len(values) // size]
+                for m in range(micro):
+                    chunk = share[m * len(share) // micro : (m + 1) * len(share) // micro]
+                    if chunk:
+                        bus.log(name, chunk, agg=name.split("/")[0])
+            results[micro] = (bus.commit(step=0), bus.commit(step=1))
+            bus.close()
+        out.put((rank, results))
     finally:
         tdist.destroy_process_group()
 

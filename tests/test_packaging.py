@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.slow
 
 def run(*args: str | Path, cwd: Path | None = None) -> str:
     """Run a command, failing the test with its output if it fails."""
-    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=cwd, timeout=600, check=False)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the fresh venv sees only what it installed
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=cwd, timeout=600, check=False,
+                          env=env)  # fmt: skip
     assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 

@@ -18,6 +18,7 @@ from metricbus import MetricBus
 from metricbus.errors import ClosedError, ConfigError, MetricValueError, StepError
 from metricbus.partial import Partial
 from metricbus.testing import MemoryAdapter
+from tests.terminal import SIGINT_DEFAULT
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -183,7 +184,8 @@ print("replay", mem.rows)
 
 def _ctrl_c_in_commit(tmp_path: Path, presses: int) -> list[str]:
     code = CTRL_C_IN_COMMIT.format(presses=presses)
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "j"), str(tmp_path / "m.jsonl")], cwd=ROOT,
+    args = [sys.executable, "-c", SIGINT_DEFAULT + code, str(tmp_path / "j"), str(tmp_path / "m.jsonl")]
+    done = subprocess.run(args, cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
@@ -202,8 +204,8 @@ def test_a_second_ctrl_c_while_one_waits_is_raised_at_once(tmp_path: Path) -> No
 
 def _runs_clean(code: str) -> None:
     """Run ``code`` in a fresh interpreter (signal handlers are per process); its asserts must hold."""
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          check=False)
+    done = subprocess.run([sys.executable, "-c", SIGINT_DEFAULT + code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from tests.terminal import SIGINT_DEFAULT
+
 pytest.importorskip("pytorch_lightning")
 
 from metricbus.errors import ConfigError
@@ -81,7 +83,8 @@ print(calls)
 )
 def test_a_ctrl_c_while_close_drains_the_adapters_waits_for_close(sent: str, seen: list[str]) -> None:
     """A SIGINT (and a SIGTERM the program handles) while close() drains: close ends first, neither is lost."""
-    done = subprocess.run([sys.executable, "-c", SIGNALS_IN_CLOSE, sent], cwd=ROOT, capture_output=True, text=True,
+    args = [sys.executable, "-c", SIGINT_DEFAULT + SIGNALS_IN_CLOSE, sent]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [repr(seen)]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.terminal import SIGINT_DEFAULT
+
 pytest.importorskip("torch")
 
 from metricbus.adapters.jsonl import read_jsonl
@@ -194,7 +196,8 @@ assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 def test_a_ctrl_c_during_a_commit_of_a_bus_without_journal_or_adapters_waits_for_the_commit() -> None:
     """A SIGINT inside commit() of a plain bus: the step is counted whole (its windows stay aligned), then raised."""
-    done = subprocess.run([sys.executable, "-c", CTRL_C_PLAIN], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", SIGINT_DEFAULT + CTRL_C_PLAIN], cwd=ROOT, capture_output=True,
+                          text=True,
                           timeout=120, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["step 0 {}", "interrupted, last step 1", "step 2 {}", "step 3 {'c': 1100.0}"]
