@@ -2,9 +2,10 @@
 woken at every put (``Bounded.POLL_S = 0``: the behaviour before coalesced wake-ups) and with the default poll.
 
 Run: ``python benchmarks/bench_wake.py``. For each setting, in one run: ``commit()`` of 100 metrics x 8 records
-(median, the caller's thread) and the whole process's CPU per step (every thread: ``log()`` x 800, ``commit()`` and
-the delivery thread's share), with an adapter whose calls do nothing, with ``MemoryAdapter`` and with no adapter at
-all (no delivery thread: the floor). The settings alternate, ``--repeats`` times.
+(median and mean, the caller's thread) and the whole process's CPU per step (every thread: ``log()`` x 800,
+``commit()`` and the delivery thread's share), with an adapter whose calls do nothing, with ``MemoryAdapter``
+and with no adapter at all (no delivery thread: the floor). The settings alternate in one process,
+``--repeats`` times; each figure is the median over the repeats.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class NullAdapter:
         """Nothing."""
 
 
-def measure(adapters: list[Adapter], *, steps: int) -> tuple[float, float]:
-    """(median ``commit()`` in µs, process CPU per step in µs) over ``steps`` steps after a warm-up."""
+def measure(adapters: list[Adapter], *, steps: int) -> tuple[float, float, float]:
+    """(median and mean ``commit()`` in µs, process CPU per step in µs) over ``steps`` steps after a warm-up."""
     bus = MetricBus(adapters=adapters, dist=None, strict=True)
     log = bus.log
 
@@ -50,7 +51,7 @@ def measure(adapters: list[Adapter], *, steps: int) -> tuple[float, float]:
             for j in range(8):
                 log(name, 0.25 * j)
 
-    for _ in range(200):
+    for _ in range(300):
         fill()
         bus.commit()
     samples = []
@@ -62,45 +63,47 @@ def measure(adapters: list[Adapter], *, steps: int) -> tuple[float, float]:
         samples.append(time.perf_counter_ns() - start)
     cpu = time.process_time() - cpu
     bus.close()
-    return statistics.median(samples) / 1e3, cpu / steps * 1e6
+    return statistics.median(samples) / 1e3, statistics.mean(samples) / 1e3, cpu / steps * 1e6
 
 
 def main() -> None:
-    """Alternate the settings and print each one's best figures and their ratios."""
+    """Alternate the settings in one process and print the median over the repeats of each figure."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
     default = Bounded.POLL_S
     kinds: dict[str, Callable[[], list[Adapter]]] = {
-        "no adapter": list,
         "null adapter": lambda: [NullAdapter()],
         "MemoryAdapter": lambda: [MemoryAdapter()],
     }
-    best: dict[tuple[str, float], tuple[float, float]] = {}
+    runs: dict[tuple[str, float], list[tuple[float, float, float]]] = {}
     try:
         for _ in range(args.repeats):
+            Bounded.POLL_S = default
+            runs.setdefault(("no adapter", default), []).append(measure([], steps=args.steps))
             for poll in (0.0, default):
                 Bounded.POLL_S = poll
                 for label, make in kinds.items():
-                    if label == "no adapter" and poll != default:
-                        continue  # no delivery thread: the poll does not matter
-                    commit_us, cpu_us = measure(make(), steps=args.steps)
-                    held = best.get((label, poll), (float("inf"), float("inf")))
-                    best[(label, poll)] = (min(held[0], commit_us), min(held[1], cpu_us))
+                    runs.setdefault((label, poll), []).append(measure(make(), steps=args.steps))
     finally:
         Bounded.POLL_S = default
-    floor_commit, floor_cpu = best[("no adapter", default)]
-    print(f"best of {args.repeats}, {args.steps} steps each; commit() of 100 metrics x 8 records")
-    print(f"{'':28s} {'commit() median':>16s} {'process CPU/step':>17s} {'CPU over no adapter':>20s}")
-    print(f"{'no adapter':28s} {floor_commit:13.1f} us {floor_cpu:14.1f} us")
-    for label in ("null adapter", "MemoryAdapter"):
+
+    def mid(key: tuple[str, float]) -> tuple[float, float, float]:
+        median, mean, cpu = zip(*runs[key], strict=True)
+        return statistics.median(median), statistics.median(mean), statistics.median(cpu)
+
+    floor = mid(("no adapter", default))
+    print(f"medians of {args.repeats} alternating repeats, {args.steps} steps each; commit() of 100 metrics x 8")
+    print(f"{'':34s} {'commit() median':>15s} {'commit() mean':>14s} {'process CPU/step':>17s}")
+    print(f"{'no adapter (no delivery thread)':34s} {floor[0]:12.1f} us {floor[1]:11.1f} us {floor[2]:14.1f} us")
+    for label in kinds:
         for poll, what in ((0.0, "woken at every put"), (default, f"poll {default * 1e3:g} ms")):
-            commit_us, cpu_us = best[(label, poll)]
-            print(f"{label + ', ' + what:28s} {commit_us:13.1f} us {cpu_us:14.1f} us {cpu_us - floor_cpu:17.1f} us")
-        old, new = best[(label, 0.0)], best[(label, default)]
-        print(f"  {label}: commit() {old[0] / new[0]:.2f}x faster, delivery's CPU per step "
-              f"{(old[1] - floor_cpu) / max(new[1] - floor_cpu, 1e-9):.2f}x less with the poll")
+            median, mean, cpu = mid((label, poll))
+            print(f"{label + ', ' + what:34s} {median:12.1f} us {mean:11.1f} us {cpu:14.1f} us")
+        old, new = mid((label, 0.0)), mid((label, default))
+        print(f"  {label}: with the poll, commit() median {old[0] / new[0]:.2f}x, mean {old[1] / new[1]:.2f}x, "
+              f"delivery's CPU per step over no adapter {old[2] - floor[2]:.1f} -> {new[2] - floor[2]:.1f} us")
 
 
 if __name__ == "__main__":

@@ -57,8 +57,9 @@ class Bounded:
     runs a Python condition's wait per item (~10 µs of the worker's time per step, taken from the caller's next
     GIL release). The counts of items put and taken, under one condition, bound it.
 
-    Coalesced wake-ups: waking the worker's thread costs the caller's thread far more than the put (a futex wake,
-    then two GIL hand-offs between cores: ~60 µs of a 100-metric commit with an adapter that does nothing). So
+    Coalesced wake-ups: waking the worker's thread costs far more than the put (a futex wake, then two GIL
+    hand-offs between cores: ~20 µs of CPU a step, and a 100-metric commit's median 1.2x, with an adapter that does
+    nothing; ``benchmarks/bench_wake.py``). So
     while steps keep coming (one taken within the last ``POLL_S``), the getter waits on a separate channel for up
     to ``POLL_S`` and takes everything that arrived meanwhile in one go; a put wakes it at once only where it is
     idle (it found nothing for ``POLL_S``), where the item is not a step (close's sentinel, a flush, a resume) or
