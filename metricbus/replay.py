@@ -36,7 +36,7 @@ from metricbus.partial import Partial
 from metricbus.reduce import StepReducer
 from metricbus.replay_levels import Emitted, reduced
 from metricbus.rules import Rules
-from metricbus.spec import Spec, micro_sketch, parse_spec_text
+from metricbus.spec import Spec, SpecLike, micro_sketch, parse_spec, parse_spec_text
 from metricbus.spec_table import SpecTable, output_keys
 
 Progress = Callable[[int, int], None]
@@ -78,8 +78,9 @@ def parse_rule(text: str) -> tuple[str, Spec]:
 class _Respec:
     """Journaled spec -> overriding spec, decided once per name (first matching override wins)."""
 
-    def __init__(self, overrides: Sequence[tuple[str, Spec]]) -> None:
-        self._overrides = list(overrides)
+    def __init__(self, overrides: Sequence[tuple[str, SpecLike]]) -> None:
+        # a rule's spec in any form a bus's rules take ("sum", ["mean", "max"], Agg(...)), or a parsed Spec
+        self._overrides = [(pattern, parse_spec(spec, metric=pattern)) for pattern, spec in overrides]
         self._cache: dict[str, tuple[str, Spec] | None] = {}
 
     def rule(self, name: str) -> tuple[str, Spec] | None:
@@ -180,7 +181,7 @@ def _journaled(commits: Iterable[Commit | CommitRun]) -> set[tuple[str, Spec]]:
 def emitted(
     journal: Source,
     *,
-    rules: Sequence[tuple[str, Spec]] = (),
+    rules: Sequence[tuple[str, SpecLike]] = (),
     steps: StepRange | None = None,
     progress: Progress | None = None,
     every_rule: bool = False,
@@ -203,7 +204,7 @@ def emitted(
 def emissions(
     journal: Source,
     *,
-    rules: Sequence[tuple[str, Spec]] = (),
+    rules: Sequence[tuple[str, SpecLike]] = (),
     progress: Progress | None = None,
     until: int | None = None,
     every_rule: bool = False,
@@ -299,7 +300,7 @@ def replay(
     source: str | os.PathLike[str] | Source,
     adapters: Sequence[Adapter],
     *,
-    rules: Sequence[tuple[str, Spec]] | Mapping[str, Spec] = (),
+    rules: Sequence[tuple[str, SpecLike]] | Mapping[str, SpecLike] = (),
     steps: StepRange | None = None,
     progress: Progress | None = None,
     run: RunInfo | None = None,
