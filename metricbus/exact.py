@@ -86,6 +86,8 @@ def divide(num: Sequence[float], den: Sequence[float]) -> float:
     n_den, d_den = _ratio(den)
     if n_den == 0:
         return _NAN
+    if n_num == 0:  # a zero sum: the int 0 has no sign, its leading component has IEEE's (see components())
+        return num[0] if n_den > 0 else -num[0]
     top, bottom = n_num * d_den, d_num * n_den
     try:
         return top / bottom

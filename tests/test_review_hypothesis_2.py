@@ -44,3 +44,24 @@ def test_replay_rule_with_an_unknown_kind_is_a_spec_error(tmp_path: Path) -> Non
     logged(tmp_path / "j", "mean")
     with pytest.raises(SpecError, match=r"'x'.*valid kinds|'x'.*use"):
         replay(tmp_path / "j", [MemoryAdapter()], rules={"x": "average"})
+
+
+def test_weighted_mean_of_negative_zeros_whose_weights_sum_to_two_components(tmp_path: Path) -> None:
+    """-0.0 records weighted 1 and 1e300 (Σw = 1e300 + 1, two components) gave mean +0.0 (the exact division of
+    the int 0 lost the sign): every product w·x is -0.0, so the mean is -0.0, logged, ingested and replayed."""
+    worker = MetricBus(dist=None)
+    worker.log("x", -0.0, weight=1.0)
+    mem = MemoryAdapter()
+    with MetricBus(adapters=[mem], dist=None, strict=True, journal=tmp_path / "j") as bus:
+        bus.log("x", -0.0, weight=1.0)
+        bus.log("x", -0.0, weight=1e300)
+        assert struct.pack("<d", bus.commit(step=0)["x"]) == struct.pack("<d", -0.0)
+        other = MetricBus(dist=None)
+        other.log("x", -0.0, weight=1e300)
+        bus.ingest([worker.export(), other.export()])
+        assert struct.pack("<d", bus.commit(step=1)["x"]) == struct.pack("<d", -0.0)
+        other.close()
+    worker.close()
+    again = MemoryAdapter()
+    replay(tmp_path / "j", [again])
+    assert bits(again.rows) == bits(mem.rows) == bits([(0, {"x": -0.0}), (1, {"x": -0.0})])
