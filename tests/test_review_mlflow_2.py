@@ -75,6 +75,8 @@ def test_sync_against_a_server_that_stops_answering_ends_instead_of_waiting_out_
             self._request_timeout_s = 1.0
             os.killpg(server.pid, signal.SIGSTOP)  # each request now waits (MLflow: 120 s, 7 retries)
 
+    # request threads an earlier test left retrying against its own stopped server are not this sync's
+    before = {t for t in threading.enumerate() if t.name == "metricbus-mlflow-request"}
     try:
         with pytest.raises(TimeoutError):  # the writes, then the close's set_terminated, each waited 1 s at most
             sync(journal, [PausesTheServerOnceOpen(tracking_uri=mlflow_server.uri, request_timeout_s=30)])
@@ -82,7 +84,7 @@ def test_sync_against_a_server_that_stops_answering_ends_instead_of_waiting_out_
         os.killpg(server.pid, signal.SIGCONT)
     # the first sync's requests end now that the server answers: let them, so its FAILED comes before the next FINISHED
     poll_until(
-        lambda: not any(t.name == "metricbus-mlflow-request" for t in threading.enumerate()),
+        lambda: not any(t.name == "metricbus-mlflow-request" and t not in before for t in threading.enumerate()),
         timeout_s=120,
         what="the paused requests ended",
     )
