@@ -111,8 +111,11 @@ class Bounded:
         self._nudge(type(item) is not _Step or queued >= self._wake_at)
 
     def _nudge(self, wake: bool) -> None:
-        """Wake a busy getter now where ``wake`` (an idle one, blocked on the items, woke at the put)."""
-        if wake and not self._idle:
+        """Wake a busy getter now where ``wake`` (an idle one, blocked on the items, woke at the put). One pending
+        token is enough: the getter looks at the items after it takes any token, so a put that finds one there needs
+        none of its own (else, while an adapter lags and its queue stays over half full, every put would leave a
+        token that only an empty queue drains: ~2 per step, for the whole run)."""
+        if wake and not self._idle and self._wake.empty():
             self._wake.put(None)
 
     def get(self, *, timeout: float | None) -> _Item:

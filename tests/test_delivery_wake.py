@@ -133,3 +133,38 @@ def test_steps_are_written_and_flushed_without_a_call() -> None:
     assert [s for s, _ in adapter.rows] == list(range(20))
     assert adapter.flushes
     bus.close()
+
+
+def test_a_lagging_adapter_leaves_at_most_one_wake_token() -> None:
+    """While an adapter lags with its queue over half full, puts do not pile up wake tokens (one pending wakes it)."""
+    gate, writing = threading.Event(), threading.Event()
+
+    class Gated(MemoryAdapter):
+        def write(self, *, step: int, metrics: Any) -> None:
+            writing.set()
+            gate.wait(JOIN_S)
+            super().write(step=step, metrics=metrics)
+
+    adapter = Gated()
+    bus = MetricBus(adapters=[adapter], dist=None, strict=True, queue_size=64)
+    q = bus._sink.delivery._workers[0].queue
+    for n in range(60):  # the first is taken (its write waits at the gate); the rest stay queued, most over half
+        bus.log("loss", float(n))
+        bus.commit()
+        if n == 0:
+            assert writing.wait(JOIN_S)
+    pending = q._wake.qsize()
+    gate.set()
+    bus.close()
+    assert pending <= 1
+    assert [s for s, _ in adapter.rows] == list(range(60))
+
+
+def test_puts_at_a_full_queue_leave_at_most_one_wake_token() -> None:
+    """A put that finds the queue half full, or waits for room, wakes the getter with one token, not one each."""
+    q = Bounded(4)
+    for n in range(4):
+        q.put_nowait(step(n))
+    with pytest.raises(queue.Full):
+        q.put(step(4), timeout=0.01)
+    assert q._wake.qsize() == 1
