@@ -59,13 +59,15 @@ class Bounded:
 
     Coalesced wake-ups: waking the worker's thread costs far more than the put (a futex wake, then two GIL
     hand-offs between cores: ~20 µs of CPU a step, and a 100-metric commit's median 1.2x, with an adapter that does
-    nothing; ``benchmarks/bench_wake.py``). So
-    while steps keep coming (one taken within the last ``POLL_S``), the getter waits on a separate channel for up
-    to ``POLL_S`` and takes everything that arrived meanwhile in one go; a put wakes it at once only where it is
-    idle (it found nothing for ``POLL_S``), where the item is not a step (close's sentinel, a flush, a resume) or
-    where the queue is half full. A step so waits at most ``POLL_S`` longer in the queue; none is held longer."""
+    nothing; ``benchmarks/bench_wake.py``). So while steps keep coming (the last one was queued already, or came
+    within ``POLL_S`` of the one before), the getter waits on a separate channel for up to ``POLL_S`` and takes
+    everything that arrived meanwhile in one go; a put wakes it at once only where it is idle (it found nothing for
+    ``POLL_S``, or steps come further apart than that: a poll would find nothing), where the item is not a step
+    (close's sentinel, a flush, a resume) or where the queue is half full. A step so waits at most ``POLL_S``
+    longer in the queue; none is held longer."""
 
-    __slots__ = ("_flowing", "_idle", "_items", "_maxsize", "_put", "_room", "_taken", "_waiting", "_wake", "_wake_at")
+    __slots__ = ("_flowing", "_idle", "_items", "_maxsize", "_put", "_room", "_taken", "_took_at", "_waiting", "_wake",
+                 "_wake_at")
 
     POLL_S = 0.01  # how long a busy getter waits before looking again, unless woken (0: every put wakes it)
 
@@ -78,7 +80,8 @@ class Bounded:
         self._put = 0
         self._taken = 0
         self._waiting = 0  # puts waiting for room
-        self._flowing = False  # the getter took an item since it last waited
+        self._flowing = False  # the getter's next get polls: its last item was queued already, or came within a poll
+        self._took_at = -float("inf")  # when the getter took its last item
         self._idle = False  # the getter waits on the items themselves (any put wakes it), not on _wake
 
     def put_nowait(self, item: _Item) -> None:
@@ -137,9 +140,15 @@ class Bounded:
                 item = items.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             finally:
                 self._idle = False
+            # Woken by this put: poll next only where it came within a poll of the last item. Steps further apart
+            # (most trainers: one every 10 ms or more) would find every poll empty and then wake this thread at
+            # their put anyway: twice the wake-ups of a getter that never polls.
+            now = time.monotonic()
+            flowing = now - self._took_at < self.POLL_S
         else:
             item = items.get_nowait()  # (this thread alone takes items, but close's release(): Empty, as before)
-        self._flowing = True
+            now, flowing = time.monotonic(), True
+        self._took_at, self._flowing = now, flowing
         self._took()
         return item
 

@@ -168,3 +168,33 @@ def test_puts_at_a_full_queue_leave_at_most_one_wake_token() -> None:
     with pytest.raises(queue.Full):
         q.put(step(4), timeout=0.01)
     assert q._wake.qsize() == 1
+
+
+def test_steps_further_apart_than_a_poll_wake_an_idle_getter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A getter whose steps come further apart than a poll does not poll after each (it would find nothing)."""
+    monkeypatch.setattr(Bounded, "POLL_S", 0.05)
+    q = Bounded(16)
+    got: list[Any] = []
+    polls: list[float] = []
+    wake = q._wake
+
+    class Counted:  # the wake channel, counting the getter's polls
+        def get(self, timeout: float) -> None:
+            polls.append(timeout)
+            return wake.get(timeout=timeout)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(wake, name)
+
+    q._wake = Counted()  # type: ignore[assignment]
+    thread = threading.Thread(target=lambda: [got.append(q.get(timeout=JOIN_S)) for _ in range(3)], daemon=True)
+    thread.start()
+    for n in range(3):
+        q.put_nowait(step(n))
+        deadline = time.monotonic() + JOIN_S
+        while len(got) <= n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the next step comes four polls after this one was taken
+    thread.join(JOIN_S)
+    assert got == [step(0), step(1), step(2)]
+    assert polls == []
