@@ -55,34 +55,17 @@ class Bounded:
     """``queue.Queue``'s bounded ``put``/``put_nowait`` and ``get``/``get_nowait`` (the same exceptions, FIFO) over
     the C ``queue.SimpleQueue``: an item costs one C call and a short lock on each side, where ``queue.Queue``
     runs a Python condition's wait per item (~10 µs of the worker's time per step, taken from the caller's next
-    GIL release). The counts of items put and taken, under one condition, bound it.
+    GIL release). The counts of items put and taken, under one condition, bound it."""
 
-    Coalesced wake-ups: waking the worker's thread costs far more than the put (a futex wake, then two GIL
-    hand-offs between cores: ~20 µs of CPU a step, and a 100-metric commit's median 1.2x, with an adapter that does
-    nothing; ``benchmarks/bench_wake.py``). So while steps keep coming (the last one was queued already, or came
-    within ``POLL_S`` of the one before), the getter waits on a separate channel for up to ``POLL_S`` and takes
-    everything that arrived meanwhile in one go; a put wakes it at once only where it is idle (it found nothing for
-    ``POLL_S``, or steps come further apart than that: a poll would find nothing), where the item is not a step
-    (close's sentinel, a flush, a resume) or where the queue is half full. A step so waits at most ``POLL_S``
-    longer in the queue; none is held longer."""
-
-    __slots__ = ("_flowing", "_idle", "_items", "_maxsize", "_put", "_room", "_taken", "_took_at", "_waiting", "_wake",
-                 "_wake_at")
-
-    POLL_S = 0.01  # how long a busy getter waits before looking again, unless woken (0: every put wakes it)
+    __slots__ = ("_items", "_maxsize", "_put", "_room", "_taken", "_waiting")
 
     def __init__(self, maxsize: int) -> None:
         self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
-        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()  # the busy getter's channel: a token wakes it
         self._maxsize = maxsize
-        self._wake_at = max(1, maxsize // 2)
         self._room = threading.Condition(threading.Lock())  # guards the counts; a full put waits on it
         self._put = 0
         self._taken = 0
         self._waiting = 0  # puts waiting for room
-        self._flowing = False  # the getter's next get polls: its last item was queued already, or came within a poll
-        self._took_at = -float("inf")  # when the getter took its last item
-        self._idle = False  # the getter waits on the items themselves (any put wakes it), not on _wake
 
     def put_nowait(self, item: _Item) -> None:
         """Enqueue, or raise ``queue.Full``."""
@@ -91,8 +74,6 @@ class Bounded:
                 raise queue.Full
             self._put += 1
             self._items.put(item)
-            queued = self._put - self._taken
-        self._nudge(type(item) is not _Step or queued >= self._wake_at)
 
     def put(self, item: _Item, *, timeout: float) -> None:
         """Enqueue, waiting at most ``timeout`` seconds for room; else raise ``queue.Full``."""
@@ -103,52 +84,16 @@ class Bounded:
                 if left <= 0.0:
                     raise queue.Full
                 self._waiting += 1
-                self._nudge(True)  # a full queue: the getter must not sleep out its poll
                 try:
                     self._room.wait(left)
                 finally:
                     self._waiting -= 1
             self._put += 1
             self._items.put(item)
-            queued = self._put - self._taken
-        self._nudge(type(item) is not _Step or queued >= self._wake_at)
-
-    def _nudge(self, wake: bool) -> None:
-        """Wake a busy getter now where ``wake`` (an idle one, blocked on the items, woke at the put). One pending
-        token is enough: the getter looks at the items after it takes any token, so a put that finds one there needs
-        none of its own (else, while an adapter lags and its queue stays over half full, every put would leave a
-        token that only an empty queue drains: ~2 per step, for the whole run)."""
-        if wake and not self._idle and self._wake.empty():
-            self._wake.put(None)
 
     def get(self, *, timeout: float | None) -> _Item:
         """The oldest item, waiting at most ``timeout`` seconds (None: for ever); else raise ``queue.Empty``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        items, wake = self._items, self._wake
-        while self._flowing and self.POLL_S > 0.0 and items.empty():  # steps keep coming: wait a poll at most
-            self._flowing = False
-            left = self.POLL_S if deadline is None else min(self.POLL_S, deadline - time.monotonic())
-            if left <= 0.0:
-                raise queue.Empty
-            with contextlib.suppress(queue.Empty):
-                wake.get(timeout=left)
-            while not wake.empty():  # spent tokens (a put that wakes leaves one): drop them
-                wake.get_nowait()
-        if items.empty():  # idle: blocked on the items themselves, so that any put wakes this get
-            self._idle = True  # (under the GIL: a put from now on sees it)
-            try:
-                item = items.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-            finally:
-                self._idle = False
-            # Woken by this put: poll next only where it came within a poll of the last item. Steps further apart
-            # (most trainers: one every 10 ms or more) would find every poll empty and then wake this thread at
-            # their put anyway: twice the wake-ups of a getter that never polls.
-            now = time.monotonic()
-            flowing = now - self._took_at < self.POLL_S
-        else:
-            item = items.get_nowait()  # (this thread alone takes items, but close's release(): Empty, as before)
-            now, flowing = time.monotonic(), True
-        self._took_at, self._flowing = now, flowing
+        item = self._items.get(timeout=timeout)
         self._took()
         return item
 
