@@ -87,7 +87,8 @@ def divide(num: Sequence[float], den: Sequence[float]) -> float:
     if n_den == 0:
         return _NAN
     if n_num == 0:  # a zero sum: the int 0 has no sign, its leading component has IEEE's (see components())
-        return num[0] if n_den > 0 else -num[0]
+        zero = num[0] if num[0] == 0.0 else 0.0  # (components that cancel, not greedy ones: +0.0, as fsum's)
+        return zero if n_den > 0 else -zero
     top, bottom = n_num * d_den, d_num * n_den
     try:
         return top / bottom
