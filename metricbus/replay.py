@@ -124,6 +124,18 @@ class _Respec:
             if not any(fnmatchcase(name, pattern) for name in names):
                 few = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "") or "none"
                 raise SpecError(f"replay rule {pattern!r} matches no metric of the journal; it has {few}")
+        if every_rule:  # a typed rule that every metric it matches takes an earlier one for: it changes nothing
+            first = {name: next(i for i, (p, _) in enumerate(self._overrides) if fnmatchcase(name, p))
+                     for name in names if self.rule(name) is not None}
+            for i, (pattern, spec) in enumerate(self._overrides):
+                shadowed = [name for name in names if fnmatchcase(name, pattern)]
+                if shadowed and all(first[name] != i for name in shadowed):
+                    earlier = self._overrides[first[shadowed[0]]]
+                    raise SpecError(
+                        f"replay rule {pattern}={spec} re-aggregates nothing: the metrics it matches "
+                        f"({', '.join(shadowed[:8])}) take the earlier rule {earlier[0]}={earlier[1]} (the first "
+                        "matching rule wins); drop one, or put the more specific rule first"
+                    )
         for name, spec in journaled:
             new = self(name, spec)  # raises for a sketch the journal lacks
             found = self.rule(name)
@@ -192,9 +204,10 @@ def emitted(
     the live ones; a segment's open window is emitted at its last step, as the bus's ``close`` does, before the
     next segment starts a fresh one); ``steps`` only selects which emitted steps are yielded, never what is
     reduced. A step may be yielded more than once (several commits at one step, with disjoint names).
-    ``every_rule``: a rule whose pattern matches no journaled metric is a SpecError (``metricbus replay --rule``:
-    a typo); else it is left unused, as a live bus's rule that matches nothing (a shared rule set such as
-    ``VERL_RULES`` names metrics a run may not have).
+    ``every_rule``: a rule whose pattern matches no journaled metric, or only metrics an earlier rule takes, is a
+    SpecError (``metricbus replay --rule``: a typo, or a rule that changes nothing); else it is left unused, as a
+    live bus's rule that matches nothing (a shared rule set such as ``VERL_RULES`` names metrics a run may not
+    have).
     """
     for step, out, _ in emissions(journal, rules=rules, progress=progress, every_rule=every_rule):
         if steps is None or step in steps:

@@ -1,0 +1,49 @@
+"""Review of the ``metricbus`` command with hostile inputs: each test a contract break found by running the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from metricbus import MetricBus
+from metricbus.cli import main
+
+
+def _journal(path: Path) -> Path:
+    """One rank, metrics loss (mean), lr (last) and tok (sum), steps 0..3."""
+    with MetricBus(journal=str(path), rules={"loss": "mean", "lr": "last", "tok": "sum"}, dist=None) as bus:
+        for step in range(4):
+            bus.log("loss", float(step))
+            bus.log("lr", 0.1 * step)
+            bus.log("tok", 3.0)
+            bus.commit(step=step)
+    return path
+
+
+@pytest.mark.parametrize("rules", [["loss=sum", "loss=max"], ["l*=sum", "loss=max"], ["loss=sum", "loss=sum"]])
+def test_replay_rule_shadowed_by_an_earlier_one_is_an_error(
+    tmp_path: Path, rules: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --rule every metric of which takes an earlier rule (it re-aggregates nothing) is exit 2, naming both."""
+    journal = _journal(tmp_path / "j")
+    out = tmp_path / "out.jsonl"
+    argv = ["replay", str(journal), "--to", f"jsonl:{out}"]
+    for rule in rules:
+        argv += ["--rule", rule]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "re-aggregates nothing" in err
+    assert rules[1] in err
+    assert rules[0] in err
+    assert not out.exists() or out.read_text() == ""
+
+
+def test_replay_rule_that_wins_for_some_metric_is_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A specific rule before a broader one is fine: each re-aggregates some metric."""
+    journal = _journal(tmp_path / "j")
+    out = tmp_path / "out.jsonl"
+    argv = ["replay", str(journal), "--to", f"jsonl:{out}", "--rule", "loss=max", "--rule", "l*=sum"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert len(out.read_text().splitlines()) == 4
