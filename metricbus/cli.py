@@ -212,12 +212,12 @@ def _label(adapter: Any) -> str:
 
 def _replay(args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     rules = [parse_rule(r) for r in args.rule]
-    steps = parse_steps(args.steps) if args.steps else None
+    steps = parse_steps(args.steps) if args.steps is not None else None
     journal = stream_journal(args.journal)
     outline = journal.outline()  # a pass over frame headers; the replay's progress needs its count too
     if not outline.commits:
         raise _UsageError("no emitted steps: the journal has no commits")
-    where = f" in {args.steps}" if args.steps else ""
+    where = f" in {args.steps}" if args.steps is not None else ""
     has = f"the journal has steps {outline.first_step}..{outline.last_step}"
     if steps is not None and not any(c.step in steps for c in journal.commits(decode=False)):  # before any adapter
         raise _UsageError(f"no emitted steps{where} ({has})")

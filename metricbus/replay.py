@@ -59,6 +59,8 @@ class StepRange:
 def parse_steps(text: str) -> StepRange:
     """``A:B`` (half-open, like a Python slice; either side may be left out) or a single step ``A``."""
     start, sep, stop = text.partition(":")
+    if not text.strip():  # (a shell variable left unset: '--steps "$FROM"') not every step, silently
+        raise JournalError(f"bad --steps {text!r}: it is empty; use A:B, A: or :B with integer steps")
     try:
         lo = int(start) if start.strip() else None
         hi = (int(stop) if stop.strip() else None) if sep else (None if lo is None else lo + 1)

@@ -47,3 +47,13 @@ def test_replay_rule_that_wins_for_some_metric_is_kept(tmp_path: Path, capsys: p
     argv = ["replay", str(journal), "--to", f"jsonl:{out}", "--rule", "loss=max", "--rule", "l*=sum"]
     assert main(argv) == 0, capsys.readouterr().err
     assert len(out.read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize("steps", ["", "  "])
+def test_replay_empty_steps_is_an_error(tmp_path: Path, steps: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty --steps (an unset shell variable) is exit 2, not a replay of every step."""
+    journal = _journal(tmp_path / "j")
+    out = tmp_path / "out.jsonl"
+    assert main(["replay", str(journal), "--to", f"jsonl:{out}", "--steps", steps]) == 2
+    assert "bad --steps" in capsys.readouterr().err
+    assert not out.exists()
