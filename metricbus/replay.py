@@ -322,7 +322,7 @@ def replay(
     every_rule: bool = False,
 ) -> int:
     """Send every replayed step to each adapter (open, write..., flush, close); returns the steps sent
-    (``every_rule``: as :func:`emitted`).
+    (``every_rule``: as :func:`emitted`). Where no step is emitted (in ``steps``), no adapter opens.
 
     The adapters open ``run``, by default a new run made from the journal's (:func:`replay_run`): a replay, with
     ``rules`` or without, never adds to the live run's backend run (its jsonl file, TensorBoard folder, MLflow or
@@ -338,6 +338,8 @@ def replay(
     _new_runs(journal, adapters)
     stream = emitted(journal, rules=items, steps=steps, progress=progress, every_rule=every_rule)
     first = next(stream, None)  # a rule the journal cannot serve (its first commit's names) fails before any open
+    if first is None:  # no emitted step (in ``steps``): no adapter opens, so nothing is created (an empty jsonl file,
+        return 0  # a TensorBoard event file that a corrected replay into the same place would then be refused for)
     opened: list[Adapter] = []
     refused: dict[int, tuple[Adapter, dict[str, RejectedMetricsError]]] = {}  # per adapter (id): names it refuses
     sent = 0

@@ -57,3 +57,22 @@ def test_replay_empty_steps_is_an_error(tmp_path: Path, steps: str, capsys: pyte
     assert main(["replay", str(journal), "--to", f"jsonl:{out}", "--steps", steps]) == 2
     assert "bad --steps" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_replay_of_no_emitted_step_creates_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--steps holding commits but no emitted step (log_every 3) is exit 2 with no file created, so the corrected
+    replay into the same TensorBoard folder and jsonl file is not refused."""
+    journal = tmp_path / "j"
+    with MetricBus(journal=str(journal), dist=None, log_every=3) as bus:
+        for step in range(9):
+            bus.log("loss", float(step))
+            bus.commit(step=step)
+    tb, jsonl = tmp_path / "tb", tmp_path / "out.jsonl"
+    argv = ["replay", str(journal), "--to", f"tensorboard:{tb}", "--to", f"jsonl:{jsonl}"]
+    assert main([*argv, "--steps", "3:5"]) == 2
+    assert "no emitted steps in 3:5" in capsys.readouterr().err
+    assert not tb.exists()
+    assert not jsonl.exists()
+    assert main([*argv, "--steps", "5:6"]) == 0, capsys.readouterr().err
+    assert len(jsonl.read_text().splitlines()) == 1
+    assert list(tb.iterdir())
