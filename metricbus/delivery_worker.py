@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -52,20 +53,51 @@ _Item = _Step | _Stop | _Sync | _Resume
 
 
 class Bounded:
-    """``queue.Queue``'s bounded ``put``/``put_nowait`` and ``get``/``get_nowait`` (the same exceptions, FIFO) over
-    the C ``queue.SimpleQueue``: an item costs one C call and a short lock on each side, where ``queue.Queue``
-    runs a Python condition's wait per item (~10 µs of the worker's time per step, taken from the caller's next
-    GIL release). The counts of items put and taken, under one condition, bound it."""
+    """``queue.Queue``'s bounded ``put``/``put_nowait`` and ``get``/``get_nowait`` (the same exceptions, FIFO), built
+    for a getter thread that must not fight the putter for the GIL. The counts of items put and taken, under one
+    condition, bound it; the items lie in a deque; the getter sleeps on a separate channel (``_bell``).
 
-    __slots__ = ("_items", "_maxsize", "_put", "_room", "_taken", "_waiting")
+    Why: a thread that waits for the GIL while the committing thread runs numpy (``reduceat`` releases the GIL at
+    every call, other ufuncs over 500 elements too) is woken at each release and loses the race to take it back,
+    for up to the 5 ms switch interval: every release then costs a futex wake and an interrupt between the cores.
+    Woken at every step, a delivery thread so added ~35 µs to a 100-metric commit's median and ~50 µs of process
+    CPU a step, with an adapter that does nothing (``benchmarks/bench_wake.py``, which measures it). Here:
+
+    - While steps keep coming, a put wakes the getter only once ``RING_AT`` items wait (half the queue, if less):
+      it takes them in one go. A getter that found nothing waits ``DOZE_S`` at most before it looks again (a step
+      waits in the queue that much longer at most); one that then still found nothing sleeps until the next put,
+      which wakes it at once (steps further apart than ``DOZE_S``: each is handed over as it comes).
+    - A put that finds the getter has not yet woken from the previous wake-up (it is waiting for the GIL: the
+      caller's thread holds it, between releases too short to lose it) hands the GIL over: it blocks, at most
+      ``HANDOFF_S``, until the getter runs. That costs the caller the getter's work, which a GIL-bound process pays
+      in any case, and spares the wake-ups a starving getter costs. A getter that wakes on its own (the caller
+      waits on the GPU or I/O, releasing the GIL for long) is never waited for.
+    - Anything but a step (close's sentinel, a flush, a resume) wakes the getter at once.
+    """
+
+    __slots__ = ("_bell", "_flowing", "_items", "_maxsize", "_put", "_ring_at", "_room", "_rung", "_started", "_state",
+                 "_taken", "_waiting")
+
+    RING_AT = 16  # steps waiting from which a put wakes a dozing getter (1, with HANDOFF_S 0: a wake at every put)
+    DOZE_S = 0.02  # how long a getter that found nothing waits before it looks again, unless woken
+    HANDOFF_S = 0.002  # how long a put waits at most for a getter that has not woken yet (0: never)
+
+    _BUSY, _DOZING, _ASLEEP = 0, 1, 2  # the getter: taking items; waiting DOZE_S; waiting for the next put
 
     def __init__(self, maxsize: int) -> None:
-        self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._items: deque[_Item] = deque()
+        self._bell: queue.SimpleQueue[None] = queue.SimpleQueue()  # a token wakes the getter
+        self._started = threading.Lock()  # held while no hand-off is pending: the getter releases it as it wakes
+        self._started.acquire()
         self._maxsize = maxsize
+        self._ring_at = min(self.RING_AT, max(1, maxsize // 2))
         self._room = threading.Condition(threading.Lock())  # guards the counts; a full put waits on it
         self._put = 0
         self._taken = 0
         self._waiting = 0  # puts waiting for room
+        self._state = self._BUSY  # written by the getter, and by a put that wakes it (under the GIL)
+        self._rung = False  # a token was put that the getter has not taken yet
+        self._flowing = False  # the getter took an item since its last doze that found nothing: its next get dozes
 
     def put_nowait(self, item: _Item) -> None:
         """Enqueue, or raise ``queue.Full``."""
@@ -73,7 +105,8 @@ class Bounded:
             if self._put - self._taken >= self._maxsize:
                 raise queue.Full
             self._put += 1
-            self._items.put(item)
+            self._items.append(item)
+        self._after_put(type(item) is _Step)
 
     def put(self, item: _Item, *, timeout: float) -> None:
         """Enqueue, waiting at most ``timeout`` seconds for room; else raise ``queue.Full``."""
@@ -84,22 +117,78 @@ class Bounded:
                 if left <= 0.0:
                     raise queue.Full
                 self._waiting += 1
+                self._ring()  # a full queue: a dozing getter must not sleep out its doze
                 try:
                     self._room.wait(left)
                 finally:
                     self._waiting -= 1
             self._put += 1
-            self._items.put(item)
+            self._items.append(item)
+        self._after_put(type(item) is _Step)
+
+    def _after_put(self, step: bool) -> None:
+        """Wake the getter, or hand it the GIL, as the class says."""
+        if not step:
+            self._ring()
+        elif self._rung:
+            self._hand_off()
+        elif self._state == self._ASLEEP or (self._state == self._DOZING and len(self._items) >= self._ring_at):
+            self._ring()
+
+    def _ring(self) -> None:
+        """Wake a waiting getter (one pending token is enough: it looks at the items after any)."""
+        if self._state != self._BUSY:
+            self._state = self._BUSY
+            self._rung = True
+            self._bell.put(None)
+
+    def _hand_off(self) -> None:
+        """Block until the rung getter runs, ``HANDOFF_S`` at most (then not again until the next wake-up)."""
+        self._rung = False
+        if self.HANDOFF_S > 0.0:
+            self._started.acquire(blocking=False)  # a late release of an earlier hand-off: not this one
+            self._started.acquire(timeout=self.HANDOFF_S)
 
     def get(self, *, timeout: float | None) -> _Item:
         """The oldest item, waiting at most ``timeout`` seconds (None: for ever); else raise ``queue.Empty``."""
-        item = self._items.get(timeout=timeout)
-        self._took()
-        return item
+        deadline = None if timeout is None else time.monotonic() + timeout
+        items = self._items
+        state = self._DOZING if self._flowing else self._ASLEEP
+        while True:
+            if items:
+                item = items.popleft()
+                self._flowing = True
+                self._took()
+                return item
+            self._state = state  # (under the GIL: a put from now on sees it, and rings)
+            if items:  # put between the look and the state
+                self._state = self._BUSY
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = left if state == self._ASLEEP else self.DOZE_S if left is None else min(self.DOZE_S, left)
+            try:
+                self._bell.get(timeout=wait)
+            except queue.Empty:
+                self._state = self._BUSY
+                if items:  # a step waited out the doze: take it
+                    continue
+                if state == self._DOZING and wait == self.DOZE_S:  # a whole doze found nothing
+                    self._flowing = False
+                    state = self._ASLEEP
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+            else:
+                self._state = self._BUSY
+                self._rung = False
+                if self._started.locked():  # a put may be waiting for this hand-off
+                    self._started.release()
 
     def get_nowait(self) -> _Item:
         """The oldest item, or raise ``queue.Empty``."""
-        item = self._items.get_nowait()
+        try:
+            item = self._items.popleft()
+        except IndexError:
+            raise queue.Empty from None
         self._took()
         return item
 
