@@ -21,15 +21,15 @@ from metricbus.testing import MemoryAdapter
 REPEATS = 301
 
 
-def median_ns(
+def samples_ns(
     batch: Callable[[], None],
     calls: int,
     *,
     repeats: int = REPEATS,
     setup: Callable[[], None] | None = None,
     clock: Callable[[], int] = time.perf_counter_ns,
-) -> float:
-    """Median over ``repeats`` of (time of one ``batch()``) / ``calls`` in ns; ``setup`` runs untimed before each.
+) -> list[float]:
+    """(time of one ``batch()``) / ``calls`` in ns, ``repeats`` times; ``setup`` runs untimed before each.
     ``clock``: ``time.thread_time_ns`` counts this thread's CPU time only (steady on a loaded machine)."""
     samples = []
     for _ in range(repeats):
@@ -38,7 +38,19 @@ def median_ns(
         start = clock()
         batch()
         samples.append((clock() - start) / calls)
-    return statistics.median(samples)
+    return samples
+
+
+def median_ns(
+    batch: Callable[[], None],
+    calls: int,
+    *,
+    repeats: int = REPEATS,
+    setup: Callable[[], None] | None = None,
+    clock: Callable[[], int] = time.perf_counter_ns,
+) -> float:
+    """The median of :func:`samples_ns`."""
+    return statistics.median(samples_ns(batch, calls, repeats=repeats, setup=setup, clock=clock))
 
 
 def main() -> None:
@@ -121,7 +133,8 @@ def main() -> None:
     def commit() -> None:
         cbus.commit()
 
-    commit_ns = median_ns(commit, 1, setup=fill)
+    commits = samples_ns(commit, 1, setup=fill)
+    commit_ns, commit_mean_ns = statistics.median(commits), statistics.mean(commits)
     commit_cpu_ns = median_ns(commit, 1, setup=fill, clock=time.thread_time_ns)
 
     # The same with random values: their exact sums need a remainder (lo != 0), so the mean is the exact division.
@@ -170,7 +183,7 @@ def main() -> None:
     )
     print(
         f"commit() of 100 metrics x 8 records:  {commit_ns:10.1f} ns  ({commit_ns / floor_ns:8.1f}x floor)  "
-        f"thread CPU {commit_cpu_ns:10.1f} ns"
+        f"thread CPU {commit_cpu_ns:10.1f} ns  mean {commit_mean_ns:10.1f} ns"
     )
     print(
         f"commit() as above, random values:     {random_ns:10.1f} ns  ({random_ns / floor_ns:8.1f}x floor)  "

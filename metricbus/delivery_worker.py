@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -67,18 +68,18 @@ class Bounded:
       it takes them in one go. A getter that found nothing waits ``DOZE_S`` at most before it looks again (a step
       waits in the queue that much longer at most); one that then still found nothing sleeps until the next put,
       which wakes it at once (steps further apart than ``DOZE_S``: each is handed over as it comes).
-    - A put that finds the getter has not yet woken from the previous wake-up (it is waiting for the GIL: the
-      caller's thread holds it, between releases too short to lose it) hands the GIL over: it blocks, at most
-      ``HANDOFF_S``, until the getter runs. That costs the caller the getter's work, which a GIL-bound process pays
-      in any case, and spares the wake-ups a starving getter costs. A getter that wakes on its own (the caller
-      waits on the GPU or I/O, releasing the GIL for long) is never waited for.
+    - A put that finds the getter woken (by a put, or by its doze's end) but not yet running (it is waiting for the
+      GIL: the caller's thread holds it, between releases too short to lose it) hands the GIL over: it blocks, at
+      most ``HANDOFF_S``, until the getter runs. That costs the caller the getter's work, which a GIL-bound process
+      pays in any case, and spares the wake-ups a starving getter costs. A getter that runs as soon as it wakes (the
+      caller waits on the GPU or I/O, releasing the GIL for long) is never waited for.
     - Anything but a step (close's sentinel, a flush, a resume) wakes the getter at once.
     """
 
     __slots__ = ("_bell", "_flowing", "_items", "_maxsize", "_put", "_ring_at", "_room", "_rung", "_started", "_state",
-                 "_taken", "_waiting")
+                 "_taken", "_waiting", "_wakes_at")
 
-    RING_AT = 16  # steps waiting from which a put wakes a dozing getter (1, with HANDOFF_S 0: a wake at every put)
+    RING_AT = 64  # steps waiting from which a put wakes a dozing getter (1, with HANDOFF_S 0: a wake at every put)
     DOZE_S = 0.02  # how long a getter that found nothing waits before it looks again, unless woken
     HANDOFF_S = 0.002  # how long a put waits at most for a getter that has not woken yet (0: never)
 
@@ -98,6 +99,7 @@ class Bounded:
         self._state = self._BUSY  # written by the getter, and by a put that wakes it (under the GIL)
         self._rung = False  # a token was put that the getter has not taken yet
         self._flowing = False  # the getter took an item since its last doze that found nothing: its next get dozes
+        self._wakes_at = math.inf  # when the waiting getter's timeout ends (a doze, or its get's timeout)
 
     def put_nowait(self, item: _Item) -> None:
         """Enqueue, or raise ``queue.Full``."""
@@ -131,9 +133,13 @@ class Bounded:
         if not step:
             self._ring()
         elif self._rung:
+            self._rung = False
             self._hand_off()
         elif self._state == self._ASLEEP or (self._state == self._DOZING and len(self._items) >= self._ring_at):
             self._ring()
+        elif self._state != self._BUSY and time.monotonic() >= self._wakes_at:  # its timeout woke it
+            self._wakes_at = math.inf
+            self._hand_off()
 
     def _ring(self) -> None:
         """Wake a waiting getter (one pending token is enough: it looks at the items after any)."""
@@ -143,8 +149,8 @@ class Bounded:
             self._bell.put(None)
 
     def _hand_off(self) -> None:
-        """Block until the rung getter runs, ``HANDOFF_S`` at most (then not again until the next wake-up)."""
-        self._rung = False
+        """Block until the woken getter runs, ``HANDOFF_S`` at most (the caller cleared what made it hand off, so not
+        again until the next wake-up)."""
         if self.HANDOFF_S > 0.0:
             self._started.acquire(blocking=False)  # a late release of an earlier hand-off: not this one
             self._started.acquire(timeout=self.HANDOFF_S)
@@ -164,12 +170,17 @@ class Bounded:
             if items:  # put between the look and the state
                 self._state = self._BUSY
                 continue
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            now = time.monotonic()
+            left = None if deadline is None else max(0.0, deadline - now)
             wait = left if state == self._ASLEEP else self.DOZE_S if left is None else min(self.DOZE_S, left)
+            self._wakes_at = math.inf if wait is None else now + wait
             try:
                 self._bell.get(timeout=wait)
             except queue.Empty:
                 self._state = self._BUSY
+                self._wakes_at = math.inf
+                if self._started.locked():  # a put may be waiting for this hand-off
+                    self._started.release()
                 if items:  # a step waited out the doze: take it
                     continue
                 if state == self._DOZING and wait == self.DOZE_S:  # a whole doze found nothing
@@ -180,6 +191,7 @@ class Bounded:
             else:
                 self._state = self._BUSY
                 self._rung = False
+                self._wakes_at = math.inf
                 if self._started.locked():  # a put may be waiting for this hand-off
                     self._started.release()
 

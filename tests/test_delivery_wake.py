@@ -175,6 +175,42 @@ def test_a_hand_off_to_a_getter_that_never_runs_is_bounded_and_not_repeated(monk
     assert [q.get_nowait() for _ in range(50)] == [step(n) for n in range(50)]
 
 
+def test_a_put_after_a_doze_ended_hands_off_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A getter whose doze ended is awake, waiting for the GIL: the next put hands it over (here to a getter that
+    never runs: 0.05 s, then not again until the getter waits anew)."""
+    monkeypatch.setattr(Bounded, "HANDOFF_S", 0.05)
+    q = Bounded(64)
+    q._state = Bounded._DOZING
+    q._wakes_at = time.monotonic() - 1.0  # its doze ended a second ago
+    q.put_nowait(step(0))
+    assert q._wakes_at == float("inf")
+    assert q._bell.qsize() == 0  # a hand-off, not a wake-up
+    for n in range(1, 10):
+        q.put_nowait(step(n))
+    assert [q.get_nowait() for _ in range(10)] == [step(n) for n in range(10)]
+
+
+def test_a_getter_starved_past_its_doze_gets_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The putter holds the GIL in one C call past the getter's doze, then puts: every step arrives."""
+    monkeypatch.setattr(Bounded, "DOZE_S", 0.02)
+    monkeypatch.setattr(Bounded, "HANDOFF_S", LONG_S)
+    q = Bounded(64)
+    thread, got = dozing(q, 3)
+
+    def puts() -> None:
+        for n in range(3):
+            sum(range(3_000_000))  # ~0.05-0.1 s in C, the GIL held: the doze ends meanwhile
+            q.put_nowait(step(n))
+
+    putter = threading.Thread(target=puts, daemon=True)
+    putter.start()
+    putter.join(JOIN_S)
+    assert not putter.is_alive()
+    thread.join(JOIN_S)
+    assert not thread.is_alive()
+    assert got == [step(0), step(1), step(2)]
+
+
 def test_puts_at_a_full_queue_leave_at_most_one_wake_token() -> None:
     q = Bounded(4)
     q._state = Bounded._DOZING
