@@ -472,6 +472,7 @@ class MetricBus:
                     "(or never initialized); the records stay buffered. Commit and close() on every rank before "
                     "torch.distributed.destroy_process_group()"
                 )
+            self._sink.delivery.settle()  # an adapter's thread woken meanwhile runs now, not through the reduction
             updates, errors = self._collector.take()
             apart = None
             if kept is not None:  # the other names' records (own and ingested) stay for the next commit: _Apart

@@ -387,6 +387,13 @@ class Delivery:
         for worker in self._workers:
             worker.unhold(step)
 
+    def settle(self) -> None:
+        """Before a commit's reduction: hand the GIL to any adapter thread woken but not yet running
+        (:meth:`metricbus.delivery_worker.Bounded.settle`)."""
+        for worker in self._workers:
+            if worker.stopped is None:
+                worker.queue.settle()
+
     def submit(self, *, step: int, metrics: Mapping[str, float], repeat: bool = False) -> None:
         """Enqueue one emitted step for every adapter (a read-only copy of ``metrics``, shared); ``repeat``: the
         commit :meth:`hold` held the cursors for."""

@@ -76,8 +76,8 @@ class Bounded:
     - Anything but a step (close's sentinel, a flush, a resume) wakes the getter at once.
     """
 
-    __slots__ = ("_bell", "_flowing", "_items", "_maxsize", "_put", "_ring_at", "_room", "_rung", "_started", "_state",
-                 "_taken", "_waiting", "_wakes_at")
+    __slots__ = ("_bell", "_flowing", "_items", "_lock", "_maxsize", "_put", "_ring_at", "_room", "_rung", "_started",
+                 "_state", "_taken", "_waiting", "_wakes_at")
 
     RING_AT = 64  # steps waiting from which a put wakes a dozing getter (1, with HANDOFF_S 0: a wake at every put)
     DOZE_S = 0.02  # how long a getter that found nothing waits before it looks again, unless woken
@@ -92,7 +92,8 @@ class Bounded:
         self._started.acquire()
         self._maxsize = maxsize
         self._ring_at = min(self.RING_AT, max(1, maxsize // 2))
-        self._room = threading.Condition(threading.Lock())  # guards the counts; a full put waits on it
+        self._lock = threading.Lock()  # guards the counts
+        self._room = threading.Condition(self._lock)  # a full put waits on it
         self._put = 0
         self._taken = 0
         self._waiting = 0  # puts waiting for room
@@ -103,7 +104,7 @@ class Bounded:
 
     def put_nowait(self, item: _Item) -> None:
         """Enqueue, or raise ``queue.Full``."""
-        with self._room:
+        with self._lock:
             if self._put - self._taken >= self._maxsize:
                 raise queue.Full
             self._put += 1
@@ -132,14 +133,23 @@ class Bounded:
         """Wake the getter, or hand it the GIL, as the class says."""
         if not step:
             self._ring()
-        elif self._rung:
-            self._rung = False
-            self._hand_off()
+        elif self.settle():
+            return
         elif self._state == self._ASLEEP or (self._state == self._DOZING and len(self._items) >= self._ring_at):
             self._ring()
+
+    def settle(self) -> bool:
+        """Hand the GIL to a getter that is awake (woken by a put, or by its timeout) but not yet running, if there
+        is one; True if so. The caller about to run work that releases the GIL often and briefly (a commit's numpy)
+        calls it first: the getter then takes its items now instead of starving through that work."""
+        if self._rung:
+            self._rung = False
         elif self._state != self._BUSY and time.monotonic() >= self._wakes_at:  # its timeout woke it
             self._wakes_at = math.inf
-            self._hand_off()
+        else:
+            return False
+        self._hand_off()
+        return True
 
     def _ring(self) -> None:
         """Wake a waiting getter (one pending token is enough: it looks at the items after any)."""
@@ -205,7 +215,7 @@ class Bounded:
         return item
 
     def _took(self) -> None:
-        with self._room:
+        with self._lock:
             self._taken += 1
             if self._waiting:
                 self._room.notify()
@@ -488,11 +498,12 @@ class Worker:
         While blocked, gives up as soon as the adapter's running call is past the write deadline.
         ``even_degraded``: wait for room even while degraded (close's sentinel).
         """
-        if deadline is None or (self.degraded and not even_degraded):
-            try:
-                self.queue.put_nowait(item)
-            except queue.Full:
+        try:
+            self.queue.put_nowait(item)  # (room, as mostly: no clock read)
+        except queue.Full:
+            if deadline is None or (self.degraded and not even_degraded):
                 return False
+        else:
             return True
         while True:
             try:

@@ -290,3 +290,32 @@ def test_steps_further_apart_than_a_doze_are_each_handed_over_at_once(monkeypatc
         monkeypatch.setattr(Bounded, "DOZE_S", 0.05)
     bus.close()
     assert [s for s, _ in adapter.rows] == [0, 1, 2]
+
+
+def test_settle_hands_off_only_to_a_getter_woken_and_not_yet_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``settle()`` (a commit calls it before its reduction): nothing to do while the getter is busy, or dozing with
+    time left; a hand-off once after a wake-up the getter has not taken (here it never runs: 0.05 s)."""
+    monkeypatch.setattr(Bounded, "RING_AT", 2)
+    monkeypatch.setattr(Bounded, "HANDOFF_S", 0.05)
+    q = Bounded(64)
+    assert not q.settle()  # busy
+    q._state = Bounded._DOZING
+    q._wakes_at = time.monotonic() + LONG_S
+    assert not q.settle()  # dozing, its doze not over
+    q.put_nowait(step(0))
+    q.put_nowait(step(1))  # wakes it
+    assert q.settle()
+    assert not q.settle()  # not twice for one wake-up
+
+
+def test_a_bus_with_two_adapters_hands_off_to_each() -> None:
+    """Commits in a tight loop with two adapters: both get every step, in order."""
+    first, second = MemoryAdapter(), MemoryAdapter()
+    bus = MetricBus(adapters=[first, second], dist=None, strict=True)
+    for n in range(500):
+        for i in range(20):
+            bus.log(f"m{i}", float(n))
+        bus.commit()
+    bus.close()
+    assert [s for s, _ in first.rows] == list(range(500))
+    assert [s for s, _ in second.rows] == list(range(500))
