@@ -35,6 +35,15 @@ def collector(q: Bounded, count: int) -> tuple[threading.Thread, list[Any]]:
     return thread, got
 
 
+def both_end(puts: Any, getter: threading.Thread) -> None:
+    """Run ``puts`` on a thread of its own; it and ``getter`` must both end within the join."""
+    putter = threading.Thread(target=puts, daemon=True)
+    putter.start()
+    for thread in (putter, getter):
+        thread.join(JOIN_S)
+        assert not thread.is_alive()
+
+
 def until(condition: Any, what: str) -> None:
     deadline = time.monotonic() + JOIN_S
     while not condition():
@@ -149,12 +158,7 @@ def test_a_put_hands_the_gil_to_a_getter_not_yet_woken(monkeypatch: pytest.Monke
         q.put_nowait(step(1))  # wakes the getter
         q.put_nowait(step(2))  # (the getter has not run yet: it needs this thread's GIL) hands it over
 
-    putter = threading.Thread(target=puts, daemon=True)
-    putter.start()
-    putter.join(JOIN_S)
-    assert not putter.is_alive()
-    thread.join(JOIN_S)
-    assert not thread.is_alive()
+    both_end(puts, thread)
     assert got == [step(0), step(1), step(2)]
 
 
@@ -202,12 +206,7 @@ def test_a_getter_starved_past_its_doze_gets_every_step(monkeypatch: pytest.Monk
             sum(range(3_000_000))  # ~0.05-0.1 s in C, the GIL held: the doze ends meanwhile
             q.put_nowait(step(n))
 
-    putter = threading.Thread(target=puts, daemon=True)
-    putter.start()
-    putter.join(JOIN_S)
-    assert not putter.is_alive()
-    thread.join(JOIN_S)
-    assert not thread.is_alive()
+    both_end(puts, thread)
     assert got == [step(0), step(1), step(2)]
 
 
