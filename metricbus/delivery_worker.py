@@ -171,8 +171,11 @@ class Bounded:
         items = self._items
         state = self._DOZING if self._flowing else self._ASLEEP
         while True:
-            if items:
-                item = items.popleft()
+            try:
+                item = items.popleft()  # (one call: release() may empty the deque from another thread)
+            except IndexError:
+                pass
+            else:
                 self._flowing = True
                 self._took()
                 return item
