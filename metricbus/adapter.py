@@ -149,7 +149,8 @@ class Adapter(Protocol):
         """Start the backend run."""
 
     def write(self, *, step: int, metrics: Mapping[str, float]) -> None:
-        """Record the emitted metrics of one step."""
+        """Record the emitted metrics of one step (shared by every adapter, read-only: ``dict(metrics)`` to change
+        a copy)."""
 
     def flush(self) -> None:
         """Push buffered data out."""

@@ -49,11 +49,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.delivery_worker import WAIT_SLICE_S, Worker, _Resume, _Step, _Stop, _Sync
 from metricbus.errors import AdapterError, RejectedMetricsError
+from metricbus.step_metrics import StepMetrics
 
 logger = logging.getLogger("metricbus.delivery")
 REPORT_EVERY_S = 60.0
@@ -345,7 +345,7 @@ class Delivery:
         if worker.stopped is not None:
             worker.released += len(steps)
             return
-        item = _Resume(rewind, tuple(_Step(s, MappingProxyType(dict(m))) for s, m in steps))
+        item = _Resume(rewind, tuple(_Step(s, StepMetrics(m)) for s, m in steps))
         worker.submitted += len(steps)
         if not worker.put(item, deadline=time.monotonic() + self._timeout_s, even_degraded=True):
             worker.dropped += len(steps)
@@ -395,9 +395,9 @@ class Delivery:
                 worker.queue.settle()
 
     def submit(self, *, step: int, metrics: Mapping[str, float], repeat: bool = False) -> None:
-        """Enqueue one emitted step for every adapter (a read-only copy of ``metrics``, shared); ``repeat``: the
-        commit :meth:`hold` held the cursors for."""
-        item = _Step(step, MappingProxyType(dict(metrics)), repeat)
+        """Enqueue one emitted step for every adapter (a read-only copy of ``metrics``, shared: a
+        :class:`~metricbus.step_metrics.StepMetrics`); ``repeat``: the commit :meth:`hold` held the cursors for."""
+        item = _Step(step, StepMetrics(metrics), repeat)
         now = time.monotonic()
         deadline = now + self._timeout_s if self._policy == "block" else None
         for worker in self._workers:

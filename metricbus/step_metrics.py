@@ -1,0 +1,43 @@
+"""The mapping of one emitted step's metrics that every adapter's ``write`` receives: one dict, shared by every
+adapter's thread, so none may change it."""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+_REFUSED = "an emitted step's metrics are shared by every adapter and read-only: copy them with dict(metrics)"
+
+
+class StepMetrics(dict[str, float]):
+    """A dict that refuses changes. ``dict(metrics)`` or ``metrics.copy()`` gives a plain dict to change, at a
+    dict's copying speed (a ``MappingProxyType``, the read-only view it replaces, copies through the mapping
+    protocol: 4 µs against 0.24 µs for 100 floats). Pickles (and ``copy.copy``) as a plain dict."""
+
+    __slots__ = ()
+
+    def __setitem__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(_REFUSED)
+
+    def __delitem__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(_REFUSED)
+
+    def __ior__(self, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[misc]  # (never returns: no | result)
+        raise TypeError(_REFUSED)
+
+    def clear(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(_REFUSED)
+
+    def pop(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(_REFUSED)
+
+    def popitem(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(_REFUSED)
+
+    def setdefault(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(_REFUSED)
+
+    def update(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(_REFUSED)
+
+    def __reduce__(self) -> tuple[type[dict[str, float]], tuple[dict[str, float]]]:
+        return dict, (dict(self),)
