@@ -4,8 +4,9 @@ Run: ``python benchmarks/bench_scale.py [--parts a,b,c,d] [--quick] [--ranks 2,4
 this run; each ratio compares two things measured here, one after the other.
 
 (a) real gloo ranks R in {2, 4, 8}, K in {10, 100, 1000}: median time of a steady ``commit()`` next to a bare
-    ``all_reduce`` of an int64 vector as long as that commit's collectives together, the collectives and the bytes
-    each rank hands them;
+    ``all_reduce`` of an int64 vector as long as that commit's collectives together (rank 0's, and every rank's
+    times pooled: four or eight processes on a small machine wait on one another's scheduling, so one rank's
+    medians move more), the collectives and the bytes each rank hands them (``--reps`` steady commits);
 (b) synthetic R in {64, 512, 4096, 32768} ranks' states through the same local code one rank runs (its states to
     its block, maxima, sums under the agreed maxima, finish): CPU time per commit and bytes per rank, next to the
     R*K*96 bytes per rank the former all_gather design received;
@@ -92,20 +93,22 @@ def _gloo_worker(  # noqa: PLR0917  (mp.Process passes arguments positionally)
             tdist.all_reduce(vector)
             bare.append(time.perf_counter() - start)
         bus.close()
-        result[k] = (statistics.median(times), statistics.median(bare), statistics.fmean(times), dict(seen))
+        result[k] = (times, bare, dict(seen))
     out.put((rank, result))
     tdist.destroy_process_group()
 
 
-def part_a(quick: bool, sizes: tuple[int, ...] = (2, 4, 8)) -> None:
+def part_a(quick: bool, sizes: tuple[int, ...] = (2, 4, 8), reps: int | None = None) -> None:
     import torch.multiprocessing as mp
 
     ks = [10, 100] if quick else [10, 100, 1000]
-    reps = 16 if quick else 48
+    reps = reps or (16 if quick else 48)
     print("(a) real gloo ranks: a steady commit() next to one bare all_reduce of the same bytes (rank 0, medians over")
     print(f"    {reps} steady commits; the mean includes the commits that agree the maxima again, every")
-    print(f"    {one_pass.REFRESH + 1}th); collectives: how many commits made how many all_reduces of how many bytes")
-    print(f"{'R':>3} {'K':>5} {'commit ms':>10} {'bare ms':>9} {'ratio':>6} {'mean ms':>8}  collectives per commit")
+    print(f"    {one_pass.REFRESH + 1}th; all ranks: the medians of every rank's commits over their bare all_reduces);")
+    print("    collectives: how many commits made how many all_reduces of how many bytes")
+    print(f"{'R':>3} {'K':>5} {'commit ms':>10} {'bare ms':>9} {'ratio':>6} {'mean ms':>8} {'all ranks':>9}  "
+          "collectives per commit")
     for size in sizes:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
@@ -117,10 +120,14 @@ def part_a(quick: bool, sizes: tuple[int, ...] = (2, 4, 8)) -> None:
         for p in procs:
             p.join(timeout=60)
         for k in ks:
-            commit, bare, mean, seen = results[0][k]
+            times, bares, seen = results[0][k]
+            commit, bare, mean = statistics.median(times), statistics.median(bares), statistics.fmean(times)
+            pooled = statistics.median(t for r in range(size) for t in results[r][k][0]) / statistics.median(
+                b for r in range(size) for b in results[r][k][1]
+            )
             shown = ", ".join(f"{n} x all_reduce ({b} B): {c}" for (n, b), c in sorted(seen.items()))
             print(f"{size:>3} {k:>5} {commit * 1e3:>10.3f} {bare * 1e3:>9.3f} {commit / bare:>6.2f} "
-                  f"{mean * 1e3:>8.3f}  {shown}")
+                  f"{mean * 1e3:>8.3f} {pooled:>9.2f}  {shown}")
 
 
 # -- (b) synthetic ranks --------------------------------------------------------------------------------------------
@@ -250,10 +257,11 @@ def main() -> None:
     parser.add_argument("--parts", default="a,b,c,d")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--ranks", default="2,4,8", help="(a): the numbers of gloo ranks")
+    parser.add_argument("--reps", type=int, default=None, help="(a): steady commits per size (default 48; 16 quick)")
     args = parser.parse_args()
     for part in args.parts.split(","):
         if part.strip() == "a":
-            part_a(args.quick, tuple(int(r) for r in args.ranks.split(",")))
+            part_a(args.quick, tuple(int(r) for r in args.ranks.split(",")), args.reps)
         else:
             {"b": part_b, "c": part_c, "d": part_d}[part.strip()](args.quick)
         print()
