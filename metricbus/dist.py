@@ -159,13 +159,11 @@ class TorchRanks:
         sketched = self._sketched  # the layout of this commit (the agreement may extend it)
         # this rank's sketches of the agreed sketched columns (one of a column its own rule alone sketches is not sent)
         mine = rank_level.sketch_rows(block, sketched).get(0, [None] * len(sketched)) if sketched else []
-        maxima = rank_level.maxima(prep)
-        step, doing = commit.step, commit.doing
-        head = np.concatenate((
-            [float(len(payload))], step_check.max_slots(step, doing), maxima.ravel(), sketch_level.bounds(mine).ravel()
-        ))
         guess = None if sketched else self._guess
         one = guess is not None and self._one_pass and self._hits < one_pass.REFRESH
+        maxima = rank_level.maxima(prep, extrema=not one)  # (a one-pass commit reads no extrema unless it misses)
+        step, doing = commit.step, commit.doing
+        head: Any = None if one else _max_vector(len(payload), step, doing, maxima, mine)
         hit, paired, agree = False, False, True
         if one:  # the sums laid out by the guess, checked in the same all_reduce (see metricbus.one_pass)
             hit, longest, summed, agree, ending = self._one_pass_sums(
@@ -206,8 +204,8 @@ class TorchRanks:
             self._hits += 0 if longest else 1  # (an agreement changed the columns and dropped the guess)
         else:
             if one:  # the guess missed: the maxima pass after all (the length is known: the gather is done)
-                head[0] = 0.0
-                head = self._all_reduce(head, "max")
+                rank_level.set_extrema(prep, maxima)
+                head = self._all_reduce(_max_vector(0, step, doing, maxima, mine), "max")
             bounds = head[_AT + maxima.size :].reshape(-1, sketch_level.NB)
             agreed = head[_AT : _AT + maxima.size].reshape(-1, rank_level.NM)
             if paired and speculate.fits(agreed, guess):
@@ -548,6 +546,14 @@ def _ranked(
     for name in dropped:  # a metric one rank had to drop is dropped on every rank, never half-reduced
         ranked.pop(name, None)
     return ranked
+
+
+def _max_vector(length: int, step: int, doing: int, maxima: Any, mine: Sequence[Any]) -> Any:
+    """What this rank all-reduces (MAX) in the maxima pass: the claims payload's ``length``, the step's slots, its
+    ``maxima`` and the bounds of its sketches ``mine``."""
+    return np.concatenate(
+        ([float(length)], step_check.max_slots(step, doing), maxima.ravel(), sketch_level.bounds(mine).ravel())
+    )
 
 
 def _host(tensor: Any) -> Any:

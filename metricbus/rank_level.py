@@ -191,8 +191,10 @@ def _slot_index(slots: tuple[int, ...], rows: int, n_cols: int) -> Array:
 # -- the two passes ---------------------------------------------------------------------------------------------------
 
 
-def maxima(prep: Prepared) -> Array:
-    """Pass 1: the (C, NM) float64 maxima of this block's rows (all_reduce MAX them across participants)."""
+def maxima(prep: Prepared, *, extrema: bool = True) -> Array:
+    """Pass 1: the (C, NM) float64 maxima of this block's rows (all_reduce MAX them across participants). Without
+    ``extrema`` the last four per column are left unset (a one-pass commit reads only the exponents; it sets them
+    with :func:`set_extrema` where it runs the maxima pass after all)."""
     unit, fields = prep.unit, prep.block.fields
     n_cols = fields.shape[2]
     e_max, nq_max = fixed.scan(fixed.concat(prep.dense, prep.extra), n_cols * SLOTS)
@@ -205,8 +207,14 @@ def maxima(prep: Prepared) -> Array:
     floor[:, 0] = np.frexp(_row_max(np.where(unit, fields[0], 0.0), 0.0))[1]
     floor[:, 2] = 0.0
     out[:, _FLOORED] = np.maximum(out[:, _FLOORED], np.where(_row_max(unit, False)[:, None], floor, fixed.NONE))
-    out[:, _MAX:] = _extrema(prep)
+    if extrema:
+        set_extrema(prep, out)
     return out
+
+
+def set_extrema(prep: Prepared, out: Array) -> None:
+    """Fill the extrema (max, -min, -lowest rank, weighted) of :func:`maxima`'s ``out`` (in place)."""
+    out[:, _MAX:] = _extrema(prep)
 
 
 _FLOORED = [0, 1, SLOTS, SLOTS + 1]  # E and -Q of Σw and Σw·x, in a column's maxima
