@@ -108,6 +108,8 @@ class TorchRanks:
         self._dist = tdist
         self._group = group
         self.rank: int = tdist.get_rank(group)
+        self._rank_row = np.array([self.rank], dtype=np.int64)  # a block's ranks (read-only: shared by the blocks)
+        self._rank_row.flags.writeable = False
         self._size: int = tdist.get_world_size(group)
         self.world = self._size
         self.is_writer: bool = self.rank == writer_rank
@@ -121,6 +123,7 @@ class TorchRanks:
         self._width = 0  # the number of columns
         self._direct: dict[tuple[str, ...], Any] = {}  # names of an update in columns -> their columns (see _block)
         self._moments: list[bool] = []  # per column: whether its merged m2 is read
+        self._moment_mask = np.zeros(0, dtype=bool)  # the same, as a read-only array (shared by the blocks)
         self._sketched: list[int] = []  # the columns whose states carry a sketch
         self._held: list[tuple[Any, int]] = []  # (tensor, its use count before the collective): not yet let go
         self._guess: Any = None  # the next commit's guessed maxima (see metricbus.speculate); None: no guess
@@ -218,6 +221,7 @@ class TorchRanks:
                     rank_level.attach(merged, sketched, sketch_level.finish(bounds, summed[sums.size :]))
             if not longest:  # (an agreement changed the columns and dropped the guess)
                 self._guess = speculate.guess_of(agreed, guess, commits=self._hits + 1)
+                self._guess.flags.writeable = False  # (frozen: its layout is then found by identity, rank_finish.plan)
                 self._hits = 0
         if hit:  # the step's slots travelled in the sums (no MAX pass): a second look only where they disagree
             slots = None if agree else self._all_reduce(step_check.max_slots(step, doing), "max")
@@ -401,12 +405,15 @@ class TorchRanks:
             direct = self._direct.get(update.names)
             if direct is None:
                 direct = self._direct[update.names] = self._direct_columns(update.names, reducer)
-            if len(direct):  # every metric's micro summary is its one column: copy the update's fields over
+            index, whole = direct
+            if len(index):  # every metric's micro summary is its one column: copy the update's fields over
                 fields = np.empty((N_FIELDS, 1, self._width))
-                fields[:, 0, :] = _EMPTY
-                fields[:, 0, direct] = update.fields
-                ranks = np.array([self.rank], dtype=np.int64)
-                return rank_level.Block(fields, ranks, np.asarray(self._moments, dtype=bool))
+                if whole:  # (the usual commit: every agreed metric, in column order)
+                    fields[:, 0, :] = update.fields
+                else:
+                    fields[:, 0, :] = _EMPTY
+                    fields[:, 0, index] = update.fields
+                return rank_level.Block(fields, self._rank_row, self._moment_mask)
         row: list[Summary | None] = [None] * self._width
         for name, (base, width) in zip(self._names, self._columns, strict=True):
             held = states.get(name)
@@ -414,17 +421,18 @@ class TorchRanks:
                 row[base : base + width] = lift_columns(held, self._lifts[name])
         return rank_level.block_of([row], [self.rank], self._moments)
 
-    def _direct_columns(self, names: tuple[str, ...], reducer: StepReducer) -> Any:
+    def _direct_columns(self, names: tuple[str, ...], reducer: StepReducer) -> tuple[Any, bool]:
         """The column of each of ``names`` where every one's micro summary is its one rank-level input as it is
-        (no lift, no sketch: :meth:`StepReducer.plain`), else an empty array (the row is built state by state)."""
+        (no lift, no sketch: :meth:`StepReducer.plain`), else an empty array (the row is built state by state); and
+        whether those are every column, in order."""
         at = {name: base for name, (base, _) in zip(self._names, self._columns, strict=True)}
         out = []
         for name in names:
             spec = self._specs.get(name)
             if spec is None or not reducer.plain(name, spec) or self._lifts[name][0][3]:
-                return np.empty(0, dtype=np.intp)
+                return np.empty(0, dtype=np.intp), False
             out.append(at[name])
-        return np.array(out, dtype=np.intp)
+        return np.array(out, dtype=np.intp), out == list(range(self._width))
 
     def _gather_bytes(self, payload: bytes, longest: int) -> list[bytes]:
         """One all_gather of every rank's ``payload``, each prefixed with its length and padded to the longest."""
@@ -518,6 +526,8 @@ class TorchRanks:
             self._sketched.extend(width + j for j, column in enumerate(self._lifts[name]) if column[3])
             width += len(self._lifts[name])
         self._width = width
+        self._moment_mask = np.array(self._moments, dtype=bool)
+        self._moment_mask.flags.writeable = False
         self._direct = {}
         self._guess = None
         self._hits = 0

@@ -129,22 +129,27 @@ def plan(agreed: Array) -> Layout:
     """The :class:`Layout` of ``agreed`` maxima, found once per maxima (a steady commit's sums and finish read the
     same guess's, commit after commit; the few latest are kept)."""
     global _plans
-    key = agreed.tobytes()
     held = _plans  # one tuple: a reader on another thread sees keys and their own layouts
-    for held_key, found in held:
+    if held and held[0][1] is agreed and not agreed.flags.writeable and agreed.flags.owndata:
+        return held[0][2]  # the frozen array the last layout was found for (a steady commit's guess)
+    key = agreed.tobytes()
+    frozen = not agreed.flags.writeable and agreed.flags.owndata  # (a frozen array is known again by identity)
+    for i, (held_key, _, found) in enumerate(held):
         if held_key == key:
+            if frozen:  # first, known by identity
+                _plans = ((key, agreed, found), *held[:i], *held[i + 1 :])
             return found
     found = _plan_of(agreed)
     limbs = found.limbs
     for value in (*map(found.__getattribute__, found.__slots__), *map(limbs.__getattribute__, limbs.__slots__)):
         if isinstance(value, np.ndarray):  # kept and shared: read-only
             value.flags.writeable = False
-    _plans = ((key, found), *held[: _KEPT_PLANS - 1])
+    _plans = ((key, agreed if frozen else None, found), *held[: _KEPT_PLANS - 1])
     return found
 
 
 _KEPT_PLANS = 4
-_plans: tuple[tuple[bytes, Layout], ...] = ()
+_plans: tuple[tuple[bytes, Any, Layout], ...] = ()  # (the maxima's bytes, the array they were read from, layout)
 
 
 def _plan_of(agreed: Array) -> Layout:

@@ -290,6 +290,8 @@ def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
         head[:, WORKERS] = present.sum(axis=0)
         picked = fields[BITS_FIELDS][:, mine.argmax(axis=0), np.arange(n_cols)].view(np.int64)
         head[:, FIRST : M2 + 1] = np.where(mine.any(axis=0), picked, 0).T
+    if prep.t_hi is None and _all_finite_nonzero(fields[_ORDINARY]):
+        return  # (the usual block): no non-finite or zero sum, no NaN or zero min or max: the counts stay 0
     his = fields[_LEADING]  # (slot, R, C): each sum's leading component
     if prep.t_hi is not None:
         his = np.concatenate((his, prep.t_hi[None]))
@@ -310,6 +312,13 @@ def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
 
 
 _LEADING = [1, 3, 5]  # the leading components of weight, wsum, total (t's is Prepared.t_hi)
+_ORDINARY = [1, 3, 5, 8, 9]  # those and min, max: where all are finite and nonzero, _head counts nothing
+
+
+def _all_finite_nonzero(values: Array) -> bool:
+    """True if every one of ``values`` is finite and nonzero (a NaN fails both comparisons)."""
+    size = np.abs(values)
+    return bool(((size > 0.0) & (size < math.inf)).all())
 
 
 def finish(agreed: Array, summed: Array, moments: Array) -> rank_finish.Merged:
