@@ -59,11 +59,19 @@ def concat(*terms: Terms) -> Terms:
 def decompose(values: Array, slots: Array) -> Terms:
     """The :class:`Terms` of float64 ``values`` (``slots``: each value's slot index)."""
     keep = (np.isfinite(values) & (values != 0.0)).nonzero()[0]  # (indices: a bool mask indexes slowly when large)
+    if len(keep) == len(values):  # every value kept: no copy
+        frac, top = np.frexp(values)
+        return _terms_of(slots, frac, top)
     frac, top = np.frexp(values[keep])
+    return _terms_of(slots[keep], frac, top)
+
+
+def _terms_of(slots: Array, frac: Array, top: Array) -> Terms:
+    """The :class:`Terms` of finite nonzero values ``frac · 2**top`` (numpy's frexp) in ``slots``."""
     m53 = (frac * 9007199254740992.0).astype(np.int64)  # frac · 2**53: exact
     magnitude = np.abs(m53)
     ctz = np.frexp((magnitude & -magnitude).astype(np.float64))[1] - 1  # the lowest set bit's position
-    return Terms(slots[keep], m53 >> ctz, top + (ctz - 53), top.astype(np.float64))
+    return Terms(slots, m53 >> ctz, top + (ctz - 53), top.astype(np.float64))
 
 
 def scan(terms: Terms, n_slots: int) -> tuple[Array, Array]:

@@ -247,8 +247,9 @@ def assemble(head: Array, extrema: Array, moments: Array, quick: Sequence[Quick]
     n_cols = head.shape[0]
     workers, count = head[:, WORKERS], head[:, COUNT]
     weighted = extrema[:, 3] > 0
-    rare = bool(head[:, NONFINITE:NAN_MINMAX].any())  # a non-finite or -0.0 sum in some column
-    odd_ends = bool(head[:, NAN_MINMAX:].any())  # a NaN min or max, a -0.0 min or a +0.0 max in some column
+    flagged = bool(head[:, NONFINITE:].any())  # (rarely) either of:
+    rare = flagged and bool(head[:, NONFINITE:NAN_MINMAX].any())  # a non-finite or -0.0 sum in some column
+    odd_ends = flagged and bool(head[:, NAN_MINMAX:].any())  # a NaN min or max, a -0.0 min or a +0.0 max in some column
     # a merged m2 (exact integer arithmetic) or a count beyond 2**53 takes the per-column path
     slow = count >= EXACT_COUNT
     if moments.any():

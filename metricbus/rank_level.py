@@ -125,7 +125,8 @@ def _prepared(block: Block, *, decompose: bool) -> Prepared:
     """:func:`prepare`; without ``decompose`` the dense terms are left out (the one-process merge extracts)."""
     fields = block.fields
     present = fields[0] > 0
-    unit = present & (fields[1] == fields[0]) & (fields[2] == 0.0) & (fields[3] == fields[5]) & (fields[4] == fields[6])
+    # weight = count, wsum = total (hi and lo), no weight_lo
+    unit = present & (fields[2] == 0.0) & (fields[_UNIT_OF] == fields[_UNIT_IS]).all(axis=0)
     for r, c, which, _ in block.rests:
         if which < 2:
             unit[r, c] = False
@@ -156,6 +157,9 @@ def _prepared(block: Block, *, decompose: bool) -> Prepared:
         extra = fixed.decompose(np.array(values, dtype=np.float64), np.array(slots, dtype=np.int64))
     dense = _terms(sources) if decompose else fixed.NO_TERMS
     return Prepared(block, present, unit, weighted, tuple(sources), extra, t_hi, dense)
+
+
+_UNIT_OF, _UNIT_IS = [1, 3, 4], [0, 5, 6]  # a unit row's weight, wsum, wsum_lo equal its count, total, total_lo
 
 
 def _summed(parts: tuple[float, ...]) -> float:

@@ -69,7 +69,7 @@ def sum_slots(step: int, doing: int = COMMIT) -> Any:
 def sums_agree(slots: Any, ranks: int) -> bool:
     """True when the reduced SUM ``slots`` of ``ranks`` ranks show that all sent the same step, and all commit or
     all close."""
-    values = [int(v) for v in slots]
+    values = slots.tolist()  # (int64: Python ints)
     n = len(_LIMBS)
     return values[2 * n] in (0, ranks) and all(ranks * values[n + i] == values[i] * values[i] for i in range(n))
 
