@@ -393,7 +393,9 @@ class TorchRanks:
     def _all_reduce(self, values: Any, op: str) -> Any:
         """One all_reduce of a float64 (``op="max"``) or int64 (``"sum"``) numpy vector; the result as numpy."""
         torch = self._torch
-        tensor = torch.from_numpy(values).to(self._device)
+        tensor = torch.from_numpy(values)
+        if self._device.type != "cpu":  # (to() of a CPU tensor to the CPU is the tensor itself: a dispatch saved)
+            tensor = tensor.to(self._device)
         reduce_op = self._dist.ReduceOp.MAX if op == "max" else self._dist.ReduceOp.SUM
         self._collective(self._dist.all_reduce, tensor, op=reduce_op)
         return _host(tensor)
