@@ -15,29 +15,11 @@ class StepMetrics(dict[str, float]):
 
     __slots__ = ()
 
-    def __setitem__(self, *args: Any, **kwargs: Any) -> NoReturn:
+    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise TypeError(_REFUSED)
 
-    def __delitem__(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(_REFUSED)
-
-    def __ior__(self, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[misc]  # (never returns: no | result)
-        raise TypeError(_REFUSED)
-
-    def clear(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(_REFUSED)
-
-    def pop(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(_REFUSED)
-
-    def popitem(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(_REFUSED)
-
-    def setdefault(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(_REFUSED)
-
-    def update(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(_REFUSED)
+    # every dict method that changes the dict in place
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
 
     def __reduce__(self) -> tuple[type[dict[str, float]], tuple[dict[str, float]]]:
         return dict, (dict(self),)
