@@ -130,10 +130,10 @@ def plan(agreed: Array) -> Layout:
     same guess's, commit after commit; the few latest are kept)."""
     global _plans
     held = _plans  # one tuple: a reader on another thread sees keys and their own layouts
-    if held and held[0][1] is agreed and not agreed.flags.writeable and agreed.flags.owndata:
+    frozen = not agreed.flags.writeable and agreed.flags.owndata  # (a frozen array is known again by identity)
+    if frozen and held and held[0][1] is agreed:
         return held[0][2]  # the frozen array the last layout was found for (a steady commit's guess)
     key = agreed.tobytes()
-    frozen = not agreed.flags.writeable and agreed.flags.owndata  # (a frozen array is known again by identity)
     for i, (held_key, _, found) in enumerate(held):
         if held_key == key:
             if frozen:  # first, known by identity
