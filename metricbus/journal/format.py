@@ -4,7 +4,9 @@ File format (version 5), little-endian::
 
     magic   b"MBJOURN\\x00"                      8 bytes, once
     frame   <I length> <I crc32(payload)> payload   repeated; payload[0] is the frame type
-      b"H" + JSON  header: format, metricbus version, rank, run metadata, rules, log_every (again after a restart);
+      b"H" + JSON  header: format, metricbus version, rank, run metadata, rules, log_every (again after a restart),
+                   ``opened_unix_ns`` (when the writer opened the file; since this version: which segments of the
+                   rank files one run or resume wrote, :func:`metricbus.journal.reader.sessions`; read where present);
                    written twice in a row (the reader keeps one of two identical adjacent copies)
       b"N" + JSON  name table rows: [[id, name, spec], ...]; the rows a commit introduces are written twice, just
                    before it, and the whole table again once ``CHECKPOINT_BYTES`` were written since the last time
@@ -338,7 +340,8 @@ def make_header(
     *, rank: int, run: RunInfo, rules: Sequence[tuple[str, Spec]], log_every: int, world: int = 1
 ) -> dict[str, Any]:
     """A file header; its keys are stable across versions (readers of any version look them up by name). ``world``
-    (written where above 1, read where present): how many ranks journal a file each, so a reader names a missing one."""
+    (written where above 1, read where present): how many ranks journal a file each, so a reader names a missing one.
+    The writer adds ``opened_unix_ns`` (:class:`~metricbus.journal.writer.JournalWriter`)."""
     header: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "metricbus": __version__,

@@ -483,32 +483,86 @@ def _merge_gaps(files: list[RankFile]) -> list[Gap]:
 
 def replace_across(indexes: list[FileIndex]) -> set[int]:
     """Make a resume replace steps in every file: a resume (a file's segment after its first) starting at step
-    ``S`` that no later reset of its own file replaced drops, in each other file, the steps ``>= S`` of that file's
-    segments before its first one starting at ``S`` or later (a rank absent from the resumed run: its file has no
-    segment there). Sets each file's ``limits`` again; returns the files whose last commit is dropped so."""
+    ``S`` that no later reset of its own file replaced drops, in each other file that did not take part in it (a
+    rank absent from the resumed run), the steps ``>= S`` of that file's segments before the resume. Sets each
+    file's ``limits`` again; returns the files whose last commit is dropped so.
+
+    Which segments of two files were one resumed run is read off :func:`sessions`; where a file's segments cannot
+    be matched so (a journal written before this version, where several resumes started at one step), a file took
+    part in the resume if it has a segment starting at ``S`` or later, and its segments from the first one of them on
+    are taken for not before the resume."""
     if len(indexes) < 2:
         return set()
-    live: list[tuple[int, int]] = []  # (file, step) of the resumes (a file's later segments) that stand
+    runs = sessions(indexes)
+    live: list[tuple[int, int, int | None]] = []  # (file, step, session) of the resumes (later segments) that stand
     for i, ix in enumerate(indexes):
-        for start, _, at in ix.segments[1:]:  # a file's first writer is no resume (a rank that joined late)
-            if all(step > start for ordinal, step in ix.resets if ordinal > at):
-                live.append((i, start))
+        ours = runs[i]
+        for k, (start, _, at) in enumerate(ix.segments):
+            if k and all(step > start for ordinal, step in ix.resets if ordinal > at):  # (the first: no resume)
+                live.append((i, start, None if ours is None else ours[k]))
     stale: set[int] = set()
     for j, ix in enumerate(indexes):
         extra: list[tuple[int, int]] = []
-        for i, start in live:
+        ours = runs[j]
+        for i, start, session in live:
             if i == j:
                 continue
-            # the first segment of this file that starts at ``start`` or later: it and what follows are not before
-            # the resume (this rank took part in it, or in a later one)
-            until = next((at for first, _, at in ix.segments if first >= start), ix.commits)
-            if any(first < start <= final for first, final, at in ix.segments if at < until):
+            if session is not None and ours is not None:
+                if session in ours:
+                    continue  # this rank took part in that resume: its own segment replaced its steps
+                # the first segment of this file after the resume's run: it and what follows are not before it
+                until = next((at for (_, _, at), s in zip(ix.segments, ours, strict=True) if s > session), ix.commits)
+            else:  # the first segment of this file starting at ``start`` or later (this rank took part in it, or in a
+                until = next((at for first, _, at in ix.segments if first >= start), ix.commits)  # later one)
+            if any(start <= final for _, final, at in ix.segments if at < until):
                 extra.append((until, start))
                 if until == ix.commits and ix.last_step is not None and ix.last_step >= start:
                     stale.add(j)
         if extra:
             ix.limits = limits_of(sorted([*ix.resets, *extra]))
     return stale
+
+
+def sessions(indexes: list[FileIndex]) -> list[list[int] | None]:
+    """Per file, the run (the first one, then each resume) that wrote each of its segments, as the index of that
+    run's segment in the file with the most segments, the *reference* (the lowest rank's: torch.distributed ranks are
+    ``0 .. world-1``, so every run that journaled anything wrote rank 0's file); None for a file whose segments do
+    not match the reference's in order by their first steps (a damaged file), or where a header lacks the time its
+    writer opened the file (``opened_unix_ns``: written before this version).
+
+    A file's segments are matched in order to reference segments starting at the same step; where several could be
+    a segment's (resumes from one checkpoint, each on other ranks: ranks 0 and 1 resumed at step 5 and killed, then
+    rank 0 alone at step 5 again), the one whose writer opened its file nearest in time (the ranks of one run open
+    their files together, and a run starts after the one before it ended; the later one on a tie)."""
+    ref = max(range(len(indexes)), key=lambda i: len(indexes[i].segments))  # (the first on a tie: lowest rank)
+    base = indexes[ref]
+    return [list(range(len(base.segments))) if i == ref and None not in base.opened else _matched(ix, base)
+            for i, ix in enumerate(indexes)]
+
+
+def _matched(ix: FileIndex, base: FileIndex) -> list[int] | None:
+    """The reference segment of each of ``ix``'s segments (:func:`sessions`), or None where they do not match."""
+    ours, theirs = ix.segments, base.segments
+    mine, when = [t for t in ix.opened if t is not None], [t for t in base.opened if t is not None]
+    if len(mine) < len(ours) or len(when) < len(theirs):
+        return None
+    latest = [0] * len(ours)  # the last reference segment each can match with the ones after it still matched
+    p = len(theirs)
+    for k in range(len(ours) - 1, -1, -1):
+        p -= 1
+        while p >= 0 and theirs[p][0] != ours[k][0]:
+            p -= 1
+        if p < 0:
+            return None
+        latest[k] = p
+    out: list[int] = []
+    low = 0
+    for k, (first, _, _) in enumerate(ours):
+        candidates = [p for p in range(low, latest[k] + 1) if theirs[p][0] == first]  # (latest[k] is one)
+        chosen = min(candidates, key=lambda p: (abs(when[p] - mine[k]), -p))
+        out.append(chosen)
+        low = chosen + 1
+    return out
 
 
 def count_lost(indexes: list[FileIndex], stops: list[tuple[int, int, int]]) -> list[tuple[int, int]]:

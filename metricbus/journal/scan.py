@@ -14,6 +14,7 @@ frame beyond it; the second pass does not compute again the CRCs the first one c
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -261,6 +262,9 @@ class FileIndex:
     # counts of commits there (:func:`metricbus.journal.reader.count_lost`)
     mends: list[tuple[int | None, int, int]] = field(default_factory=list)
     finals: list[int] = field(default_factory=list)  # per segment: how many of its commits are at its last step
+    # per segment: when its writer opened the file (its header's ``opened_unix_ns``; None for every segment where a
+    # header lacks it, written before this version, or where they do not increase: a header lost to damage)
+    opened: list[int | None] = field(default_factory=list)
 
 
 def index_file(path: Path) -> FileIndex:
@@ -308,6 +312,7 @@ def index_file(path: Path) -> FileIndex:
         tails: set[int] = set()
         segments: list[list[int]] = []  # [first step, last step, first ordinal] of each segment's commits
         finals: list[int] = []  # how many commits each segment holds at its last step
+        times: list[int | None] = []  # when each segment's writer opened the file
         opened = False  # a header was read since the last commit: the next commit (or "K" frame) opens a segment
         opened_at = 0  # the ordinal of the first commit after that header
 
@@ -321,6 +326,7 @@ def index_file(path: Path) -> FileIndex:
             if opened or not segments:
                 segments.append([first, final, opened_at])
                 finals.append(0)
+                times.append(_opened(rf.headers[-1]) if rf.headers else None)
                 opened = False
             finals[-1] = finals[-1] + n if first == final == segments[-1][1] else n
             segments[-1][1] = final
@@ -426,7 +432,21 @@ def index_file(path: Path) -> FileIndex:
         sound.append((start, size))
     return FileIndex(rf, size, bad, limits_of(resets), last, long=long, sound=sound, phantoms=phantoms, tails=tails,
                      segments=[(first, final, at) for first, final, at in segments], resets=resets, commits=ordinal,
-                     holes=holes, mends=mends, finals=finals)
+                     holes=holes, mends=mends, finals=finals, opened=_increasing(times))
+
+
+def _opened(header: Mapping[str, Any]) -> int | None:
+    value = header.get("opened_unix_ns")
+    return value if type(value) is int else None
+
+
+def _increasing(times: list[int | None]) -> list[int | None]:
+    """``times``, or None for each where one is None or they do not increase (a segment took the header of the one
+    before: its own was lost to damage)."""
+    known = [t for t in times if t is not None]
+    if len(known) < len(times) or any(a >= b for a, b in itertools.pairwise(known)):
+        return [None] * len(times)
+    return times
 
 
 def _runs(steps: list[int]) -> list[tuple[int, int]]:

@@ -199,7 +199,8 @@ class JournalWriter:
                 start = MAGIC
             else:  # never append to bytes no reader would read back (a foreign file, a newer format)
                 check_appendable(fd, self.path, size)
-            head = frame(b"H", json.dumps(header).encode())
+            # when this writer opened the file: which segments of the rank files were one run (reader.sessions)
+            head = frame(b"H", json.dumps({**header, "opened_unix_ns": time.time_ns()}).encode())
             self._write(start + head + head)
             if self._fsync != "never":
                 os.fsync(fd)
