@@ -8,7 +8,8 @@ append on this machine (``/tmp/wprobe4.py``, 20,000 writes, four runs). :func:`t
 end at close.
 
 Elsewhere (another OS, a libc without ``fallocate``, a file system that refuses it) nothing is reserved and the
-journal writes as before.
+journal writes as before; so does a writer that could not lock its file (a file system without ``flock``): it could
+not trim what it reserved (another writer may be appending), so those blocks would stay allocated for good.
 """
 
 from __future__ import annotations

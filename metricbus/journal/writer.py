@@ -192,6 +192,8 @@ class JournalWriter:
         self._fd: int | None = fd
         try:
             self._lock(fd)
+            if not self._locked:  # nothing reserved: close() could not free it (reserve.trim needs the lock)
+                self._reserve = None
             start = b""
             size = os.fstat(fd).st_size
             if size < len(MAGIC):  # new, or a torn magic (only its writer could have cut it)
@@ -588,7 +590,7 @@ class JournalWriter:
                     self._failed = False
                 except OSError:  # already reported by the commit that failed; what part reached the file is cut
                     self._cut(fd)
-            if self._reserve is not None and self._locked:  # (unlocked, another writer may be appending)
+            if self._reserve is not None:  # (only a locked writer reserves: unlocked, another may be appending)
                 reserve.trim(fd)
             # fsync, unless the thread's last fsync began after the last write and succeeded
             if self._fsync != "never" and (syncer is None or tail or syncer.dirty or unsynced is not None):
