@@ -57,6 +57,7 @@ from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError, JournalWarning
 from metricbus.journal.format import SUFFIX, rank_file, run_from_json, spec_from_json
 from metricbus.journal.frames import ENTRY_DTYPE
+from metricbus.journal.lost import lost_commits
 from metricbus.journal.scan import (
     Entry,
     FileCommit,
@@ -387,6 +388,18 @@ def stream_journal(directory: str | os.PathLike[str]) -> JournalStream:
             JournalWarning,
             stacklevel=2,
         )
+    if alone:
+        for lost in lost_commits(indexes[0]):
+            steps = " or ".join(f"step {step}" for step in lost.steps)
+            held = f" (of {', '.join(lost.metrics)})" if lost.metrics else ""
+            warnings.warn(
+                f"journal {directory}: a commit at {steps}{held} was in damaged bytes (between the commits read at "
+                f"steps {lost.before} and {lost.after}; the step holds fewer commits than most steps): it is not "
+                "replayed, so " + ("that step is" if len(lost.steps) == 1 else "one of those steps is")
+                + " missing its values",
+                JournalWarning,
+                stacklevel=2,
+            )
     return stream
 
 

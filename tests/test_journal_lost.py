@@ -1,0 +1,89 @@
+"""A commit lost to damage in a journal of one file, next to a commit at its own step: the warning names the step and
+its metrics, not only a byte offset."""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from pathlib import Path
+
+import pytest
+
+from metricbus import MetricBus
+from metricbus.errors import JournalWarning
+from metricbus.journal import rank_file, read_journal
+from metricbus.replay import emitted
+
+
+def _train_and_eval(directory: Path) -> Path:
+    """Steps 0..9, each a training commit (loss) and an evaluation commit (eval/acc); the rank file."""
+    with MetricBus(dist=None, journal=str(directory)) as bus:
+        for step in range(10):
+            bus.log("loss", float(step))
+            bus.commit(step)
+            bus.log("eval/acc", step / 10)
+            bus.commit(step)
+    return rank_file(directory, 0)
+
+
+def _flip(path: Path, *, step: int, nth: int) -> None:
+    """Flip a byte in the middle of the ``nth`` commit frame at ``step``."""
+    data = bytearray(path.read_bytes())
+    pos, seen = 8, 0
+    while pos < len(data):
+        (length,) = struct.unpack_from("<I", data, pos)
+        if data[pos + 8 : pos + 9] in (b"P", b"S", b"R") and struct.unpack_from("<q", data, pos + 9)[0] == step:
+            if seen == nth:
+                data[pos + 8 + length // 2] ^= 0xFF
+                path.write_bytes(bytes(data))
+                return
+            seen += 1
+        pos += 8 + length
+    raise AssertionError(f"no commit {nth} at step {step} in {path}")
+
+
+def _messages(directory: Path) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        read_journal(directory)
+    return [str(w.message) for w in caught if issubclass(w.category, JournalWarning)]
+
+
+@pytest.mark.parametrize(("nth", "metric", "around"), [(1, "eval/acc", (5, 6)), (0, "loss", (4, 5))])
+def test_a_lost_commit_at_a_step_is_named_with_its_metrics(tmp_path: Path, nth: int, metric: str,
+                                                            around: tuple[int, int]) -> None:
+    """Found reviewing one-file damage: step 5's evaluation (or training) commit lost to a flipped byte was warned
+    about by byte offset only; the commits read around it are at steps 5 and 6 (4 and 5), so no step was named."""
+    _flip(_train_and_eval(tmp_path), step=5, nth=nth)
+    messages = _messages(tmp_path)
+    assert any("damaged record at byte" in m for m in messages)
+    assert [m for m in messages if "damaged bytes" in m] == [
+        f"journal {tmp_path}: a commit at step 5 (of {metric}) was in damaged bytes (between the commits read at "
+        f"steps {around[0]} and {around[1]}; the step holds fewer commits than most steps): it is not replayed, so "
+        "that step is missing its values"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JournalWarning)
+        assert [step for step, out in emitted(read_journal(tmp_path)) if metric in out] == [
+            s for s in range(10) if s != 5
+        ]
+
+
+def test_damage_that_held_no_commit_names_no_step(tmp_path: Path) -> None:
+    """A flipped byte in the header a resume wrote between two steps' commits costs no commit: no step is named."""
+    with MetricBus(dist=None, journal=str(tmp_path)) as bus:
+        for step in range(5):
+            bus.log("loss", float(step))
+            bus.commit(step)
+    size = rank_file(tmp_path, 0).stat().st_size
+    with MetricBus(dist=None, journal=str(tmp_path), resume=True) as bus:
+        for step in range(5, 10):
+            bus.log("loss", float(step))
+            bus.commit(step)
+    path = rank_file(tmp_path, 0)
+    data = bytearray(path.read_bytes())
+    data[size + 20] ^= 0xFF  # the resumed writer's first header copy (the second one is read)
+    path.write_bytes(bytes(data))
+    messages = _messages(tmp_path)
+    assert any("damaged record at byte" in m for m in messages)
+    assert not [m for m in messages if "damaged bytes" in m]
