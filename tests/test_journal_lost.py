@@ -87,3 +87,32 @@ def test_damage_that_held_no_commit_names_no_step(tmp_path: Path) -> None:
     messages = _messages(tmp_path)
     assert any("damaged record at byte" in m for m in messages)
     assert not [m for m in messages if "damaged bytes" in m]
+
+
+@pytest.mark.parametrize(("resumed_at", "named"), [(10, True), (9, False)])
+def test_a_torn_tail_then_a_resume_names_the_lost_commit(tmp_path: Path, resumed_at: int, named: bool) -> None:
+    """Step 9's evaluation commit torn at the file's end, then a resume at step 10: the warning names step 9 and
+    eval/acc; a resume at step 9 replaces that step, and nothing is named."""
+    path = _train_and_eval(tmp_path)
+    data = path.read_bytes()
+    pos, last = 8, 0
+    while pos < len(data):
+        (length,) = struct.unpack_from("<I", data, pos)
+        if data[pos + 8 : pos + 9] in (b"P", b"S", b"R"):
+            last = pos
+        pos += 8 + length
+    path.write_bytes(data[: last + 20])  # the last commit (step 9's evaluation), torn
+    with pytest.warns(JournalWarning, match="torn or damaged record"):
+        bus = MetricBus(dist=None, journal=str(tmp_path), resume=True)
+    with bus:
+        for step in range(resumed_at, 12):
+            bus.log("loss", float(step))
+            bus.commit(step)
+            bus.log("eval/acc", step / 10)
+            bus.commit(step)
+    lost = [m for m in _messages(tmp_path) if "damaged bytes" in m]
+    assert lost == ([
+        f"journal {tmp_path}: a commit at step 9 (of eval/acc) was in damaged bytes (between the commits read at "
+        "steps 9 and 10; the step holds fewer commits than most steps): it is not replayed, so that step is missing "
+        "its values"
+    ] if named else [])

@@ -5,8 +5,10 @@ two commits are at one step, or at steps ``S`` and ``S + 1``, no step lies betwe
 a step's second commit (evaluation after training) or its first one. With other rank files the commits held at
 each step are compared (:func:`metricbus.journal.reader.count_lost`); a journal of one file is compared with
 itself: a step holding fewer commits than most steps do lost one, and the metrics the steps next to it hold that
-it lacks were in it. :func:`lost_commits` says so, so the warning names the step and the metrics instead of a byte
-offset only. One more pass over the file, only where it has such damage; memory does not grow with its length.
+it lacks were in it. So for a torn tail followed by a resume (the commit before the damage at step ``S``, the
+resumed writer's first one after ``S``): a later commit at ``S`` may have been in it. :func:`lost_commits` says so,
+so the warning names the step and the metrics instead of a byte offset only. One more pass over the file, only
+where it has such damage; memory does not grow with its length.
 """
 
 from __future__ import annotations
@@ -31,10 +33,16 @@ class Lost:
 
 def lost_commits(index: FileIndex) -> list[Lost]:
     """The damage of ``index`` (a journal's only file) between commits at one step or at consecutive steps."""
-    mends = [(before, after) for before, after, _ in index.mends if before is not None and after <= before + 1]
+    mends: list[tuple[int, int, tuple[int, ...]]] = [
+        (before, after, (before, after)) for before, after, _ in index.mends
+        if before is not None and after <= before + 1
+    ]
+    for before, k in index.cuts:  # a torn tail, then a resume after it: a later commit at ``before`` may be lost
+        if k < len(index.segments) and index.segments[k][0] > before:  # (else the resume replaced that step)
+            mends.append((before, index.segments[k][0], (before,)))
     if not mends:
         return []
-    around = {step + d for pair in mends for step in pair for d in (-1, 0, 1)}
+    around = {step + d for _, _, pair in mends for step in pair for d in (-1, 0, 1)}
     usual: Counter[int] = Counter()  # how many steps hold n commits
     counts: dict[int, int] = {}  # commits held at the steps of ``around``
     held: dict[int, list[frozenset[str]]] = {}  # the metrics of each commit at those steps
@@ -56,9 +64,8 @@ def lost_commits(index: FileIndex) -> list[Lost]:
         usual[n] += 1
     most = usual.most_common(1)[0][0] if usual else 1
     out = []
-    for before, after in mends:
-        pair = tuple(dict.fromkeys((before, after)))
-        steps = tuple(step for step in pair if counts.get(step, 0) < most)
+    for before, after, candidates in mends:
+        steps = tuple(step for step in dict.fromkeys(candidates) if counts.get(step, 0) < most)
         if not steps:  # both hold as many as most steps: the damage held no commit (a name-table checkpoint), or
             continue  # the steps hold commits unevenly and the counts cannot say
         metrics: set[str] = set()

@@ -262,6 +262,9 @@ class FileIndex:
     # counts of commits there (:func:`metricbus.journal.reader.count_lost`)
     mends: list[tuple[int | None, int, int]] = field(default_factory=list)
     finals: list[int] = field(default_factory=list)  # per segment: how many of its commits are at its last step
+    # damage after the commit at step ``before`` followed by a writer's header (a torn tail, then a resume), the
+    # segment that writer opened: ``(before, segment index)``
+    cuts: list[tuple[int, int]] = field(default_factory=list)
     # per segment: when its writer opened the file (its header's ``opened_unix_ns``; None for every segment where a
     # header lacks it, written before this version, or where they do not increase: a header lost to damage)
     opened: list[int | None] = field(default_factory=list)
@@ -283,6 +286,7 @@ def index_file(path: Path) -> FileIndex:
 
     holes: list[tuple[int, int]] = []
     mends: list[tuple[int | None, int, int]] = []
+    cuts: list[tuple[int, int]] = []
     hole: int | None = None  # damage after a commit at this step: the steps up to the next commit read are lost
     hole_first = False  # that damage came before the writer's first commit read (``hole`` is its "K" step - 1)
     before_first: int | None = None  # the step before the file's first writer's first commit (its "K" frame)
@@ -362,6 +366,8 @@ def index_file(path: Path) -> FileIndex:
                             continue  # the second copy of the header just read
                         rf.headers.append(check_header(path, json.loads(bytes(payload[1:]))))
                         new_segment, before, opened, opened_at = True, b"", True, ordinal
+                        if hole is not None and not hole_first and last is not None:  # a torn tail, then a resume
+                            cuts.append((last, len(segments)))
                         hole = None  # (a writer opened the file again: its commits replace, not continue)
                         every = _log_every(rf.headers[-1])
                         window = OpenWindow(every=every, damaged=rf.damaged) if every > 1 else None
@@ -432,7 +438,7 @@ def index_file(path: Path) -> FileIndex:
         sound.append((start, size))
     return FileIndex(rf, size, bad, limits_of(resets), last, long=long, sound=sound, phantoms=phantoms, tails=tails,
                      segments=[(first, final, at) for first, final, at in segments], resets=resets, commits=ordinal,
-                     holes=holes, mends=mends, finals=finals, opened=_increasing(times))
+                     holes=holes, mends=mends, finals=finals, opened=_increasing(times), cuts=cuts)
 
 
 def _opened(header: Mapping[str, Any]) -> int | None:
