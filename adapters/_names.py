@@ -7,6 +7,8 @@ same backend name would silently merge two series, so the mapper raises
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Callable, Mapping
 from typing import TypeVar
@@ -55,7 +57,15 @@ class NameMapper:
         self._rule = rule
         self._reserved = dict(reserved or {})
         self._forward: dict[tuple[str, str | None], str] = {}
-        self._owner: dict[str, tuple[str, str | None]] = {}
+        # backend name -> the source that owns it, or the digest (:func:`source_digest`) of one an earlier process
+        # recorded (:meth:`own`) whose name was too long to keep
+        self._owner: dict[str, tuple[str, str | None] | str] = {}
+
+    def own(self, mapped: str, source: tuple[str, str | None] | str) -> None:
+        """Record that ``source`` (``(name, part_of)``, or its :func:`source_digest`) owns ``mapped`` already: an
+        earlier process wrote it into the run, so another name that maps to ``mapped`` is a collision even when it
+        comes first in this process."""
+        self._owner[mapped] = source
 
     def __call__(self, name: str, *, part_of: str | None = None) -> str:
         """The backend name for ``name``; raises MetricValueError on a collision or a reserved name.
@@ -76,6 +86,8 @@ class NameMapper:
                 f"keeps for {use}; rename the metric (reserved: {', '.join(map(repr, self._reserved))})"
             )
         owner = self._owner.get(mapped)
+        if isinstance(owner, str) and owner == source_digest(source):
+            owner = source  # the long name an earlier process recorded by its digest
         if owner is not None and owner != source:
             raise MetricValueError(
                 f"metric names {_describe(owner)} and {_describe(source)} both map to {self._backend} name "
@@ -111,7 +123,14 @@ class NameMapper:
         )
 
 
-def _describe(source: tuple[str, str | None]) -> str:
+def source_digest(source: tuple[str, str | None]) -> str:
+    """``sha256:<hex>`` of ``(name, part_of)``: what a run records of a source whose name is too long to keep."""
+    return "sha256:" + hashlib.sha256(json.dumps(list(source)).encode()).hexdigest()
+
+
+def _describe(source: tuple[str, str | None] | str) -> str:
+    if isinstance(source, str):
+        return f"(a name an earlier process wrote, recorded as {source})"
     name, part_of = source
     return repr(name) if part_of is None else f"{name!r} (written for metric {part_of!r})"
 

@@ -31,7 +31,13 @@ Params come from ``run.config`` flattened with ``.`` (``{"opt": {"lr": 0.1}}`` -
 characters; a param the run already has is not logged again, and one whose value differs keeps its old value
 (MLflow refuses to change a param) with a warning. Run tags become MLflow tags with the value ``"true"``. Metric,
 param and tag keys go through :func:`metricbus.adapters._names.mlflow_key`; two metric names that would merge raise
-``MetricValueError``.
+``MetricValueError``. Which of the two owns the key is kept in the run, so a resumed trainer or a sync (a new process)
+refuses the same one whichever comes first: a metric name that ``mlflow_key`` changes (``x@y`` -> ``x_y``), and a
+histogram's quantile, records its key in a tag ``metricbus.name.<digest of the key>`` =
+``{"key", "name"[, "part_of"]}`` (``{"key", "digest"}`` for a name too long for a tag) before its first point; a run
+tagged ``metricbus.names = true`` (every run metricbus created, or reopened before it held a point) records every
+owner, so a key it holds without such a tag belongs to the name equal to it. In a run without that tag (written by an
+older metricbus, or a trainer's own run) such a key goes to the first name that comes, as before.
 
 Histograms. MLflow has none: a :class:`~metricbus.histogram.Histogram` (the ``hist`` kind) under ``key`` is logged
 as its quantiles, metrics ``<key>/p50``, ``<key>/p90``, ``<key>/p99`` (mapped like any name), instead of its count,
@@ -71,6 +77,7 @@ MLflow did not take, so each point lands once.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -94,7 +101,7 @@ from metricbus.delivery import check_seconds
 from metricbus.errors import AdapterNotFoundError, ConfigError, MetricBusWarning, MetricValueError
 from metricbus.histogram import Histogram
 
-from ._names import NameMapper, mlflow_key, mlflow_mapper
+from ._names import NameMapper, mlflow_key, mlflow_mapper, source_digest
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +110,12 @@ DEFAULT_TRACKING_URI = "sqlite:///runs/metricbus/mlflow.db"
 RUN_ID_TAG = "metricbus.run_id"
 PROJECT_TAG = "metricbus.project"
 REWIND_TAG = "metricbus.rewind"
+# which metric name owns a key another name also maps to (``x@y`` and ``x_y``): the tag OWNER_TAG + a digest of the
+# key holds it for each key a renamed name (or a histogram's quantile) owns; a run tagged NAMES_TAG records all of
+# them, so a key it holds without such a tag is owned by the name equal to it
+OWNER_TAG, NAMES_TAG = "metricbus.name.", "metricbus.names"
+MAX_TAG_VALUE_CHARS = 8000  # mlflow 3.17.2 mlflow/utils/validation.py MAX_TAG_VAL_LENGTH
+MAX_TAGS_PER_BATCH = 100  # ... MAX_PARAMS_TAGS_PER_BATCH
 # What mlflow 3.17.2 registers in mlflow/tracking/_tracking_service/utils.py, less "databricks-uc" and "uc" (it
 # registers those only to refuse them as tracking stores). Database schemes also come with a driver: "mysql+pymysql".
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
@@ -256,9 +269,11 @@ class MlflowAdapter:
         self._resume_identity: Mapping[str, str] = {}
         self._after_step: int | None = None
         self._names: NameMapper = mlflow_mapper()
+        self._recorded: set[str] = set()  # keys whose owner the run records (OWNER_TAG)
         self._client: Any = None
         self._bounded: Any = None  # the client whose calls wait at most request_timeout_s (open, rewind)
         self._metric: Any = None
+        self._run_tag: Any = None
         self._mlflow_error: type[Exception] = Exception
         self._run_id: str | None = None
         self._identity: Mapping[str, str] = MappingProxyType({})
@@ -339,7 +354,7 @@ class MlflowAdapter:
             found = client.create_run(
                 experiment_id,
                 start_time=run.start_time_unix_ns // 1_000_000,
-                tags=tags,
+                tags=tags | {NAMES_TAG: "true"},  # every key's owner is recorded from the first point on
                 run_name=self._run_name or run.name,
             )
         self._check_experiment(client, found, source)
@@ -350,7 +365,11 @@ class MlflowAdapter:
         self._client, self._bounded = raw, client  # from here on, close() marks the run (FAILED if open fails)
         if not created and not self._attach and found.info.status != "RUNNING":
             client.update_run(self._run_id, status="RUNNING")
+        if not created and not found.data.metrics:  # no point yet: every key's owner is recorded from now on
+            tags[NAMES_TAG] = "true"
         new_tags = [] if created else [RunTag(key, value) for key, value in tags.items()]
+        self._run_tag = RunTag
+        self._recorded = set() if created else self._recorded_owners(found)
         client.log_batch(self._run_id, params=self._new_params(found, run, Param), tags=new_tags)
         self._identity = MappingProxyType(
             {"run_id": self._run_id, "tracking_uri": uri, "experiment_id": str(found.info.experiment_id)}
@@ -487,6 +506,42 @@ class MlflowAdapter:
             )
         return params
 
+    def _recorded_owners(self, found: Any) -> set[str]:
+        """The keys whose owner run ``found`` records (OWNER_TAG), each given to the name mapper as owned by it; in
+        a run that records every owner (NAMES_TAG), a key it holds without one is owned by the name equal to it. A
+        name that maps to a key another one owns is then refused whichever of the two comes first in this process
+        (a run an older metricbus wrote, without NAMES_TAG, leaves its untagged keys to the first name that comes)."""
+        recorded: set[str] = set()
+        data = found.data
+        for tag, text in data.tags.items():
+            if not tag.startswith(OWNER_TAG):
+                continue
+            try:
+                owner = json.loads(text)
+                key, digest, name, part_of = owner["key"], owner.get("digest"), owner.get("name"), owner.get("part_of")
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue  # not a tag metricbus wrote
+            if isinstance(digest, str):
+                self._names.own(key, digest)
+            elif isinstance(name, str) and (part_of is None or isinstance(part_of, str)):
+                self._names.own(key, (name, part_of))
+            else:
+                continue
+            recorded.add(key)
+        if data.tags.get(NAMES_TAG) == "true":
+            for key in data.metrics:
+                if key not in recorded:
+                    self._names.own(key, (key, None))
+        return recorded
+
+    def _owner_tag(self, key: str, name: str, part_of: str | None) -> Any:
+        """The tag recording that metric ``name`` (a part written for ``part_of``) owns MLflow key ``key``."""
+        owner = {"key": key, "name": name} | ({} if part_of is None else {"part_of": part_of})
+        text = json.dumps(owner)
+        if len(text) > MAX_TAG_VALUE_CHARS:  # a name of thousands of characters: its digest
+            text = json.dumps({"key": key, "digest": source_digest((name, part_of))})
+        return self._run_tag(OWNER_TAG + hashlib.sha256(key.encode()).hexdigest()[:16], text)
+
     def _held_points(self, client: Any, found: Any, after: int | None) -> dict[tuple[str, int], set[float]]:
         """The points run ``found`` holds after step ``after`` (every point for None), to not log them twice."""
         held: dict[tuple[str, int], set[float]] = {}
@@ -530,12 +585,15 @@ class MlflowAdapter:
         now_ms, tried = time.time_ns() // 1_000_000, self._tried
         batch = []
         rejected: dict[str, str] = {}  # a name MLflow cannot take (a collision): the step's others are written
+        claims: dict[str, Any] = {}  # owner tags of the keys renamed names take in this step
         for key, value, of in self._points(metrics):
             try:
                 name = names(key, part_of=of)
             except MetricValueError as exc:
                 rejected[key] = str(exc)
                 continue
+            if (name != key or of is not None) and name not in self._recorded:
+                claims[name] = self._owner_tag(name, key, of)
             number = float(value)
             batch.append(metric(name, number, tried.setdefault((name, _comparable(number)), now_ms), step))
         wrote = len(batch)
@@ -545,6 +603,13 @@ class MlflowAdapter:
         sent = self._sent
         if sent:  # this step was written before, or tried: what MLflow took then is not logged again
             batch = [m for m in batch if _comparable(m.value) not in sent.get(m.key, ())]
+        owners = list(claims.values())
+        for start in range(0, len(owners), MAX_TAGS_PER_BATCH):  # before the points: a run never holds them unowned
+            tags = owners[start : start + MAX_TAGS_PER_BATCH]
+            self._pending = _Request(partial(self._client.log_batch, self._run_id, tags=tags), step, [],
+                                     what=f"the owner tags of step {step}", run_id=self._run_id)
+            self._settle(own=True)
+        self._recorded.update(claims)
         for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
             # one request, one transaction: all or nothing
             part = batch[start : start + MAX_METRICS_PER_BATCH]
@@ -589,7 +654,8 @@ class MlflowAdapter:
                 continue
             points = [(f"{key}/{suffix}", quantile, key) for suffix, quantile in value.quantiles]
             if key not in self._warned:
-                names = ", ".join(repr(self._names(name, part_of=key)) for name, _, _ in points) or "(none)"
+                # the rule alone: a quantile whose key another metric owns is refused by write(), not here
+                names = ", ".join(repr(mlflow_key(name)) for name, _, _ in points) or "(none)"
                 self._warned.add(key)
                 message = f"MLflow has no histograms, so {key!r} is logged as its quantiles {names}"
                 # stacklevel 1: writes run in a delivery thread, with no user code to point at
