@@ -6,14 +6,19 @@ Options are checked at construction (:class:`~metricbus.errors.ConfigError` nami
 A stream whose reader is gone (``python train.py | head``: a broken pipe; or a closed file) is reported once, as a
 warning on the ``metricbus.adapters.console`` logger, and the adapter prints nothing more to that stream (another
 stream put in ``sys.stdout`` later is printed to). Retrying the line would only hold ``close()`` up: no one can
-read it, and the journal and the other adapters keep every step. After a broken pipe the stream's file descriptor
-is pointed at ``/dev/null``, as Python's documentation on SIGPIPE recommends (the pipe's reader is gone for good):
-the lines still in the stream's buffer would otherwise fail again at interpreter exit (``Exception ignored ...
-BrokenPipeError``) and turn the trainer's exit code into 120.
+read it, and the journal and the other adapters keep every step. After a broken pipe the lines still in the stream's
+buffer are dropped (they would otherwise fail again at interpreter exit, ``Exception ignored ... BrokenPipeError``,
+and turn the trainer's exit code into 120): the stream is flushed into ``/dev/null``, its file descriptor pointed
+there for that one flush and then back at the pipe. The process's stdout stays the trainer's: its own prints to the
+gone reader raise BrokenPipeError as they would without metricbus. Pointing stdout at ``/dev/null`` for good, as
+Python's documentation on SIGPIPE advises, is the program's call at its entry point (``metricbus show | head`` does
+it), not an adapter's: it would silence every later print of the trainer. (Another thread of the process writing to
+that descriptor during the flush writes into ``/dev/null``: no one could read it either.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -58,16 +63,22 @@ def format_histogram(value: Histogram) -> str:
     return f"hist({', '.join(cells)})"
 
 
-def _to_devnull(stream: object) -> None:
-    """Point ``stream``'s file descriptor (if it has one) at ``/dev/null``: its pipe's reader left for good."""
+def _drop_buffered(stream: object) -> None:
+    """Drop what ``stream`` still buffers for a pipe whose reader left: flush it into ``/dev/null``, its file
+    descriptor pointed there for that flush alone, then back at the pipe (the process's own, left as it was)."""
     try:
         fd = stream.fileno()  # type: ignore[attr-defined]
     except (AttributeError, OSError, ValueError):  # not a real file: nothing fails at exit
         return
-    devnull = os.open(os.devnull, os.O_WRONLY)
+    inheritable = os.get_inheritable(fd)
+    saved, devnull = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(devnull, fd)
+        os.dup2(devnull, fd, inheritable=inheritable)
+        with contextlib.suppress(OSError, ValueError):  # what it holds is lost either way
+            stream.flush()  # type: ignore[attr-defined]
     finally:
+        os.dup2(saved, fd, inheritable=inheritable)
+        os.close(saved)
         os.close(devnull)
 
 
@@ -136,7 +147,7 @@ class ConsoleAdapter:
                 raise
             self._gone = stream
             if isinstance(exc, OSError):
-                _to_devnull(stream)
+                _drop_buffered(stream)
             logger.warning("console: no one reads %s any more (%r)%s; the console adapter prints nothing more to it "
                            "(the journal and the other adapters keep every step)", getattr(stream, "name", stream),
                            exc, "" if step is None else f" at step {step}")
