@@ -68,6 +68,9 @@ environment (MLflow's settings stay the trainer's). ``open`` and ``rewind`` wait
 in this process (the next sync) first waits for it (again at most ``request_timeout_s``, else TimeoutError), so
 that it lands before, not after, what the new adapter writes (a step logged twice, a FINISHED run marked FAILED by
 the earlier sync's late close).
+Likewise a ``create_run`` a timeout gave up on: ``open`` of the same metricbus run in this process first waits for it
+(else TimeoutError), so the run it creates is found and logged into, not a second one created beside it (the late
+one left empty and RUNNING). Another process cannot see that request: it finds the run once the request landed.
 
 Wide steps. MLflow takes at most 1000 metrics per batch (``MAX_METRICS_PER_BATCH``), and each batch is its own
 request and transaction, so a step with more is sent as several batches by the adapter itself. When one of them
@@ -348,9 +351,14 @@ class MlflowAdapter:
             )
         if found is None:
             experiment_id = self._experiment_id(client, run, uri)
+            # a create_run an earlier adapter of this process sent for this run (a timeout gave up on it, and it may
+            # still land): waited for first, so that its run is found below instead of a second one created beside it
+            creating = f"create:{uri}:{experiment_id}:{run.id}"
+            self._wait_for_earlier(creating, subject=f"the MLflow run of metricbus run {run.id!r}")
             found = self._tagged_run(client, experiment_id, run.id)
         created = found is None
         if created:
+            client.run_id = creating  # the request is listed in _IN_FLIGHT under that name while it runs
             found = client.create_run(
                 experiment_id,
                 start_time=run.start_time_unix_ns // 1_000_000,
@@ -376,20 +384,21 @@ class MlflowAdapter:
         )
         self._held = {} if created else self._held_points(client, found, self._after_step)
 
-    def _wait_for_earlier(self, run_id: str) -> None:
+    def _wait_for_earlier(self, run_id: str, *, subject: str | None = None) -> None:
         """Wait (at most ``request_timeout_s`` in all) for the requests to ``run_id`` that earlier adapters of this
         process left running when a timeout gave up on them (a sync that timed out, then another one): they land
         before this adapter reads what the run holds and marks it RUNNING, not after what it writes (``open`` reads
         the run again where one ended after it first read it). TimeoutError naming them when some are still running
-        then."""
+        then. ``subject``: what ``run_id`` names in that error (a run not created yet)."""
         deadline = time.monotonic() + self._request_timeout_s
         with _IN_FLIGHT_LOCK:
             earlier = list(_IN_FLIGHT.get(run_id, ()))
         running = [r for r in earlier if not r.done.wait(max(0.0, deadline - time.monotonic()))]
         if running:
             said = ", ".join(sorted({r.what for r in running}))
+            subject = subject or f"MLflow run {run_id}"
             raise TimeoutError(
-                f"MLflow run {run_id}: {said} that an earlier adapter sent (and a timeout gave up on) did not end "
+                f"{subject}: {said} that an earlier adapter sent (and a timeout gave up on) did not end "
                 f"within request_timeout_s={self._request_timeout_s:g} s; nothing is written into the run until it "
                 f"did (it would land after this adapter's requests): run sync again once the server answers"
             )
