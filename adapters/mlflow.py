@@ -530,6 +530,8 @@ class MlflowAdapter:
                 key, digest, name, part_of = owner["key"], owner.get("digest"), owner.get("name"), owner.get("part_of")
             except (ValueError, TypeError, KeyError, AttributeError):
                 continue  # not a tag metricbus wrote
+            if not isinstance(key, str):
+                continue
             if isinstance(digest, str):
                 self._names.own(key, digest)
             elif isinstance(name, str) and (part_of is None or isinstance(part_of, str)):
