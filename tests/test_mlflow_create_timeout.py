@@ -79,9 +79,8 @@ class CreateHoldingProxy:
 @pytest.mark.slow
 def test_an_open_after_a_create_run_that_timed_out_waits_for_it_and_adopts_its_run(mlflow_server: MlflowServer) -> None:
     """Open 1's create_run times out; open 2 refuses while it is still held; once it landed, open 3 logs into it."""
-    from mlflow.tracking import MlflowClient
-
     from metricbus.adapters.mlflow import RUN_ID_TAG, MlflowAdapter
+    from mlflow.tracking import MlflowClient
 
     run = RunInfo(id="late-create")
     MlflowClient(tracking_uri=mlflow_server.uri).create_experiment(run.project)  # open's first POST is then its own

@@ -120,9 +120,8 @@ def test_a_name_too_long_to_record_keeps_its_key_by_its_digest(sqlite_uri: str) 
 
 def test_a_run_without_the_owner_record_leaves_a_held_key_to_the_first_name(sqlite_uri: str) -> None:
     """A run an older metricbus wrote (no metricbus.names tag): a renamed name may still continue its series."""
-    from mlflow.tracking import MlflowClient
-
     from metricbus.adapters.mlflow import RUN_ID_TAG
+    from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=sqlite_uri)
     run = client.create_run(client.create_experiment("default-old"), tags={RUN_ID_TAG: RUN_ID})
