@@ -77,7 +77,8 @@ def test_hf_eval_and_final_summary_keep_the_trainers_steps(tmp_path: Path) -> No
         row = {key: value for step, metrics in memory.rows if step == entry["step"] for key, value in metrics.items()}
         for key in ("eval_loss", "train_runtime", "total_flos"):
             if key in entry:
-                assert row[key] == pytest.approx(entry[key], rel=1e-12), (entry["step"], key)
+                name = key if key.startswith("eval_") else f"train/{key}"  # the summary: under the prefix
+                assert row[name] == pytest.approx(entry[key], rel=1e-12), (entry["step"], key)
 
 
 def test_hf_two_eval_datasets_at_one_step_keep_that_step(tmp_path: Path) -> None:

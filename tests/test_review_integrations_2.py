@@ -83,7 +83,7 @@ def test_hf_callback_without_the_mixin_forwards_the_trainers_loss_with_a_warning
     assert ours == theirs
     assert sorted(ours) == [1, 2]
     summary = trainer.state.log_history[-1]["train_loss"]
-    assert [m["train_loss"] for _, m in memory.rows if "train_loss" in m] == [summary]
+    assert [m["train/train_loss"] for _, m in memory.rows if "train/train_loss" in m] == [summary]
     assert "not the exact token mean" in caplog.text
     assert "MetricBusTrainerMixin" in caplog.text
 
@@ -103,7 +103,7 @@ def test_hf_the_mixin_keeps_the_trainers_loss_out(tmp_path: Path, caplog: pytest
     ours = [m["train/loss"] for _, m in memory.rows if "train/loss" in m]
     assert len(ours) == len(exact) == 2
     assert all(abs(a - b) <= 1e-12 * b for a, b in zip(ours, exact, strict=True))
-    assert not [m for _, m in memory.rows if "train_loss" in m]
+    assert not [m for _, m in memory.rows if "train/train_loss" in m]
     assert "not the exact token mean" not in caplog.text
 
 

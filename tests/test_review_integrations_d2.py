@@ -76,8 +76,8 @@ def test_hf_eval_and_summary_after_the_last_logging_step_keep_the_tail(tmp_path:
     exact = hf_workers.exact_mean(trainer.truth[6:])
     assert abs(rows[5]["train/loss"] - exact) <= 1e-12 * exact
     assert sum(1 for step, metrics in memory.rows if "train/loss" in metrics) == 2
-    assert {"eval_loss", "train_runtime", "total_flos"} <= set(rows[5])
-    assert [step for step, metrics in memory.rows if "train_runtime" in metrics] == [5]
+    assert {"eval_loss", "train/train_runtime", "train/total_flos"} <= set(rows[5])
+    assert [step for step, metrics in memory.rows if "train/train_runtime" in metrics] == [5]
 
 
 def test_hf_a_bus_with_log_every_above_one_is_refused_before_training(tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ never does.
   closed by the next ``train()`` (which builds a new one), by :meth:`MetricBusCallback.close`, or at the latest at
   interpreter exit (as ``"failed"`` when the interpreter exits on an uncaught exception); a bus you passed in is
   yours to close. The other numbers of the Trainer's logs (``grad_norm``, ``learning_rate``, ``epoch``, eval
-  metrics) are forwarded as logged.
+  metrics) are forwarded as logged; the training logs' and the end-of-training summary's (``train_runtime``,
+  ``total_flos``, ...) under the prefix, so ``train_runtime`` is one series, the summary's at the last step.
 * :class:`MetricBusTrainerMixin` (``class MyTrainer(MetricBusTrainerMixin, Trainer)``) logs, for every training
   micro-batch, its per-token losses (float32, recomputed from the logits as the model's ``ForCausalLMLoss`` does:
   labels shifted, ``-100`` ignored) with the label mask as weight, under ``train/loss`` (spec ``"mean"``), and
@@ -45,6 +46,10 @@ IGNORE_INDEX = -100
 _REPLACED = frozenset({"loss", "train_loss"})  # the Trainer's float32 means of update means
 # Trainer.log adds these to every log (training, evaluation, the end-of-training summary): one series each
 _EVERY_LOG = frozenset({"epoch", "num_input_tokens_seen"})
+# Only the end-of-training summary has these (Trainer._finalize_training): its log is named like a training log
+_SUMMARY = frozenset({"total_flos", "train_samples_per_second", "train_steps_per_second"})
+# What a training log (include_num_input_tokens_seen) and the summary both have: at the last step, the summary's
+_LAST_FROM_SUMMARY = frozenset({"train_runtime"})
 _log = logging.getLogger("metricbus.hf")
 
 
@@ -174,6 +179,13 @@ class MetricBusCallback(TrainerCallback):
             )  # fmt: skip
             return
         training = "loss" in logs  # the Trainer's periodic training log (eval logs have eval_*)
+        # The end-of-training summary (train_runtime, train_*_per_second, total_flos, train_loss, train_mem_*) is named
+        # under the prefix like a training log: its train_runtime and the training logs' (include_num_input_tokens_seen)
+        # are one series. It still commits its own values alone, as an evaluation does.
+        prefixed_log = training or not _SUMMARY.isdisjoint(logs)
+        # The last training log (the Trainer stops after this step) is followed at its step by the summary, whose
+        # train_runtime is the whole train()'s: that is the series' point at this step, not the one taken before it.
+        held = _LAST_FROM_SUMMARY if training and getattr(control, "should_training_stop", False) else frozenset()
         step = state.global_step
         last = bus.last_step
         if last is not None and step < last:  # checked first: nothing of this log stays buffered
@@ -188,7 +200,7 @@ class MetricBusCallback(TrainerCallback):
         if training:
             self._window_micro = False
         for key, value in logs.items():
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or key in held:
                 continue  # strings are not metrics
             if key in _REPLACED:
                 if exact:
@@ -201,7 +213,7 @@ class MetricBusCallback(TrainerCallback):
                 )  # fmt: skip
             # 'epoch' (and 'num_input_tokens_seen') is in every log of a step: one name for it, so the training
             # log's and an evaluation's (or the end-of-training summary's) are one series and the repeat is left out.
-            prefixed = training or key in _EVERY_LOG
+            prefixed = prefixed_log or key in _EVERY_LOG
             name, number = (f"{self.prefix}{key}" if prefixed else key), float(value)
             if name in again:
                 if again[name] != number:  # the same value again (the Trainer's 'epoch') is no news
