@@ -178,6 +178,8 @@ class MetricBusCallback(TrainerCallback):
                 "close the bus after the last evaluate() that should log into it",
             )  # fmt: skip
             return
+        if bus.log_every > 1:  # refused by train() at its start; an evaluate() outside train() would be windowed too
+            raise HFIntegrationError(_window_message(bus.log_every, "the bus it was given"))
         training = "loss" in logs  # the Trainer's periodic training log (eval logs have eval_*)
         # The end-of-training summary (train_runtime, train_*_per_second, total_flos, train_loss, train_mem_*) is named
         # under the prefix like a training log: its train_runtime and the training logs' (include_num_input_tokens_seen)
