@@ -96,3 +96,21 @@ def test_summary_train_loss_without_the_mixin_is_train_train_loss(tmp_path: Path
     for key in SUMMARY:
         assert series[f"train/{key}"] == [(4, summary[key])], key
     assert not {name for name in series if not name.startswith("train/")}
+
+
+def test_summary_total_flos_with_the_callback_added_after_the_printer(tmp_path: Path) -> None:
+    """trainer.add_callback(MetricBusCallback(bus)) puts it after HF's PrinterCallback (disable_tqdm=True), which
+    pops total_flos from the logs dict the callbacks share: train/total_flos is still at the last step."""
+    memory = MemoryAdapter()
+    bus = MetricBus(adapters=[memory], strict=True, dist=None)
+    trainer = _trainer(tmp_path, bus)
+    trainer.remove_callback(MetricBusCallback)
+    trainer.add_callback(MetricBusCallback(bus))
+    kinds = [type(callback).__name__ for callback in trainer.callback_handler.callbacks]
+    assert kinds.index("PrinterCallback") < kinds.index("MetricBusCallback")
+    trainer.train()
+    bus.close()
+    summary = trainer.state.log_history[-1]
+    series = _series(memory)
+    for key in SUMMARY:
+        assert series[f"train/{key}"] == [(4, summary[key])], key

@@ -164,6 +164,7 @@ class MetricBusCallback(TrainerCallback):
         """A training log commits the window at ``state.global_step``; other logs are committed there too."""
         if not logs:
             return
+        logs = _as_logged(logs, state)
         bus = self.bus
         if bus is None:  # an evaluate() before train(): build the bus now (the train() after it keeps it)
             try:
@@ -273,6 +274,25 @@ class MetricBusCallback(TrainerCallback):
         if kind not in self._reported:
             self._reported.add(kind)
             _log.warning("metricbus Trainer callback: %s (reported once)", message)
+
+
+def _as_logged(logs: Any, state: Any) -> Any:
+    """The log as ``Trainer.log`` made it: the copy it appended to ``state.log_history`` just before ``on_log``.
+
+    The callbacks share one ``logs`` dict, and HF's ``PrinterCallback`` (``disable_tqdm=True``) and the notebook
+    progress callback pop ``total_flos`` from it: a callback added after them (``trainer.add_callback``) would never
+    see it. The copy is used where it is this log (its step, every key of ``logs`` with the same value), else ``logs``.
+    """
+    history = getattr(state, "log_history", None)
+    entry = history[-1] if history else None
+    if not isinstance(entry, dict) or entry.get("step") != state.global_step:
+        return logs
+    missing = object()
+    for key, value in logs.items():
+        kept = entry.get(key, missing)
+        if kept is not value and kept != value:
+            return logs
+    return {key: value for key, value in entry.items() if key != "step" or key in logs}
 
 
 def _window_message(every: int, what: str) -> str:
