@@ -204,7 +204,7 @@ class MetricBusCallback(TrainerCallback):
             self._window_micro = False
         for key, value in logs.items():
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or key in held:
-                continue  # strings are not metrics
+                continue  # strings are not metrics; a held value comes with the summary
             if key in _REPLACED:
                 if exact:
                     continue  # the Trainer's loss is replaced by the exact one
