@@ -47,9 +47,12 @@ from metricbus.errors import (
     MetricValueError,
     StepError,
 )
+from metricbus.journal.format import spec_from_json, spec_to_json
 from metricbus.options import BusOptions
+from metricbus.partial import Partial, joined_workers
 from metricbus.spec import SpecLike
 from metricbus.spec_table import check_name
+from metricbus.summary import Summary
 from metricbus.values import to_values
 
 __all__ = ["MetricBusCallback", "MetricBusLogger", "metricbus_log"]
@@ -71,6 +74,13 @@ class MetricBusCallback(pl.Callback):
     option: the window is ``trainer.log_every_n_steps``. Log training records through it: records logged in
     ``validation_step`` would join the next training commit (use Lightning's ``self.log`` and
     :class:`MetricBusLogger` for those).
+
+    A checkpoint taken mid-window (``ModelCheckpoint(every_n_train_steps=N)``, ``N`` not a multiple of the window)
+    holds the window's records so far (the callback's ``state_dict``, plain lists and floats): ``fit(ckpt_path=...)``
+    takes them back and emits the windows of the uninterrupted run, bit for bit. One process only: under DDP each
+    rank's records stay out of the checkpoint, with a :class:`~metricbus.errors.MetricBusWarning` at the save and at
+    the resume (the first window after it is emitted without them). A checkpoint saved inside an accumulating
+    update (not at an optimizer step) ends that update there.
     """
 
     def __init__(self, bus: MetricBus | None = None, **options: Any) -> None:
@@ -94,6 +104,10 @@ class MetricBusCallback(pl.Callback):
         self._options = options
         self._seen_step = 0  # trainer.global_step at the last update boundary
         self._updates = 0  # updates ended since the last commit (the same count on every rank)
+        # the window's records taken out of the bus by a checkpoint (state_dict) or restored from one
+        # (load_state_dict): the next commit reduces them as this worker's first updates, before its own records
+        self._carried: Partial | None = None
+        self._world = 1  # trainer.world_size at setup('fit')
 
     @property
     def bus(self) -> MetricBus:
@@ -115,11 +129,57 @@ class MetricBusCallback(pl.Callback):
                 "closes it); pass a new MetricBus for this fit(), or bus options (MetricBusCallback(adapters=[...], "
                 "...)) to have the callback build one at each fit()"
             )
+        self._updates, self._carried, self._world = 0, None, trainer.world_size
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start counting optimizer steps from where training starts (a restored checkpoint included)."""
         self._seen_step = trainer.global_step
-        self._updates = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint taken mid-window holds the window's records so far (a resumed run emits the window the
+        uninterrupted run would): single process only; under DDP each rank's records stay out, with a warning."""
+        bus = self._bus
+        if bus is None or bus.closed or not self._updates:
+            return {}
+        if self._world > 1:
+            warnings.warn(
+                f"MetricBusCallback: a checkpoint at Lightning step {bus.last_step}+ is mid-window: the records of "
+                f"the {self._updates} optimizer step(s) since the last commit are not in it under DDP "
+                f"({self._world} ranks), so a run resumed from it emits its first window without them (a "
+                "log_every_n_steps that divides the checkpoint interval keeps every window whole)",
+                MetricBusWarning, stacklevel=2,
+            )  # fmt: skip
+            return {"updates": self._updates, "world_size": self._world}
+        try:
+            self._carry(self._exported("a checkpoint"))
+        except MetricValueError as exc:  # (the checkpoint is saved all the same, without that metric)
+            warnings.warn(str(exc), MetricBusWarning, stacklevel=2)
+        if self._carried is None:
+            return {}
+        return {"updates": self._updates, "world_size": 1, "records": _to_plain(self._carried)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take back the window's records a checkpoint holds (restored after ``setup``, before training)."""
+        if not state_dict:
+            return
+        try:
+            updates, records = int(state_dict["updates"]), state_dict.get("records")
+            carried = None if records is None else _from_plain(records)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MetricBusError(
+                f"MetricBusCallback: the checkpoint's state for it is unreadable ({exc!r}); resume with a checkpoint "
+                "this metricbus version wrote"
+            ) from None
+        if carried is None or self._world > 1:
+            why = "it was saved under DDP" if carried is None else f"this run has {self._world} ranks"
+            warnings.warn(
+                f"MetricBusCallback: the checkpoint was taken mid-window ({updates} optimizer step(s) since the last "
+                f"commit) and holds no records this run can take ({why}): the first window after the resume is "
+                "emitted without them",
+                MetricBusWarning, stacklevel=2,
+            )  # fmt: skip
+            return
+        self._updates, self._carried = updates, carried
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -141,7 +201,7 @@ class MetricBusCallback(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Commit the optimizer steps of an unfinished window (every rank decides alike from Lightning's counter)."""
-        if self._updates:
+        if self._updates or self._carried is not None:
             self._commit(_logging_step(trainer) - 1)  # counted past the last batch by now
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -168,7 +228,45 @@ class MetricBusCallback(pl.Callback):
 
     def _commit(self, step: int) -> None:
         self._updates = 0
+        refused = None
+        if self._carried is not None:  # the window's first updates, then this worker's own (one worker, in order)
+            try:
+                self._carry(self._exported(f"step {step}"))
+            except MetricValueError as exc:  # committed without that metric, then raised, as commit() does
+                refused = exc
+            carried, self._carried = self._carried, None
+            self.bus.ingest([carried])
         self.bus.commit(step=step)
+        if refused is not None:
+            raise refused
+
+    def _exported(self, what: str) -> Partial:
+        """This worker's records since the last commit, taken out of the bus; a metric the bus refuses (a NaN
+        found on the device under ``nan="error"``) is left out of ``what`` with a MetricValueError naming it."""
+        try:
+            return self.bus.export()
+        except MetricValueError as exc:
+            kept = self.bus.export()  # the good metrics, which export() kept
+            self._carry(kept)
+            raise MetricValueError(f"MetricBusCallback: {what}: {exc}") from None
+
+    def _carry(self, records: Partial) -> None:
+        self._carried = records if self._carried is None else joined_workers([self._carried], [records])[0]
+
+
+def _to_plain(records: Partial) -> dict[str, Any]:
+    """``records`` as plain lists, dicts, strings and floats (a checkpoint loaded with ``weights_only=True``
+    takes them; no pickled object), exactly: every Summary field and spec."""
+    entries = [[name, spec_to_json(spec), list(s.as_tuple()), list(s.rest_flat())] for name, spec, s in records]
+    return {"entries": entries, "undeclared": sorted(records.undeclared)}
+
+
+def _from_plain(data: Mapping[str, Any]) -> Partial:
+    entries = tuple(
+        (str(name), spec_from_json(spec), Summary.from_tuple(fields, rest))
+        for name, spec, fields, rest in data["entries"]
+    )
+    return Partial(entries, frozenset(str(name) for name in data["undeclared"]))
 
 
 def _logging_step(trainer: pl.Trainer) -> int:

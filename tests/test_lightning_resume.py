@@ -1,0 +1,72 @@
+"""MetricBusCallback across checkpoints and fit() calls, on a real Lightning Trainer (CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pytorch_lightning")
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from metricbus.integrations.lightning import MetricBusCallback
+from metricbus.testing import MemoryAdapter
+from tests import lightning_workers as lw
+from tests.backend_env import isolate_env
+
+pytestmark = [pytest.mark.filterwarnings(f) for f in lw.QUIET]
+
+# 4 optimizer steps per epoch (8 batches, 2 per step), a window of 3 steps: commits at steps 2, 5 and 7 (the end);
+# a checkpoint every 4 steps falls mid-window (after step 3 of the window 3..5), at an epoch's end (a plain
+# DataLoader resumes there with the same data as the uninterrupted run)
+WINDOWED: dict[str, Any] = {
+    **lw.TRAINER_ARGS, "max_steps": 8, "log_every_n_steps": 3, "limit_train_batches": 8, "enable_checkpointing": True
+}  # fmt: skip
+
+
+def fit_once(
+    root: Path, *, checkpoints: Path | None = None, ckpt_path: str | None = None, **options: Any
+) -> list[tuple[int, dict[str, float]]]:
+    """One fit() of TinyLM with a MetricBusCallback; the rows its bus emitted."""
+    memory = MemoryAdapter()
+    callbacks: list[pl.Callback] = [MetricBusCallback(adapters=[memory], strict=True, **options)]
+    if checkpoints is not None:
+        callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=4, save_top_k=-1))
+    trainer = pl.Trainer(**WINDOWED, devices=1, logger=False, default_root_dir=root, callbacks=callbacks)
+    trainer.fit(lw.TinyLM(), lw.loader(), ckpt_path=ckpt_path)
+    return memory.rows
+
+
+@pytest.mark.parametrize("journal", [False, True])
+def test_a_run_resumed_from_a_mid_window_checkpoint_emits_the_uninterrupted_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, journal: bool
+) -> None:
+    """A checkpoint taken mid-window holds the window's records so far: the resumed run's first window (and every
+    later one) equals the uninterrupted run's exactly, with or without a journal; taking it changes nothing."""
+    isolate_env(monkeypatch, tmp_path)
+    uninterrupted = fit_once(tmp_path / "a")
+    assert [step for step, _ in uninterrupted] == [2, 5, 7]
+    options: dict[str, Any] = {"journal": str(tmp_path / "journal")} if journal else {}
+    with_checkpoints = fit_once(tmp_path / "b", checkpoints=tmp_path / "ckpt", **options)
+    assert with_checkpoints == uninterrupted
+    (ckpt,) = (tmp_path / "ckpt").glob("*step=4.ckpt")
+    resuming: dict[str, Any] = {**options, "resume": True} if journal else {}
+    resumed = fit_once(tmp_path / "c", ckpt_path=str(ckpt), **resuming)
+    assert resumed == uninterrupted[1:]  # bit for bit: steps 5 (steps 3, 4, 5 of the window) and 7
+
+
+def test_a_mid_window_checkpoint_loads_with_weights_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callback's state is plain lists and floats: fit(ckpt_path=..., weights_only=True) resumes it."""
+    isolate_env(monkeypatch, tmp_path)
+    uninterrupted = fit_once(tmp_path / "a", checkpoints=tmp_path / "ckpt")
+    (ckpt,) = (tmp_path / "ckpt").glob("*step=4.ckpt")
+    memory = MemoryAdapter()
+    trainer = pl.Trainer(
+        **WINDOWED, devices=1, logger=False, default_root_dir=tmp_path / "b",
+        callbacks=[MetricBusCallback(adapters=[memory], strict=True)],
+    )  # fmt: skip
+    trainer.fit(lw.TinyLM(), lw.loader(), ckpt_path=str(ckpt), weights_only=True)
+    assert memory.rows == uninterrupted[1:]
