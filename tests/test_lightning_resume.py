@@ -12,6 +12,7 @@ pytest.importorskip("pytorch_lightning")
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 
+from metricbus.errors import ConfigError
 from metricbus.integrations.lightning import MetricBusCallback
 from metricbus.testing import MemoryAdapter
 from tests import lightning_workers as lw
@@ -70,3 +71,42 @@ def test_a_mid_window_checkpoint_loads_with_weights_only(tmp_path: Path, monkeyp
     )  # fmt: skip
     trainer.fit(lw.TinyLM(), lw.loader(), ckpt_path=str(ckpt), weights_only=True)
     assert memory.rows == uninterrupted[1:]
+
+
+def test_a_second_fit_with_a_journal_continues_its_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fit(), validate(), then fit() again on the same Trainer to train more: the second fit continues the
+    journal's run (same run id, steps 3..5 after 0..2), where it raised JournalError."""
+    isolate_env(monkeypatch, tmp_path)
+    memory = MemoryAdapter()
+    callback = MetricBusCallback(adapters=[memory], journal=str(tmp_path / "journal"), strict=True)
+    module = lw.TinyLM()
+    trainer = pl.Trainer(
+        **{**lw.TRAINER_ARGS, "max_steps": 3}, devices=1, logger=False, default_root_dir=tmp_path, callbacks=[callback]
+    )
+    trainer.fit(module, lw.loader())
+    assert memory.run is not None
+    first = memory.run.id
+    trainer.validate(module, lw.loader(), verbose=False)
+    trainer.fit_loop.epoch_loop.max_steps = 6
+    trainer.fit(module, lw.loader())
+    assert [step for step, _ in memory.rows] == [0, 1, 2, 3, 4, 5]
+    assert (memory.run.id, memory.status) == (first, "finished")
+
+
+def test_a_new_trainer_from_step_0_on_the_same_journal_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second fit() from step 0 (a new Trainer, no checkpoint) would rewind the journal's run and erase the first
+    fit's steps: a ConfigError at its start saying what to do; the run keeps its steps."""
+    isolate_env(monkeypatch, tmp_path)
+    memory = MemoryAdapter()
+    callback = MetricBusCallback(adapters=[memory], journal=str(tmp_path / "journal"), strict=True)
+    args = {**lw.TRAINER_ARGS, "max_steps": 3}
+    pl.Trainer(**args, devices=1, logger=False, default_root_dir=tmp_path, callbacks=[callback]).fit(
+        lw.TinyLM(), lw.loader()
+    )
+    trainer = pl.Trainer(**args, devices=1, logger=False, default_root_dir=tmp_path, callbacks=[callback])
+    with pytest.raises(ConfigError, match=r"starts at Lightning step 0, at or before step 2 .* another journal"):
+        trainer.fit(lw.TinyLM(), lw.loader())
+    assert [step for step, _ in memory.rows] == [0, 1, 2]
+    assert memory.status == "finished"

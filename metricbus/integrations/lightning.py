@@ -70,8 +70,12 @@ class MetricBusCallback(pl.Callback):
     bus that delivers nowhere); ``MetricBusCallback(bus)`` uses
     a bus you built (single process, or one built after ``torch.distributed`` was initialized). The callback closes
     the bus when ``fit`` ends (``failed`` on an exception, on that rank alone): a bus passed in serves one ``fit``,
-    a later ``fit`` with it fails at ``setup`` (:class:`~metricbus.errors.ClosedError`). ``log_every`` is not an
-    option: the window is ``trainer.log_every_n_steps``. Log training records through it: records logged in
+    a later ``fit`` with it fails at ``setup`` (:class:`~metricbus.errors.ClosedError`). Built from options, a new bus
+    serves each ``fit``; with a journal, a later ``fit`` continues the journal's run (``resume=True``: its id, its
+    backend runs) where the earlier one ended (the same Trainer, or ``fit(ckpt_path=...)``, which rewinds the run to
+    the checkpoint's step); one that starts at or before that step from no checkpoint (a new Trainer from step 0)
+    would rewind the run, erasing it, and is a :class:`~metricbus.errors.ConfigError` at its start. ``log_every`` is
+    not an option: the window is ``trainer.log_every_n_steps``. Log training records through it: records logged in
     ``validation_step`` would join the next training commit (use Lightning's ``self.log`` and
     :class:`MetricBusLogger` for those).
 
@@ -108,6 +112,7 @@ class MetricBusCallback(pl.Callback):
         # (load_state_dict): the next commit reduces them as this worker's first updates, before its own records
         self._carried: Partial | None = None
         self._world = 1  # trainer.world_size at setup('fit')
+        self._continues: int | None = None  # a later fit() on a journal: the last step the earlier one committed
 
     @property
     def bus(self) -> MetricBus:
@@ -122,7 +127,13 @@ class MetricBusCallback(pl.Callback):
             return
         if self._bus is None or (self._owns and self._bus.closed):
             options = {**self._options, "log_every": 1}
-            self._bus = MetricBus.from_config(None, **options) if self._from_env else MetricBus(**options)
+            if self._from_env:
+                options = bus_options(None, options)  # (MetricBus.from_config's options: is there a journal?)
+            earlier, self._continues = self._bus, None
+            if earlier is not None and options.get("journal") is not None:
+                # the journal holds the run of an earlier fit(): this one continues it (else JournalError)
+                options["resume"], self._continues = True, earlier.last_step
+            self._bus = MetricBus(**options)
         elif self._bus.closed:
             raise ClosedError(
                 "MetricBusCallback: the bus it was given is closed at setup('fit') (the end of an earlier fit() "
@@ -134,6 +145,18 @@ class MetricBusCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start counting optimizer steps from where training starts (a restored checkpoint included)."""
         self._seen_step = trainer.global_step
+        last, self._continues = self._continues, None
+        start = _logging_step(trainer)
+        if last is not None and start <= last and trainer.ckpt_path is None:
+            self.bus.close()  # (nothing committed: the run and its backends are as the earlier fit() left them)
+            raise ConfigError(
+                f"MetricBusCallback: this fit() starts at Lightning step {start}, at or before step {last} that an "
+                f"earlier fit() committed to the run of journal {self._options.get('journal') or 'from the config'}, "
+                "and restores no checkpoint: its commits would rewind that run (its backends too) to step "
+                f"{start}, erasing the earlier steps. To train more, call fit() again on the same Trainer (it goes on "
+                "from its step) or pass fit(ckpt_path=...); for a new run, use a new MetricBusCallback with another "
+                "journal directory"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint taken mid-window holds the window's records so far (a resumed run emits the window the
