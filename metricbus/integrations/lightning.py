@@ -23,6 +23,7 @@ metricbus`` never imports it.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from argparse import Namespace
 from collections.abc import Mapping, Sequence
@@ -38,7 +39,9 @@ from metricbus import shutdown
 from metricbus.adapter import Adapter, RunInfo, Status
 from metricbus.bus import CLOSE_TIMEOUT_S, MetricBus, as_step, check_wait_s
 from metricbus.config import bus_options, require_source
+from metricbus.delivery import WRITE_TIMEOUT_S
 from metricbus.errors import (
+    AdapterNotFoundError,
     ClosedError,
     ConfigError,
     MetricBusError,
@@ -48,8 +51,9 @@ from metricbus.errors import (
     StepError,
 )
 from metricbus.journal.format import spec_from_json, spec_to_json
-from metricbus.options import BusOptions
+from metricbus.options import BusOptions, check_request_timeouts
 from metricbus.partial import Partial, joined_workers
+from metricbus.registry import get_adapter_class
 from metricbus.spec import SpecLike
 from metricbus.spec_table import check_name
 from metricbus.summary import Summary
@@ -93,16 +97,19 @@ class MetricBusCallback(pl.Callback):
         if "log_every" in options:
             raise ConfigError("MetricBusCallback: log_every: the commit window is trainer.log_every_n_steps")
         try:
-            BusOptions.build(**options)  # validate now, with the bus's own messages, not at setup on every rank
+            built = BusOptions.build(**options)  # validate now, with the bus's own messages, not at setup on every rank
         except TypeError as exc:
             raise ConfigError(f"MetricBusCallback: {exc}") from exc
+        _check_request_timeouts("MetricBusCallback", built.adapters, built.write_timeout_s)
         # Without adapters the bus would deliver nowhere (no adapters by default): take them from the environment,
         # as the Hugging Face callback and the Accelerate tracker do, and refuse where there are none.
         self._from_env = bus is None and "adapters" not in options
         if self._from_env:
             if "journal" not in options:
                 require_source(None, how="pass MetricBusCallback(adapters=[...]) or MetricBusCallback(bus)")
-            bus_options(None, {**options, "log_every": 1})  # its mistakes now, naming the file or variable
+            env = bus_options(None, {**options, "log_every": 1})  # its mistakes now, naming the file or variable
+            write_timeout_s = env.get("write_timeout_s", WRITE_TIMEOUT_S)
+            _check_request_timeouts("MetricBusCallback", env.get("adapters", ()), write_timeout_s)
         self._owns = bus is None  # builds a bus for each fit(); else serves the one it was given, once
         self._bus = bus
         self._options = options
@@ -292,6 +299,29 @@ def _from_plain(data: Mapping[str, Any]) -> Partial:
     return Partial(entries, frozenset(str(name) for name in data["undeclared"]))
 
 
+def _check_request_timeouts(who: str, adapters: Sequence[Any], write_timeout_s: float) -> None:
+    """``check_request_timeouts`` on each adapter's effective ``request_timeout_s``: where a name or mapping leaves it
+    at its default, the default of its class's constructor (read from the registry's class; no adapter is built),
+    so an adapter left at a default the bus would refuse once it builds the adapters (at ``setup``, at the logger's
+    first log) is refused at construction."""
+    effective: list[Any] = []
+    for spec in adapters:
+        name = spec.partition(":")[0] if isinstance(spec, str) else spec.get("type") if isinstance(spec, Mapping) else 0
+        if not isinstance(name, str) or (isinstance(spec, Mapping) and "request_timeout_s" in spec):
+            effective.append(spec)
+            continue
+        try:
+            param = inspect.signature(get_adapter_class(name)).parameters.get("request_timeout_s")
+        except (AdapterNotFoundError, TypeError, ValueError):  # (the bus says what is wrong when it builds it)
+            param = None
+        default = None if param is None else param.default
+        effective.append(spec if default is None else {"type": f"{name}, at its default", "request_timeout_s": default})
+    try:
+        check_request_timeouts(effective, write_timeout_s=write_timeout_s)
+    except ConfigError as exc:
+        raise ConfigError(f"{who}: {exc}") from None
+
+
 def _logging_step(trainer: pl.Trainer) -> int:
     """The step Lightning gives its loggers during ``fit`` (``LoggerConnector.log_metrics``): batches that stepped
     an optimizer, restored from a checkpoint. Lightning's own LearningRateMonitor reads the same counter."""
@@ -349,7 +379,8 @@ class MetricBusLogger(Logger):
             "adapters": list(adapters), "journal": journal, "strict": strict, "on_open_error": on_open_error,
         }  # fmt: skip
         self._resume = resume
-        BusOptions.build(**self._options, run=self._run, dist=None)  # fail at construction, not at the first log
+        built = BusOptions.build(**self._options, run=self._run, dist=None)  # at construction, not the first log
+        _check_request_timeouts("MetricBusLogger", built.adapters, built.write_timeout_s)
         for option, seconds in (("save_timeout_s", save_timeout_s), ("close_timeout_s", close_timeout_s)):
             try:  # (else a bad one raised mid-fit at save(), or at finalize() once training was over)
                 check_wait_s(option, seconds)
