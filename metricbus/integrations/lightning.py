@@ -118,7 +118,7 @@ class MetricBusCallback(pl.Callback):
         # the window's records taken out of the bus by a checkpoint (state_dict) or restored from one
         # (load_state_dict): the next commit reduces them as this worker's first updates, before its own records
         self._carried: Partial | None = None
-        self._world = 1  # trainer.world_size at setup('fit')
+        self._world, self._rank = 1, 0  # trainer.world_size and global_rank at setup('fit')
         self._continues: int | None = None  # a later fit() on a journal: the last step the earlier one committed
 
     @property
@@ -147,7 +147,8 @@ class MetricBusCallback(pl.Callback):
                 "closes it); pass a new MetricBus for this fit(), or bus options (MetricBusCallback(adapters=[...], "
                 "...)) to have the callback build one at each fit()"
             )
-        self._updates, self._carried, self._world = 0, None, trainer.world_size
+        self._updates, self._carried = 0, None
+        self._world, self._rank = trainer.world_size, trainer.global_rank
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start counting optimizer steps from where training starts (a restored checkpoint included)."""
@@ -172,13 +173,15 @@ class MetricBusCallback(pl.Callback):
         if bus is None or bus.closed or not self._updates:
             return {}
         if self._world > 1:
-            warnings.warn(
-                f"MetricBusCallback: a checkpoint at Lightning step {bus.last_step}+ is mid-window: the records of "
-                f"the {self._updates} optimizer step(s) since the last commit are not in it under DDP "
-                f"({self._world} ranks), so a run resumed from it emits its first window without them (a "
-                "log_every_n_steps that divides the checkpoint interval keeps every window whole)",
-                MetricBusWarning, stacklevel=2,
-            )  # fmt: skip
+            if self._rank == 0:
+                since = "training started" if bus.last_step is None else f"the commit at step {bus.last_step}"
+                warnings.warn(
+                    f"MetricBusCallback: a checkpoint taken mid-window, {self._updates} optimizer step(s) after "
+                    f"{since}: under DDP ({self._world} ranks) their records are not in it, so a run resumed from it "
+                    "emits its first window without them (a checkpoint interval that is a multiple of "
+                    "log_every_n_steps keeps every window whole)",
+                    MetricBusWarning, stacklevel=2,
+                )  # fmt: skip
             return {"updates": self._updates, "world_size": self._world}
         try:
             self._carry(self._exported("a checkpoint"))
@@ -200,7 +203,7 @@ class MetricBusCallback(pl.Callback):
                 f"MetricBusCallback: the checkpoint's state for it is unreadable ({exc!r}); resume with a checkpoint "
                 "this metricbus version wrote"
             ) from None
-        if carried is None or self._world > 1:
+        if (carried is None or self._world > 1) and self._rank == 0:
             why = "it was saved under DDP" if carried is None else f"this run has {self._world} ranks"
             warnings.warn(
                 f"MetricBusCallback: the checkpoint was taken mid-window ({updates} optimizer step(s) since the last "
@@ -208,6 +211,7 @@ class MetricBusCallback(pl.Callback):
                 "emitted without them",
                 MetricBusWarning, stacklevel=2,
             )  # fmt: skip
+        if carried is None or self._world > 1:
             return
         self._updates, self._carried = updates, carried
 
