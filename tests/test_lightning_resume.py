@@ -110,3 +110,24 @@ def test_a_new_trainer_from_step_0_on_the_same_journal_is_refused(
         trainer.fit(lw.TinyLM(), lw.loader())
     assert [step for step, _ in memory.rows] == [0, 1, 2]
     assert memory.status == "finished"
+
+
+def test_two_callbacks_keep_their_own_records_in_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two MetricBusCallbacks (metricbus_log logs into the first): each restores its own state, so the first's
+    resumed windows are the uninterrupted ones and the second, which held no records, emits none."""
+    isolate_env(monkeypatch, tmp_path)
+
+    def fit_two(root: Path, ckpt_path: str | None = None) -> tuple[list[Any], list[Any]]:
+        first, second = MemoryAdapter(), MemoryAdapter()
+        callbacks: list[pl.Callback] = [MetricBusCallback(adapters=[first]), MetricBusCallback(adapters=[second])]
+        if ckpt_path is None:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1))
+        trainer = pl.Trainer(**WINDOWED, devices=1, logger=False, default_root_dir=root, callbacks=callbacks)
+        trainer.fit(lw.TinyLM(), lw.loader(), ckpt_path=ckpt_path)
+        return first.rows, second.rows
+
+    uninterrupted, none = fit_two(tmp_path / "a")
+    assert none == []
+    assert [step for step, _ in uninterrupted] == [2, 5, 7]
+    (ckpt,) = (tmp_path / "ckpt").glob("*step=4.ckpt")
+    assert fit_two(tmp_path / "b", str(ckpt)) == (uninterrupted[1:], [])

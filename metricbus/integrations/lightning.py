@@ -84,7 +84,7 @@ class MetricBusCallback(pl.Callback):
     :class:`MetricBusLogger` for those).
 
     A checkpoint taken mid-window (``ModelCheckpoint(every_n_train_steps=N)``, ``N`` not a multiple of the window)
-    holds the window's records so far (the callback's ``state_dict``, plain lists and floats): ``fit(ckpt_path=...)``
+    holds the window's records so far (``checkpoint["metricbus"]``, plain lists and floats): ``fit(ckpt_path=...)``
     takes them back and emits the windows of the uninterrupted run, bit for bit. One process only: under DDP each
     rank's records stay out of the checkpoint, with a :class:`~metricbus.errors.MetricBusWarning` at the save and at
     the resume (the first window after it is emitted without them). A checkpoint saved inside an accumulating
@@ -115,8 +115,8 @@ class MetricBusCallback(pl.Callback):
         self._options = options
         self._seen_step = 0  # trainer.global_step at the last update boundary
         self._updates = 0  # updates ended since the last commit (the same count on every rank)
-        # the window's records taken out of the bus by a checkpoint (state_dict) or restored from one
-        # (load_state_dict): the next commit reduces them as this worker's first updates, before its own records
+        # the window's records taken out of the bus by a checkpoint (on_save_checkpoint) or restored from one
+        # (on_load_checkpoint): the next commit reduces them as this worker's first updates, before its own records
         self._carried: Partial | None = None
         self._world, self._rank = 1, 0  # trainer.world_size and global_rank at setup('fit')
         self._continues: int | None = None  # a later fit() on a journal: the last step the earlier one committed
@@ -166,9 +166,27 @@ class MetricBusCallback(pl.Callback):
                 "journal directory"
             )
 
-    def state_dict(self) -> dict[str, Any]:
-        """A checkpoint taken mid-window holds the window's records so far (a resumed run emits the window the
-        uninterrupted run would): single process only; under DDP each rank's records stay out, with a warning."""
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint taken mid-window holds the window's records so far, as ``checkpoint["metricbus"][key]``
+        (see :func:`_state_key`; not ``state_dict``, which Lightning refuses for two callbacks of one type)."""
+        state = self._window_state()
+        if state:
+            checkpoint.setdefault(_CHECKPOINT_KEY, {})[_state_key(trainer, self)] = state
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Take back the window's records the checkpoint holds (restored after ``setup``, before training)."""
+        held = checkpoint.get(_CHECKPOINT_KEY)
+        state = held.get(_state_key(trainer, self)) if isinstance(held, Mapping) else None
+        if state:
+            self._restore_window(state)
+
+    def _window_state(self) -> dict[str, Any]:
+        """The window's records so far (a resumed run emits the window the uninterrupted run would): single process
+        only; under DDP each rank's records stay out, with a warning."""
         bus = self._bus
         if bus is None or bus.closed or not self._updates:
             return {}
@@ -191,12 +209,9 @@ class MetricBusCallback(pl.Callback):
             return {}
         return {"updates": self._updates, "world_size": 1, "records": _to_plain(self._carried)}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take back the window's records a checkpoint holds (restored after ``setup``, before training)."""
-        if not state_dict:
-            return
+    def _restore_window(self, state: Mapping[str, Any]) -> None:
         try:
-            updates, records = int(state_dict["updates"]), state_dict.get("records")
+            updates, records = int(state["updates"]), state.get("records")
             carried = None if records is None else _from_plain(records)
         except (KeyError, TypeError, ValueError) as exc:
             raise MetricBusError(
@@ -286,6 +301,17 @@ class MetricBusCallback(pl.Callback):
 
     def _carry(self, records: Partial) -> None:
         self._carried = records if self._carried is None else joined_workers([self._carried], [records])[0]
+
+
+_CHECKPOINT_KEY = "metricbus"
+
+
+def _state_key(trainer: pl.Trainer, callback: MetricBusCallback) -> str:
+    """``MetricBusCallback``, then ``MetricBusCallback[1]``, ... in the trainer's callback order: two callbacks
+    never take each other's records."""
+    ours = [c for c in trainer.callbacks if isinstance(c, MetricBusCallback)]  # type: ignore[attr-defined]
+    index = next((i for i, c in enumerate(ours) if c is callback), 0)
+    return "MetricBusCallback" + (f"[{index}]" if index else "")
 
 
 def _to_plain(records: Partial) -> dict[str, Any]:
