@@ -48,6 +48,7 @@ from metricbus.errors import (
     MetricBusWarning,
     MetricTypeError,
     MetricValueError,
+    SpecError,
     StepError,
 )
 from metricbus.journal.format import spec_from_json, spec_to_json
@@ -277,14 +278,17 @@ class MetricBusCallback(pl.Callback):
 
     def _commit(self, step: int) -> None:
         self._updates = 0
-        refused = None
+        refused: MetricBusError | None = None
         if self._carried is not None:  # the window's first updates, then this worker's own (one worker, in order)
             try:
                 self._carry(self._exported(f"step {step}"))
             except MetricValueError as exc:  # committed without that metric, then raised, as commit() does
                 refused = exc
             carried, self._carried = self._carried, None
-            self.bus.ingest([carried])
+            try:
+                self.bus.ingest([carried])
+            except (SpecError, MetricValueError) as exc:  # (a rule changed since the checkpoint): the metric it
+                refused = refused or exc  # names is left out, the rest ingested and committed at this step
         self.bus.commit(step=step)
         if refused is not None:
             raise refused
@@ -344,7 +348,7 @@ def _check_request_timeouts(who: str, adapters: Sequence[Any], write_timeout_s: 
             param = inspect.signature(get_adapter_class(name)).parameters.get("request_timeout_s")
         except (AdapterNotFoundError, TypeError, ValueError):  # (the bus says what is wrong when it builds it)
             param = None
-        default = None if param is None else param.default
+        default = None if param is None or param.default is param.empty else param.default
         effective.append(spec if default is None else {"type": f"{name}, at its default", "request_timeout_s": default})
     try:
         check_request_timeouts(effective, write_timeout_s=write_timeout_s)
