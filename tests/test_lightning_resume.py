@@ -131,3 +131,46 @@ def test_two_callbacks_keep_their_own_records_in_a_checkpoint(tmp_path: Path, mo
     assert [step for step, _ in uninterrupted] == [2, 5, 7]
     (ckpt,) = (tmp_path / "ckpt").glob("*step=4.ckpt")
     assert fit_two(tmp_path / "b", str(ckpt)) == (uninterrupted[1:], [])
+
+
+DDP_OF_ONE = """
+import sys, warnings
+from pathlib import Path
+sys.path.insert(0, {root!r})
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+from metricbus.errors import MetricBusWarning
+from metricbus.integrations.lightning import MetricBusCallback
+from metricbus.testing import MemoryAdapter
+from tests import lightning_workers as lw
+from tests.test_lightning_resume import WINDOWED
+for quiet in lw.QUIET:
+    warnings.filterwarnings("ignore", quiet.partition(":")[2])
+tmp = Path({tmp!r})
+memory = MemoryAdapter()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", MetricBusWarning)
+    trainer = pl.Trainer(**WINDOWED, devices=1, strategy="ddp", logger=False, default_root_dir=tmp,
+                         callbacks=[MetricBusCallback(adapters=[memory], strict=True),
+                                    ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=4, save_top_k=-1)])
+    trainer.fit(lw.TinyLM(), lw.loader())
+print("STEPS", [step for step, _ in memory.rows])
+print("WARNED", sum("under DDP" in str(w.message) for w in caught if issubclass(w.category, MetricBusWarning)))
+"""
+
+
+def test_a_mid_window_checkpoint_under_ddp_of_one_rank_warns_and_commits(tmp_path: Path) -> None:
+    """strategy="ddp" on one device: the bus is a torch.distributed one (its commit a collective of a group of one,
+    ingest() refused), so the window's records stay in the bus, with the DDP warning, instead of a DistributedError
+    at the next commit. In a process of its own (Lightning leaves the process group initialized)."""
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    code = DDP_OF_ONE.format(root=root, tmp=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300, cwd=root
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "STEPS [2, 5, 7]" in done.stdout
+    assert "WARNED 2" in done.stdout  # the checkpoints at steps 4 and 8, both mid-window

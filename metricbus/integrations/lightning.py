@@ -120,6 +120,7 @@ class MetricBusCallback(pl.Callback):
         # (on_load_checkpoint): the next commit reduces them as this worker's first updates, before its own records
         self._carried: Partial | None = None
         self._world, self._rank = 1, 0  # trainer.world_size and global_rank at setup('fit')
+        self._collective = False  # whether the bus's commit is a torch.distributed collective (DDP, of any size)
         self._continues: int | None = None  # a later fit() on a journal: the last step the earlier one committed
 
     @property
@@ -150,6 +151,7 @@ class MetricBusCallback(pl.Callback):
             )
         self._updates, self._carried = 0, None
         self._world, self._rank = trainer.world_size, trainer.global_rank
+        self._collective = self._world > 1 or self._bus.collective  # (a group of one: ingest() is refused too)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start counting optimizer steps from where training starts (a restored checkpoint included)."""
@@ -187,18 +189,19 @@ class MetricBusCallback(pl.Callback):
 
     def _window_state(self) -> dict[str, Any]:
         """The window's records so far (a resumed run emits the window the uninterrupted run would): single process
-        only; under DDP each rank's records stay out, with a warning."""
+        only; under DDP (a torch.distributed bus, whatever its group's size) each rank's records stay out, with a
+        warning."""
         bus = self._bus
         if bus is None or bus.closed or not self._updates:
             return {}
-        if self._world > 1:
+        if self._collective:
             if self._rank == 0:
                 since = "training started" if bus.last_step is None else f"the commit at step {bus.last_step}"
                 warnings.warn(
                     f"MetricBusCallback: a checkpoint taken mid-window, {self._updates} optimizer step(s) after "
-                    f"{since}: under DDP ({self._world} ranks) their records are not in it, so a run resumed from it "
-                    "emits its first window without them (a checkpoint interval that is a multiple of "
-                    "log_every_n_steps keeps every window whole)",
+                    f"{since}: under DDP ({self._world} rank(s), torch.distributed) their records are not in it, so a "
+                    "run resumed from it emits its first window without them (a checkpoint interval that is a "
+                    "multiple of log_every_n_steps keeps every window whole)",
                     MetricBusWarning, stacklevel=2,
                 )  # fmt: skip
             return {"updates": self._updates, "world_size": self._world}
@@ -219,15 +222,15 @@ class MetricBusCallback(pl.Callback):
                 f"MetricBusCallback: the checkpoint's state for it is unreadable ({exc!r}); resume with a checkpoint "
                 "this metricbus version wrote"
             ) from None
-        if (carried is None or self._world > 1) and self._rank == 0:
-            why = "it was saved under DDP" if carried is None else f"this run has {self._world} ranks"
+        if (carried is None or self._collective) and self._rank == 0:
+            why = "it was saved under DDP" if carried is None else "this run's bus is a torch.distributed one"
             warnings.warn(
                 f"MetricBusCallback: the checkpoint was taken mid-window ({updates} optimizer step(s) since the last "
                 f"commit) and holds no records this run can take ({why}): the first window after the resume is "
                 "emitted without them",
                 MetricBusWarning, stacklevel=2,
             )  # fmt: skip
-        if carried is None or self._world > 1:
+        if carried is None or self._collective:
             return
         self._updates, self._carried = updates, carried
 
