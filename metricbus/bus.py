@@ -429,12 +429,6 @@ class MetricBus:
         """How many commits one emitted window spans."""
         return self._log_every
 
-    @property
-    def collective(self) -> bool:
-        """True when ``commit()`` is a torch.distributed collective (every rank of the group calls it; ``ingest()``
-        is refused), whatever the group's size; False for a bus of one process (``dist=None``)."""
-        return self._ranks.collective
-
     def commit(self, step: SupportsIndex | None = None, *, only: Iterable[str] | None = None) -> dict[str, float]:
         """End a step: reduce and (every ``log_every``-th commit) emit; returns what was emitted, else ``{}``.
 

@@ -114,3 +114,36 @@ def test_summary_total_flos_with_the_callback_added_after_the_printer(tmp_path: 
     series = _series(memory)
     for key in SUMMARY:
         assert series[f"train/{key}"] == [(4, summary[key])], key
+
+
+def test_an_early_stop_decided_after_the_last_training_log_reports_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stop decided in on_evaluate (as EarlyStoppingCallback does), after the step's training log went out with
+    its train_runtime: the summary's train_runtime at that step is the same quantity again, left out without a
+    report; the series keeps one point per logging step."""
+
+    class StopAt4(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step >= 4:
+                control.should_training_stop = True
+
+    memory = MemoryAdapter()
+    bus = MetricBus(adapters=[memory], strict=True, dist=None)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=8, gradient_accumulation_steps=2,
+        per_device_train_batch_size=2, logging_steps=2, report_to="none", save_strategy="no", seed=hf_workers.SEED,
+        disable_tqdm=True, dataloader_num_workers=0, include_num_input_tokens_seen="all", eval_strategy="steps",
+        eval_steps=2,
+    )  # fmt: skip
+    trainer = hf_workers.TruthTrainer(
+        model=hf_workers.tiny_model(), args=args, train_dataset=hf_workers.dataset(),
+        eval_dataset=hf_workers.dataset(), data_collator=hf_workers.collate,
+        callbacks=[MetricBusCallback(bus), StopAt4()],
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="metricbus.hf"):
+        trainer.train()
+    bus.close()
+    assert not [r for r in caplog.records if r.name == "metricbus.hf"], caplog.text
+    assert [step for step, _ in _series(memory)["train/train_runtime"]] == [2, 4]
+    assert [step for step, _ in _series(memory)["train/total_flos"]] == [4]

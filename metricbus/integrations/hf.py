@@ -185,7 +185,8 @@ class MetricBusCallback(TrainerCallback):
         # The end-of-training summary (train_runtime, train_*_per_second, total_flos, train_loss, train_mem_*) is named
         # under the prefix like a training log: its train_runtime and the training logs' (include_num_input_tokens_seen)
         # are one series. It still commits its own values alone, as an evaluation does.
-        prefixed_log = training or not _SUMMARY.isdisjoint(logs)
+        summary = not training and not _SUMMARY.isdisjoint(logs)
+        prefixed_log = training or summary
         # The last training log (the Trainer stops after this step) is followed at its step by the summary, whose
         # train_runtime is the whole train()'s: that is the series' point at this step, not the one taken before it.
         held = _LAST_FROM_SUMMARY if training and getattr(control, "should_training_stop", False) else frozenset()
@@ -219,7 +220,10 @@ class MetricBusCallback(TrainerCallback):
             prefixed = prefixed_log or key in _EVERY_LOG
             name, number = (f"{self.prefix}{key}" if prefixed else key), float(value)
             if name in again:
-                if again[name] != number:  # the same value again (the Trainer's 'epoch') is no news
+                # The same value again (the Trainer's 'epoch') is no news; nor is the summary's train_runtime where
+                # this step's training log gave the series its point (a stop decided after that log, e.g. by
+                # EarlyStoppingCallback at the evaluation that follows it, so the log did not leave it out).
+                if again[name] != number and not (summary and key in _LAST_FROM_SUMMARY):
                     self._report(f"again:{name}", f"{name!r} was already logged at step {step}; this value is left out")
                 continue
             try:

@@ -48,16 +48,12 @@ from metricbus.errors import (
     MetricBusWarning,
     MetricTypeError,
     MetricValueError,
-    SpecError,
     StepError,
 )
-from metricbus.journal.format import spec_from_json, spec_to_json
 from metricbus.options import BusOptions, check_request_timeouts
-from metricbus.partial import Partial, joined_workers
 from metricbus.registry import get_adapter_class
 from metricbus.spec import SpecLike
 from metricbus.spec_table import check_name
-from metricbus.summary import Summary
 from metricbus.values import to_values
 
 __all__ = ["MetricBusCallback", "MetricBusLogger", "metricbus_log"]
@@ -84,12 +80,11 @@ class MetricBusCallback(pl.Callback):
     ``validation_step`` would join the next training commit (use Lightning's ``self.log`` and
     :class:`MetricBusLogger` for those).
 
-    A checkpoint taken mid-window (``ModelCheckpoint(every_n_train_steps=N)``, ``N`` not a multiple of the window)
-    holds the window's records so far (``checkpoint["metricbus"]``, plain lists and floats): ``fit(ckpt_path=...)``
-    takes them back and emits the windows of the uninterrupted run, bit for bit. One process only: under DDP each
-    rank's records stay out of the checkpoint, with a :class:`~metricbus.errors.MetricBusWarning` at the save and at
-    the resume (the first window after it is emitted without them). A checkpoint saved inside an accumulating
-    update (not at an optimizer step) ends that update there.
+    The bus's records are not in checkpoints: a run resumed from one taken mid-window (``ModelCheckpoint(
+    every_n_train_steps=N)``, ``N`` not a multiple of the window) emits its first window without the steps before
+    the checkpoint, with a :class:`~metricbus.errors.MetricBusWarning` at the resume (``checkpoint["metricbus"]``
+    notes how many). The run that saved it committed them (at its next logging step, its end or its crash) unless it
+    was killed first, so carrying them into the resumed window could count them twice.
     """
 
     def __init__(self, bus: MetricBus | None = None, **options: Any) -> None:
@@ -116,11 +111,7 @@ class MetricBusCallback(pl.Callback):
         self._options = options
         self._seen_step = 0  # trainer.global_step at the last update boundary
         self._updates = 0  # updates ended since the last commit (the same count on every rank)
-        # the window's records taken out of the bus by a checkpoint (on_save_checkpoint) or restored from one
-        # (on_load_checkpoint): the next commit reduces them as this worker's first updates, before its own records
-        self._carried: Partial | None = None
-        self._world, self._rank = 1, 0  # trainer.world_size and global_rank at setup('fit')
-        self._collective = False  # whether the bus's commit is a torch.distributed collective (DDP, of any size)
+        self._rank = 0  # trainer.global_rank at setup('fit')
         self._continues: int | None = None  # a later fit() on a journal: the last step the earlier one committed
 
     @property
@@ -149,9 +140,7 @@ class MetricBusCallback(pl.Callback):
                 "closes it); pass a new MetricBus for this fit(), or bus options (MetricBusCallback(adapters=[...], "
                 "...)) to have the callback build one at each fit()"
             )
-        self._updates, self._carried = 0, None
-        self._world, self._rank = trainer.world_size, trainer.global_rank
-        self._collective = self._world > 1 or self._bus.collective  # (a group of one: ingest() is refused too)
+        self._updates, self._rank = 0, trainer.global_rank
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start counting optimizer steps from where training starts (a restored checkpoint included)."""
@@ -172,67 +161,32 @@ class MetricBusCallback(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """A checkpoint taken mid-window holds the window's records so far, as ``checkpoint["metricbus"][key]``
-        (see :func:`_state_key`; not ``state_dict``, which Lightning refuses for two callbacks of one type)."""
-        state = self._window_state()
-        if state:
+        """A checkpoint taken mid-window notes how many optimizer steps of the window it follows, as
+        ``checkpoint["metricbus"][key]`` (see :func:`_state_key`; not ``state_dict``, which Lightning refuses for two
+        callbacks of one type), so a run resumed from it says that its first window lacks them."""
+        bus = self._bus
+        if bus is not None and not bus.closed and self._updates:
+            state = {"updates": self._updates, "last_step": bus.last_step}
             checkpoint.setdefault(_CHECKPOINT_KEY, {})[_state_key(trainer, self)] = state
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Take back the window's records the checkpoint holds (restored after ``setup``, before training)."""
+        """A checkpoint taken mid-window: the window's records before it are not in it (warned, on rank 0)."""
         held = checkpoint.get(_CHECKPOINT_KEY)
         state = held.get(_state_key(trainer, self)) if isinstance(held, Mapping) else None
-        if state:
-            self._restore_window(state)
-
-    def _window_state(self) -> dict[str, Any]:
-        """The window's records so far (a resumed run emits the window the uninterrupted run would): single process
-        only; under DDP (a torch.distributed bus, whatever its group's size) each rank's records stay out, with a
-        warning."""
-        bus = self._bus
-        if bus is None or bus.closed or not self._updates:
-            return {}
-        if self._collective:
-            if self._rank == 0:
-                since = "training started" if bus.last_step is None else f"the commit at step {bus.last_step}"
-                warnings.warn(
-                    f"MetricBusCallback: a checkpoint taken mid-window, {self._updates} optimizer step(s) after "
-                    f"{since}: under DDP ({self._world} rank(s), torch.distributed) their records are not in it, so a "
-                    "run resumed from it emits its first window without them (a checkpoint interval that is a "
-                    "multiple of log_every_n_steps keeps every window whole)",
-                    MetricBusWarning, stacklevel=2,
-                )  # fmt: skip
-            return {"updates": self._updates, "world_size": self._world}
-        try:
-            self._carry(self._exported("a checkpoint"))
-        except MetricValueError as exc:  # (the checkpoint is saved all the same, without that metric)
-            warnings.warn(str(exc), MetricBusWarning, stacklevel=2)
-        if self._carried is None:
-            return {}
-        return {"updates": self._updates, "world_size": 1, "records": _to_plain(self._carried)}
-
-    def _restore_window(self, state: Mapping[str, Any]) -> None:
-        try:
-            updates, records = int(state["updates"]), state.get("records")
-            carried = None if records is None else _from_plain(records)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MetricBusError(
-                f"MetricBusCallback: the checkpoint's state for it is unreadable ({exc!r}); resume with a checkpoint "
-                "this metricbus version wrote"
-            ) from None
-        if (carried is None or self._collective) and self._rank == 0:
-            why = "it was saved under DDP" if carried is None else "this run's bus is a torch.distributed one"
-            warnings.warn(
-                f"MetricBusCallback: the checkpoint was taken mid-window ({updates} optimizer step(s) since the last "
-                f"commit) and holds no records this run can take ({why}): the first window after the resume is "
-                "emitted without them",
-                MetricBusWarning, stacklevel=2,
-            )  # fmt: skip
-        if carried is None or self._collective:
+        if not isinstance(state, Mapping) or self._rank != 0:
             return
-        self._updates, self._carried = updates, carried
+        since = "training started" if state.get("last_step") is None else f"the commit at step {state['last_step']}"
+        warnings.warn(
+            f"MetricBusCallback: the checkpoint was taken mid-window, {state.get('updates')} optimizer step(s) after "
+            f"{since}; the bus's records of those steps are not in checkpoints (the run that saved it committed them "
+            "at its next logging step, its end or its crash, unless it was killed first), so the first window after "
+            "the resume is emitted without them (a checkpoint interval that is a multiple of log_every_n_steps keeps "
+            "every window whole)",
+            MetricBusWarning,
+            stacklevel=2,
+        )
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -254,7 +208,7 @@ class MetricBusCallback(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Commit the optimizer steps of an unfinished window (every rank decides alike from Lightning's counter)."""
-        if self._updates or self._carried is not None:
+        if self._updates:
             self._commit(_logging_step(trainer) - 1)  # counted past the last batch by now
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -281,33 +235,7 @@ class MetricBusCallback(pl.Callback):
 
     def _commit(self, step: int) -> None:
         self._updates = 0
-        refused: MetricBusError | None = None
-        if self._carried is not None:  # the window's first updates, then this worker's own (one worker, in order)
-            try:
-                self._carry(self._exported(f"step {step}"))
-            except MetricValueError as exc:  # committed without that metric, then raised, as commit() does
-                refused = exc
-            carried, self._carried = self._carried, None
-            try:
-                self.bus.ingest([carried])
-            except (SpecError, MetricValueError) as exc:  # (a rule changed since the checkpoint): the metric it
-                refused = refused or exc  # names is left out, the rest ingested and committed at this step
         self.bus.commit(step=step)
-        if refused is not None:
-            raise refused
-
-    def _exported(self, what: str) -> Partial:
-        """This worker's records since the last commit, taken out of the bus; a metric the bus refuses (a NaN
-        found on the device under ``nan="error"``) is left out of ``what`` with a MetricValueError naming it."""
-        try:
-            return self.bus.export()
-        except MetricValueError as exc:
-            kept = self.bus.export()  # the good metrics, which export() kept
-            self._carry(kept)
-            raise MetricValueError(f"MetricBusCallback: {what}: {exc}") from None
-
-    def _carry(self, records: Partial) -> None:
-        self._carried = records if self._carried is None else joined_workers([self._carried], [records])[0]
 
 
 _CHECKPOINT_KEY = "metricbus"
@@ -319,21 +247,6 @@ def _state_key(trainer: pl.Trainer, callback: MetricBusCallback) -> str:
     ours = [c for c in trainer.callbacks if isinstance(c, MetricBusCallback)]  # type: ignore[attr-defined]
     index = next((i for i, c in enumerate(ours) if c is callback), 0)
     return "MetricBusCallback" + (f"[{index}]" if index else "")
-
-
-def _to_plain(records: Partial) -> dict[str, Any]:
-    """``records`` as plain lists, dicts, strings and floats (a checkpoint loaded with ``weights_only=True``
-    takes them; no pickled object), exactly: every Summary field and spec."""
-    entries = [[name, spec_to_json(spec), list(s.as_tuple()), list(s.rest_flat())] for name, spec, s in records]
-    return {"entries": entries, "undeclared": sorted(records.undeclared)}
-
-
-def _from_plain(data: Mapping[str, Any]) -> Partial:
-    entries = tuple(
-        (str(name), spec_from_json(spec), Summary.from_tuple(fields, rest))
-        for name, spec, fields, rest in data["entries"]
-    )
-    return Partial(entries, frozenset(str(name) for name in data["undeclared"]))
 
 
 def _check_request_timeouts(who: str, adapters: Sequence[Any], write_timeout_s: float) -> None:
