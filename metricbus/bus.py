@@ -14,6 +14,7 @@ import json
 import os
 import re
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -144,9 +145,11 @@ class MetricBus:
         self._ranks: RankTransport = make_transport(dist=opts.dist, group=opts.group, writer_rank=opts.writer_rank)
         built: list[Adapter] = [_resolve(i, a) for i, a in enumerate(opts.adapters)]  # every rank fails alike
         check_request_timeouts(built, write_timeout_s=opts.write_timeout_s)  # (specs were checked as given)
+        opened: int | None = None  # when this run (or resume) began: the writer's clock, in every rank's journal
         if self._ranks.collective:  # one run on every rank: the writer's id and start time
             shared = self._agreed_options(opts)
             self.run = dataclasses.replace(self.run, id=shared[0], start_time_unix_ns=shared[1])
+            opened = int(shared[3])
         self._sink = Sink(
             adapters=built if self._ranks.is_writer else [],
             journal=opts.journal, fsync=opts.fsync, rank=self._ranks.rank, world=self._ranks.world, run=self.run,
@@ -155,6 +158,7 @@ class MetricBus:
             queue_policy=opts.queue_policy, queue_timeout_s=opts.queue_timeout_s,
             write_timeout_s=opts.write_timeout_s, exit_timeout_s=opts.exit_timeout_s,
             on_open_error=opts.on_open_error, previous=previous if self._ranks.is_writer else None,
+            opened_unix_ns=opened,
         )  # fmt: skip
         if self._sink.durable or self._ranks.collective:
             shutdown.track(id(self), self._close_at_exit)
@@ -163,12 +167,13 @@ class MetricBus:
         _watch_forks(self)
 
     def _agreed_options(self, opts: BusOptions) -> list[Any]:
-        """The writer's run id and start time, from every rank's (one collective); every rank raises
+        """The writer's run id, start time and clock now (``[id, start, options, now]``), from every rank's (one
+        collective: every rank's journal header then says when this run began by one clock); every rank raises
         ``DistributedError`` alike where the ranks built their buses with options that must agree (a rank's own
         ``nan=`` default or ``log_every`` would make the ranks reduce or emit differently; two ``writer_rank`` two
         writers, or none)."""
         agreed = {"nan": opts.nan, "log_every": opts.log_every, "writer_rank": opts.writer_rank}
-        mine = json.dumps([self.run.id, self.run.start_time_unix_ns, agreed])
+        mine = json.dumps([self.run.id, self.run.start_time_unix_ns, agreed, time.time_ns()])
         every = [json.loads(text) for text in self._ranks.gather(mine)]
         for option in agreed:
             seen = {rank: theirs[2][option] for rank, theirs in enumerate(every)}

@@ -46,6 +46,7 @@ class Sink:
         exit_timeout_s: float,
         on_open_error: str = "raise",
         previous: Journal | JournalStream | None = None,
+        opened_unix_ns: int | None = None,
     ) -> None:
         self._exit_timeout_s = exit_timeout_s
         self._previous = previous  # the journal this run resumes, until its first commit
@@ -57,7 +58,8 @@ class Sink:
             from metricbus.journal import open_journal
 
             self._journal = open_journal(
-                path=journal, fsync=fsync, rank=rank, run=run, rules=rules, log_every=log_every, world=world
+                path=journal, fsync=fsync, rank=rank, run=run, rules=rules, log_every=log_every, world=world,
+                opened_unix_ns=opened_unix_ns,
             )
             if previous is None:
                 self.columns = self._journal.append_columns

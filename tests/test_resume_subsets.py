@@ -97,9 +97,13 @@ def _rank(  # noqa: PLR0917 (mp.Process passes arguments positionally)
     rank: int, world: int, init: str, journal: str, live: str, run: int, steps: range, kill: int | None
 ) -> None:
     """One torch.distributed rank of ``run``: resumes the journal, commits ``steps``; SIGKILLs itself once its
-    commit at step ``kill`` returned."""
+    commit at step ``kill`` returned. Rank 1's host clock is an hour ahead (hosts whose clocks differ)."""
     import torch.distributed as tdist
     from metricbus.adapters.jsonl import JsonlAdapter
+
+    if rank == 1:
+        real = time.time_ns
+        time.time_ns = lambda: real() + 3600 * 10**9
 
     tdist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     bus = MetricBus(dist="torch", rules={"x": "sum"}, journal=journal, resume=True, fsync="never", strict=True,
@@ -133,7 +137,9 @@ def _ranks(tmp_path: Path, run: int, world: int, steps: range, kill: int | None 
 def test_a_killed_resume_that_added_a_rank_resumed_again_is_the_live_timeline(tmp_path: Path) -> None:
     """Found reviewing resumes: rank 0 to step 9; ranks 0 and 1 resume at step 5 and are SIGKILLed after step 7;
     rank 0 alone resumes at step 5 again. Replay merged the killed run's rank 1 into steps 5..7 (5011.01 where live
-    had 3001.005); now replay, and what the jsonl backend holds after the resumes' rewinds, are the live timeline."""
+    had 3001.005); now replay, and what the jsonl backend holds after the resumes' rewinds, are the live timeline.
+    Rank 1's clock is an hour ahead of rank 0's: every rank's journal header holds the writer rank's clock at the
+    bus's build (each host's own clock matched rank 1's segment to the wrong run)."""
     assert _ranks(tmp_path, 1, 1, range(10)) == [0]
     assert _ranks(tmp_path, 2, 2, range(5, 20), kill=7) == [-signal.SIGKILL] * 2
     assert _ranks(tmp_path, 3, 1, range(5, 12)) == [0]
