@@ -76,8 +76,9 @@ def zlib_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_journal_is_the_same_bytes_with_either(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Varied commits ("P", "S" and "R" frames, name tables, checkpoints) written with ISA-L's CRC and with zlib's:
-    the same file, and each reads back with the other's."""
+    the same file, and each reads back with the other's (the clock frozen: a header holds when its run began)."""
     monkeypatch.setattr("metricbus.journal.writer.CHECKPOINT_BYTES", 4000)
+    monkeypatch.setattr("metricbus.journal.writer.time.time_ns", lambda: 1_765_000_000_000_000_000)
     fast, fast_out, _ = run(tmp_path / "isal", range(40))
     with monkeypatch.context() as patched:
         zlib_everywhere(patched)
