@@ -36,8 +36,10 @@ except BrokenPipeError:
 """
 
 
-def _run_piped(code: str) -> tuple[int, str]:
-    """Run ``code`` with stdout a pipe closed after its first two lines; its exit code and stderr."""
+def run_piped(code: str) -> tuple[int, str]:
+    """Run ``code`` with stdout a pipe closed after its first two lines (``| head -2``; ``code`` then reads a line
+    from stdin, which the test writes once the pipe is closed); its exit code and stderr. Also used by
+    tests/test_review_adapters_3.py."""
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": "/nonexistent"}
     command = [sys.executable, "-c", textwrap.dedent(code)]
     trainer = subprocess.Popen(
@@ -63,7 +65,7 @@ def _run_piped(code: str) -> tuple[int, str]:
 
 def test_the_trainers_own_print_to_the_gone_reader_still_raises() -> None:
     """After the console gave the pipe up, stdout is still the pipe: the trainer's print raises BrokenPipeError."""
-    code, err = _run_piped(TRAINER + OWN_PRINT)
+    code, err = run_piped(TRAINER + OWN_PRINT)
     assert code == 0, err
     assert err.count("no one reads <stdout> any more (BrokenPipeError") == 1, err
     assert "stdout: a pipe\n" in err
@@ -72,7 +74,7 @@ def test_the_trainers_own_print_to_the_gone_reader_still_raises() -> None:
 
 def test_a_bus_closed_at_exit_after_the_reader_left_exits_0_quietly() -> None:
     """The bus closed by the exit hook, its lines still buffered for the gone reader: exit 0, no exit-time error."""
-    code, err = _run_piped(TRAINER)
+    code, err = run_piped(TRAINER)
     assert code == 0, err
     assert "no one reads <stdout> any more (BrokenPipeError" in err
     assert "Exception ignored" not in err, err

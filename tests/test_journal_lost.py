@@ -28,18 +28,9 @@ def _train_and_eval(directory: Path) -> Path:
 
 def _flip(path: Path, *, step: int, nth: int) -> None:
     """Flip a byte in the middle of the ``nth`` commit frame at ``step``."""
-    data = bytearray(path.read_bytes())
-    pos, seen = 8, 0
-    while pos < len(data):
-        (length,) = struct.unpack_from("<I", data, pos)
-        if data[pos + 8 : pos + 9] in (b"P", b"S", b"R") and struct.unpack_from("<q", data, pos + 9)[0] == step:
-            if seen == nth:
-                data[pos + 8 + length // 2] ^= 0xFF
-                path.write_bytes(bytes(data))
-                return
-            seen += 1
-        pos += 8 + length
-    raise AssertionError(f"no commit {nth} at step {step} in {path}")
+    from test_review_diff import flip_frame
+
+    flip_frame(path, (b"P", b"S", b"R"), step=step, nth=nth)
 
 
 def _messages(directory: Path) -> list[str]:

@@ -4,13 +4,11 @@ holds the create request; read back with MlflowClient."""
 
 from __future__ import annotations
 
-import http.client
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from backend_env import MlflowServer, isolate_env
+from test_review_mlflow_sync_2 import HoldingProxy
 
 from metricbus.adapter import RunInfo
 
@@ -23,57 +21,11 @@ def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return isolate_env(monkeypatch, tmp_path)
 
 
-class CreateHoldingProxy:
+class CreateHoldingProxy(HoldingProxy):
     """An HTTP proxy to a real server that holds the first ``runs/create`` request until ``release`` is set."""
 
-    def __init__(self, target: str) -> None:
-        self.release, self.held, self.landed = threading.Event(), threading.Event(), threading.Event()
-        host, port = target.removeprefix("http://").split(":")
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *_: object) -> None:
-                pass
-
-            def _forward(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                hold = self.path.endswith("/runs/create") and not proxy.held.is_set()
-                if hold:
-                    proxy.held.set()
-                    proxy.release.wait()
-                conn = http.client.HTTPConnection(host, int(port), timeout=120)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-                conn.request(self.command, self.path, body=body, headers=headers)
-                answer = conn.getresponse()
-                data = answer.read()
-                conn.close()
-                if hold:
-                    proxy.landed.set()  # the server created the run
-                self.send_response(answer.status)
-                self.send_header("Content-Type", answer.getheader("Content-Type") or "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                self._forward()
-
-            def do_POST(self) -> None:
-                self._forward()
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.uri = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+    def holds(self, command: str, path: str) -> bool:
+        return path.endswith("/runs/create") and self.held == 0
 
 
 @pytest.mark.slow
@@ -88,11 +40,11 @@ def test_an_open_after_a_create_run_that_timed_out_waits_for_it_and_adopts_its_r
     try:
         with pytest.raises(TimeoutError, match=r"create_run\(\)"):
             MlflowAdapter(tracking_uri=proxy.uri, request_timeout_s=10).open(run=run)
-        assert proxy.held.is_set()
+        assert proxy.held == 1
         with pytest.raises(TimeoutError, match=r"create_run\(\) that an earlier adapter sent"):
             MlflowAdapter(tracking_uri=proxy.uri, request_timeout_s=10).open(run=run)
         proxy.release.set()
-        assert proxy.landed.wait(120)
+        assert proxy.forwarded_held.acquire(timeout=120)  # the server created the run
         adapter = MlflowAdapter(tracking_uri=proxy.uri, request_timeout_s=30)
         adapter.open(run=run)
         adapter.write(step=0, metrics={"loss": 1.0})

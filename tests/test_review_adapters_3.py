@@ -128,23 +128,10 @@ print("closed", file=sys.stderr)
 
 def test_console_piped_into_a_reader_that_left_neither_stalls_nor_fails() -> None:
     """`python train.py | head -2`: the console stops printing after one warning; close neither waits nor fails."""
-    trainer = _python(PIPED_TRAINER, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert trainer.stdin is not None
-    assert trainer.stdout is not None
-    assert trainer.stderr is not None
-    try:
-        assert trainer.stdout.readline() == "metricbus run metricbus\n"
-        assert trainer.stdout.readline().startswith("step      0 | loss")
-        trainer.stdout.close()
-        trainer.stdin.write("go\n")
-        trainer.stdin.close()
-        err = trainer.stderr.read()  # until the trainer exits
-        trainer.wait(timeout=60)
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
-    assert trainer.returncode == 0, err
+    from test_console_pipe import run_piped
+
+    code, err = run_piped(PIPED_TRAINER)
+    assert code == 0, err
     assert err.count("no one reads <stdout> any more (BrokenPipeError") == 1, err
     assert "retrying" not in err
     assert "did not drain" not in err

@@ -89,20 +89,22 @@ def _window_journal(path: Path, steps: list[int]) -> None:
     _rank_journal(path, [steps], log_every=3)
 
 
-def _flip_frame(path: Path, kind: bytes, *, step: int | None = None, nth: int = 0) -> None:
-    """Flip a byte in the middle of the ``nth`` frame of ``kind`` (a commit: the one of ``step``) of ``path``."""
+def flip_frame(path: Path, kind: bytes | tuple[bytes, ...], *, step: int | None = None, nth: int = 0) -> None:
+    """Flip a byte in the middle of the ``nth`` frame of ``kind`` (one frame type, or several: ``(b"P", b"S",
+    b"R")``, any commit; a commit: the one of ``step``) of ``path``. Also used by tests/test_journal_lost.py."""
+    kinds = (kind,) if isinstance(kind, bytes) else kind
     data = bytearray(path.read_bytes())
     pos, seen = 8, 0  # after the magic
     while pos < len(data):
         (length,) = struct.unpack_from("<I", data, pos)
-        if data[pos + 8 : pos + 9] == kind and (step is None or struct.unpack_from("<q", data, pos + 9)[0] == step):
+        if data[pos + 8 : pos + 9] in kinds and (step is None or struct.unpack_from("<q", data, pos + 9)[0] == step):
             if seen == nth:
                 data[pos + 8 + length // 2] ^= 0xFF
                 path.write_bytes(bytes(data))
                 return
             seen += 1
         pos += 8 + length
-    raise AssertionError(f"no {kind!r} frame in {path}")
+    raise AssertionError(f"no frame {nth} of {kinds!r} (step {step}) in {path}")
 
 
 def _read_damaged(path: Path) -> tuple[list[Gap], list[str]]:
@@ -119,16 +121,16 @@ def test_a_log_every_window_names_the_steps_damage_took_and_only_those(tmp_path:
     window's steps: those it lost are now named exactly, and a damaged "W" frame alone names none."""
     steps = list(range(0, 90, 10))
     _window_journal(tmp_path / "w", steps)
-    _flip_frame(sorted((tmp_path / "w").glob("*.mbj"))[1], b"W")
+    flip_frame(sorted((tmp_path / "w").glob("*.mbj"))[1], b"W")
     assert _read_damaged(tmp_path / "w") == ([], [])
     _window_journal(tmp_path / "c", steps)
-    _flip_frame(sorted((tmp_path / "c").glob("*.mbj"))[1], b"P", step=20)
+    flip_frame(sorted((tmp_path / "c").glob("*.mbj"))[1], b"P", step=20)
     holes, messages = _read_damaged(tmp_path / "c")
     assert holes == [Gap(1, 20, 20)]
     assert len(messages) == 1
     assert "lost its commits at step 20 to damaged bytes" in messages[0]
     _window_journal(tmp_path / "e", list(range(9)))
-    _flip_frame(sorted((tmp_path / "e").glob("*.mbj"))[1], b"P", step=4)
+    flip_frame(sorted((tmp_path / "e").glob("*.mbj"))[1], b"P", step=4)
     assert _read_damaged(tmp_path / "e")[0] == [Gap(1, 4, 4)]
 
 
@@ -144,12 +146,12 @@ def test_damage_in_steps_a_resume_replaced_is_not_a_loss(tmp_path: Path) -> None
     _resumed_journal(tmp_path / "intact", [range(8), range(4, 9)])
     intact = list(emitted(read_journal(tmp_path / "intact")))
     _resumed_journal(tmp_path / "j", [range(8), range(4, 9)])
-    _flip_frame(sorted((tmp_path / "j").glob("*.mbj"))[1], b"P", step=5)  # the first writer's
+    flip_frame(sorted((tmp_path / "j").glob("*.mbj"))[1], b"P", step=5)  # the first writer's
     assert _read_damaged(tmp_path / "j") == ([], [])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", JournalWarning)  # the damaged record's own warning
         assert list(emitted(read_journal(tmp_path / "j"))) == intact
-    _flip_frame(sorted((tmp_path / "j").glob("*.mbj"))[1], b"P", step=5, nth=1)  # the resumed writer's: lost
+    flip_frame(sorted((tmp_path / "j").glob("*.mbj"))[1], b"P", step=5, nth=1)  # the resumed writer's: lost
     assert _read_damaged(tmp_path / "j")[0] == [Gap(1, 5, 5)]
 
 
@@ -158,7 +160,7 @@ def test_a_files_first_commit_lost_to_damage_is_named(tmp_path: Path) -> None:
     where live had 30, with no step named (nothing was read before the damage); the file's "K" frame says where its
     first writer's commits start, so step 0 is named."""
     _resumed_journal(tmp_path, [range(6)])
-    _flip_frame(sorted(tmp_path.glob("*.mbj"))[1], b"P", step=0)
+    flip_frame(sorted(tmp_path.glob("*.mbj"))[1], b"P", step=0)
     holes, messages = _read_damaged(tmp_path)
     assert holes == [Gap(1, 0, 0)]
     assert len(messages) == 1

@@ -71,8 +71,10 @@ def silent_server() -> Iterator[str]:
             conn.close()
 
 
-class _HoldingProxy:
-    """An HTTP proxy to a real server that, while ``hold`` is set, keeps each POST it receives until ``release``."""
+class HoldingProxy:
+    """An HTTP proxy to a real server that keeps each request :meth:`holds` says to (by default each POST while
+    ``hold`` is set) until ``release``; ``forwarded_held`` counts the held ones the server answered. Also used by
+    tests/test_mlflow_create_timeout.py."""
 
     def __init__(self, target: str) -> None:
         self.hold, self.release = threading.Event(), threading.Event()
@@ -89,7 +91,7 @@ class _HoldingProxy:
 
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                held = self.command == "POST" and proxy.hold.is_set()
+                held = proxy.holds(self.command, self.path)
                 if held:
                     proxy.held += 1
                     proxy.release.wait()
@@ -119,6 +121,10 @@ class _HoldingProxy:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
+    def holds(self, command: str, path: str) -> bool:
+        """Whether the request ``command path`` waits for ``release``."""
+        return command == "POST" and self.hold.is_set()
+
     def close(self) -> None:
         self.release.set()
         self.server.shutdown()
@@ -126,7 +132,7 @@ class _HoldingProxy:
         self.thread.join(10)
 
 
-def held_once_open(proxy: _HoldingProxy) -> Any:
+def held_once_open(proxy: HoldingProxy) -> Any:
     """An MlflowAdapter class whose writes and close wait in ``proxy`` once it opened (with time to spare on a busy
     machine): its request timeout is then 1 s for each held request."""
     from metricbus.adapters.mlflow import MlflowAdapter
@@ -167,7 +173,7 @@ def test_a_sync_after_one_whose_requests_answer_late_neither_logs_twice_nor_ends
     from metricbus.adapters.mlflow import MlflowAdapter
 
     journal = _journal(tmp_path)
-    proxy = _HoldingProxy(mlflow_server.uri)
+    proxy = HoldingProxy(mlflow_server.uri)
 
     holds_once_open = held_once_open(proxy)
 
