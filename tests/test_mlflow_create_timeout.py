@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from backend_env import MlflowServer, isolate_env
-from test_review_mlflow_sync_2 import HoldingProxy
 
 from metricbus.adapter import RunInfo
+from tests.test_review_mlflow_sync_2 import HoldingProxy
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from backend_env import MlflowServer, isolate_env
 from metricbus.adapter import RunInfo
 from metricbus.replay import sync
 from tests.test_review_backends_2 import _history
-from tests.test_review_mlflow_sync_2 import _HoldingProxy, _journal, held_once_open
+from tests.test_review_mlflow_sync_2 import HoldingProxy, _journal, held_once_open
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +24,7 @@ def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return isolate_env(monkeypatch, tmp_path)
 
 
-def _on_path(proxy: _HoldingProxy, method: str, part: str) -> threading.Event:
+def _on_path(proxy: HoldingProxy, method: str, part: str) -> threading.Event:
     """An event set once the proxy has answered a ``method`` request whose path holds ``part``."""
     seen = threading.Event()
     handler: Any = proxy.server.RequestHandlerClass
@@ -47,7 +47,7 @@ def test_a_sync_opening_while_the_earlier_syncs_requests_land_logs_each_step_onc
     from metricbus.adapters.mlflow import MlflowAdapter
 
     journal = _journal(tmp_path)
-    proxy = _HoldingProxy(mlflow_server.uri)
+    proxy = HoldingProxy(mlflow_server.uri)
 
     holds_once_open = held_once_open(proxy)
 
@@ -77,7 +77,7 @@ def test_a_sync_opening_while_the_earlier_syncs_requests_land_logs_each_step_onc
     assert _history(mlflow_server.uri, "loss") == ("FINISHED", [(s, float(s)) for s in range(3)])
 
 
-def _slow_history(proxy: _HoldingProxy, delay_s: float) -> list[str]:
+def _slow_history(proxy: HoldingProxy, delay_s: float) -> list[str]:
     """Each metric history request the proxy forwards waits ``delay_s`` first; returns the paths it saw."""
     seen: list[str] = []
     handler: Any = proxy.server.RequestHandlerClass
@@ -110,7 +110,7 @@ def test_reopening_a_run_whose_history_takes_several_requests_bounds_each_reques
     for step in range(60):
         first.write(step=step, metrics={"loss": float(step)})
     first.close(status="failed")
-    proxy = _HoldingProxy(mlflow_server.uri)
+    proxy = HoldingProxy(mlflow_server.uri)
     pages = _slow_history(proxy, 1.0)
     try:
         again = MlflowAdapter(tracking_uri=proxy.uri, request_timeout_s=4)
@@ -138,7 +138,7 @@ def test_an_open_that_times_out_after_marking_the_run_running_leaves_it_failed_a
     for step in range(5):
         first.write(step=step, metrics={"loss": float(step)})
     first.close(status="failed")
-    proxy = _HoldingProxy(mlflow_server.uri)
+    proxy = HoldingProxy(mlflow_server.uri)
     _slow_history(proxy, 3.0)
     try:
         again = MlflowAdapter(tracking_uri=proxy.uri, request_timeout_s=1)
