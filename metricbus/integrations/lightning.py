@@ -242,8 +242,8 @@ _CHECKPOINT_KEY = "metricbus"
 
 
 def _state_key(trainer: pl.Trainer, callback: MetricBusCallback) -> str:
-    """``MetricBusCallback``, then ``MetricBusCallback[1]``, ... in the trainer's callback order: two callbacks
-    never take each other's records."""
+    """``MetricBusCallback``, then ``MetricBusCallback[1]``, ... in the trainer's callback order: each callback
+    reads back its own note of a checkpoint's window."""
     ours = [c for c in trainer.callbacks if isinstance(c, MetricBusCallback)]  # type: ignore[attr-defined]
     index = next((i for i, c in enumerate(ours) if c is callback), 0)
     return "MetricBusCallback" + (f"[{index}]" if index else "")
