@@ -159,7 +159,10 @@ def test_lightning_a_crash_mid_window_commits_it_at_lightnings_step_and_resume_c
     trainer = pl.Trainer(
         **args, devices=1, logger=False, default_root_dir=tmp_path, callbacks=[MetricBusCallback(adapters=[resumed])]
     )
-    trainer.fit(second, lw.loader(), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=6.ckpt"))
+    from metricbus.errors import MetricBusWarning
+
+    with pytest.warns(MetricBusWarning, match=r"mid-window, 2 optimizer step\(s\) after the commit at step 3"):
+        trainer.fit(second, lw.loader(), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=6.ckpt"))
     ours = {step: metrics["train/loss"] for step, metrics in resumed.rows}
     assert sorted(ours) == [7, 9]
     assert abs(ours[7] - means(second.records, range(6, 8))) <= 1e-12
