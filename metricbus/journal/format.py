@@ -341,7 +341,7 @@ def make_header(
 ) -> dict[str, Any]:
     """A file header; its keys are stable across versions (readers of any version look them up by name). ``world``
     (written where above 1, read where present): how many ranks journal a file each, so a reader names a missing one.
-    The writer adds ``opened_unix_ns`` (:class:`~metricbus.journal.writer.JournalWriter`)."""
+    :func:`~metricbus.journal.writer.open_journal` adds ``opened_unix_ns``."""
     header: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "metricbus": __version__,

@@ -201,9 +201,7 @@ class JournalWriter:
                 start = MAGIC
             else:  # never append to bytes no reader would read back (a foreign file, a newer format)
                 check_appendable(fd, self.path, size)
-            # when this run began (the bus's agreed clock, else this writer's now): which segments of the rank files
-            # were one run (reader.sessions)
-            head = frame(b"H", json.dumps({"opened_unix_ns": time.time_ns(), **header}).encode())
+            head = frame(b"H", json.dumps(header).encode())
             self._write(start + head + head)
             if self._fsync != "never":
                 os.fsync(fd)
@@ -635,11 +633,10 @@ def open_journal(
     journal a file each: a torch.distributed group's size) go into the header, with ``opened_unix_ns``: when this run
     (or resume) began, one value for every rank's file (the writer rank's clock, agreed when the bus was built, so
     hosts whose clocks differ still mark one run alike: :func:`metricbus.journal.reader.sessions`); None: this
-    writer's clock when it opens the file."""
+    writer's clock now, as it opens the file."""
     check_fsync(fsync)
     header = make_header(rank=rank, run=run, rules=rules, log_every=log_every, world=world)
-    if opened_unix_ns is not None:
-        header["opened_unix_ns"] = int(opened_unix_ns)
+    header["opened_unix_ns"] = time.time_ns() if opened_unix_ns is None else int(opened_unix_ns)
     return JournalWriter(path=path, fsync=fsync, rank=int(rank), header=header)
 
 
