@@ -16,7 +16,7 @@ $(PY):
 
 VERL_SRC := $(VENV)/verl-src
 
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml setup.py metricbus/_speedups.c | $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 	# verl's sources only (its dependencies are a GPU training stack): the tests load its modules by path
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VERL_SRC) verl==0.9.1
@@ -37,4 +37,4 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info metricbus/*.so

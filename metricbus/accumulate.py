@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from metricbus.native import speedups
 from metricbus.sketch import Sketch
 from metricbus.spec import NanPolicy, Spec, micro_sketch
 from metricbus.summary import EMPTY, Summary, with_sketch
@@ -157,8 +158,14 @@ class PlainBuffers:
         doubles); the buffers are left with what was appended since their counts were read. Caller holds the
         collector's lock."""
         buffers = self.buffers
-        counts = [*map(len, buffers)]
         names = self.names
+        taken = None if speedups is None else speedups.take_plain(buffers)  # the same in one C loop
+        if taken is not None:
+            counts, records = taken
+            if 0 in counts:
+                names, counts = tuple(compress(names, counts)), [*compress(counts, counts)]
+            return names, counts, records
+        counts = [*map(len, buffers)]
         if 0 in counts:  # a metric without records in this update: left out
             names = tuple(compress(names, counts))
             buffers = [*compress(buffers, counts)]

@@ -26,6 +26,7 @@ from metricbus import shutdown
 from metricbus.accumulate import FOLD_AT, Accumulator, PlainBuffers
 from metricbus.errors import ClosedError, MetricTypeError, MetricValueError, SpecError
 from metricbus.micro_columns import COLUMNS_FROM, MicroUpdate, Segments, packed_update, summarize_joined
+from metricbus.native import speedups
 from metricbus.partial import Packed, Partial, Updates, from_packed, with_fields
 from metricbus.sketch import unknown
 from metricbus.spec import NanPolicy, Spec, SpecLike, micro_sketch
@@ -77,6 +78,8 @@ class Collector:
         before one of them could reach ``FOLD_AT`` (a buffer shared by several shapes may hold up to ``FOLD_AT``
         records per shape before it is folded).
         """
+        if speedups is not None:
+            return self._append_floats(metrics, speedups.append_dict)
         keys = tuple(metrics)
         shape = self._shapes.get(keys)
         if shape is None:
@@ -104,6 +107,20 @@ class Collector:
                         self.fold(name)
                 longest = max(map(len, buffers))
             shape[1] = FOLD_AT - longest
+        return True
+
+    def _append_floats(self, metrics: dict[str, Any], append_dict: Callable[[dict[Any, Any], Any], int]) -> bool:
+        """:meth:`log_floats` in one C call (``metricbus._speedups.append_dict``): every name's buffer found and every
+        value checked first, then all appended, with no other thread in between."""
+        fast = self.fast
+        longest = append_dict(metrics, fast)
+        if longest < 0:
+            return False
+        if self.fast is not fast:  # close() began on another thread since the buffers were read
+            self.late(metrics, [(fast[name], value) for name, value in metrics.items()])
+        elif longest >= FOLD_AT:
+            for name in [name for name in metrics if len(fast[name]) >= FOLD_AT]:
+                self.fold(name)
         return True
 
     def log(self, name: Any, value: Any, *, weight: Any, agg: SpecLike | None) -> None:

@@ -30,10 +30,10 @@ def run(*args: str | Path, cwd: Path | None = None) -> str:
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel built from a copy of the source tree (so the build leaves nothing in the checkout)."""
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    for package in ("metricbus", "adapters"):
-        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("metricbus", "adapters"):  # without the checkout's own build of the C loops
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     out = tmp_path_factory.mktemp("dist")
     run(sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", out, cwd=src)
     (built,) = out.glob("metricbus-*.whl")
@@ -56,6 +56,8 @@ def test_wheel_holds_no_top_level_adapters(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "metricbus/adapters/console.py" in names
     assert "metricbus/py.typed" in names
+    assert "metricbus/_speedups.pyi" in names
+    assert [n for n in names if n.startswith("metricbus/_speedups.") and n.endswith(".so")]  # built from the C
     assert not [n for n in names if not n.startswith(("metricbus/", "metricbus-"))]
 
 
@@ -75,4 +77,10 @@ def test_installed_wheel_imports_the_console_adapter(fresh_python: Path) -> None
 def test_installed_wheel_has_no_top_level_adapters_package(fresh_python: Path) -> None:
     """importlib finds no top-level `adapters` in the fresh venv."""
     code = "import importlib.util; print(importlib.util.find_spec('adapters') is None)"
+    assert run(fresh_python, "-c", code, cwd=fresh_python.parent).strip() == "True"
+
+
+def test_installed_wheel_runs_the_compiled_loops(fresh_python: Path) -> None:
+    """The wheel's C loops load in the fresh venv, and its numpy code is there without them."""
+    code = "from metricbus import native; print(native.speedups is not None)"
     assert run(fresh_python, "-c", code, cwd=fresh_python.parent).strip() == "True"

@@ -1,0 +1,287 @@
+"""The compiled loops (metricbus/_speedups.c) give the bits of the numpy code they stand for, or leave it the call.
+
+Every other test runs with them (``make test`` builds them); here each is checked against the Python code it
+replaces, on random data and at the edges, and a bus with and without them emits the same bits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import metricbus
+from metricbus import MetricBus, accumulate, collect, micro_columns, native
+from metricbus.accumulate import PlainBuffers
+from metricbus.micro_columns import MicroUpdate, Segments, summarize_joined
+from metricbus.summary import NEAR
+from metricbus.testing import MemoryAdapter
+
+speedups = native.speedups
+needs_speedups = pytest.mark.skipif(speedups is None, reason="metricbus._speedups not built or turned off")
+
+
+@pytest.fixture
+def pure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The numpy code only, as without the compiled module."""
+    for module in (accumulate, collect, micro_columns):
+        monkeypatch.setattr(module, "speedups", None)
+
+
+def test_built_here() -> None:
+    """``make test`` builds the module: a failed build must not pass unnoticed (the numpy code would hide it)."""
+    if os.environ.get("METRICBUS_PURE_PYTHON", "") not in ("", "0"):
+        pytest.skip("METRICBUS_PURE_PYTHON is set")
+    assert speedups is not None, "metricbus._speedups did not build or load (pip install -e . compiles it)"
+
+
+def test_pure_python_switch() -> None:
+    code = "from metricbus import native; print(native.speedups is None)"
+    for value, expected in (("1", "True"), ("0", str(speedups is None))):
+        env = {**os.environ, "METRICBUS_PURE_PYTHON": value}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert done.stdout.strip() == expected
+
+
+def test_other_version_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    stale = types.ModuleType("metricbus._speedups")
+    stale.ABI = native.ABI + 1  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "metricbus._speedups", stale)
+    monkeypatch.setattr(metricbus, "_speedups", stale, raising=False)
+    monkeypatch.delenv("METRICBUS_PURE_PYTHON", raising=False)
+    assert native._load() is None
+
+
+# -- columns --------------------------------------------------------------------------------------------------
+
+
+def _both(sizes: list[int], flat: Any) -> tuple[Any, Any]:
+    """The micro update of ``flat`` split by ``sizes`` with the compiled loop and with numpy's code."""
+    names = [f"m{i}" for i in range(len(sizes))]
+    segments = Segments(sizes)
+    compiled = summarize_joined(names, segments, flat, {})
+    saved = micro_columns.speedups
+    micro_columns.speedups = None
+    try:
+        numpy_only = summarize_joined(names, segments, flat, {})
+    finally:
+        micro_columns.speedups = saved
+    return compiled, numpy_only
+
+
+def _same(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, MicroUpdate):
+        assert a.names == b.names
+        assert a.fields.tobytes() == b.fields.tobytes()
+        assert not a.fields.flags.writeable
+    assert list(a) == list(b)
+    for name in a:
+        assert np.array(a[name][:12]).tobytes() == np.array(b[name][:12]).tobytes(), name
+
+
+_VALUES = {
+    "normal": lambda rng, n: rng.standard_normal(n),
+    "quarters": lambda rng, n: rng.integers(-8, 8, n) * 0.25,
+    "near mean": lambda rng, n: 1e6 + rng.standard_normal(n) * 1e-3,
+    "wide": lambda rng, n: rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n),
+    "lognormal": lambda rng, n: rng.lognormal(0.0, 2.0, n),
+    "equal": lambda rng, n: np.full(n, 0.1),
+    "zeros": lambda rng, n: np.where(rng.random(n) < 0.5, 0.0, rng.standard_normal(n)),
+    "huge": lambda rng, n: rng.standard_normal(n) * 1e200,
+}
+
+
+@needs_speedups
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    k=st.integers(8, 40),
+    longest=st.sampled_from([1, 2, 9, 17, 129, 300]),
+    kind=st.sampled_from(sorted(_VALUES)),
+)
+def test_columns_match_numpy(seed: int, k: int, longest: int, kind: str) -> None:
+    """Sizes across numpy's pairwise-sum blocks (8, 128): the same bits, m2 included."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, longest + 1, size=k).tolist()
+    flat = _VALUES[kind](rng, sum(sizes)).astype(np.float64)
+    _same(*_both(sizes, flat))
+
+
+@needs_speedups
+@pytest.mark.parametrize(
+    ("special", "reason"),
+    [(float("nan"), 1), (float("inf"), 1), (-0.0, 2), (1e300, 3), (2.0**501, 3)],
+)
+def test_columns_leave_the_rare_cases_to_numpy(special: float, reason: int) -> None:
+    """A NaN, an infinity, a -0.0 or a large magnitude: the compiled loop declines, numpy's code decides."""
+    assert speedups is not None
+    sizes = [3] * 10
+    flat = np.arange(30, dtype=np.float64) * 0.5
+    flat[13] = special
+    fields = np.empty((12, 10))
+    assert speedups.columns(flat, Segments(sizes).sizes, fields, NEAR) == reason
+    _same(*_both(sizes, flat))
+
+
+@needs_speedups
+def test_columns_unsettled_and_near_mean() -> None:
+    assert speedups is not None
+    sizes = [2] * 8
+    wide = np.array([1.0, 1e-300] * 8)  # a sum of more than two components
+    assert speedups.columns(wide, Segments(sizes).sizes, np.empty((12, 8)), NEAR) == 4
+    _same(*_both(sizes, wide))
+    near = np.array([1e6, 1e6 + 2.0**-30] * 8)  # a spread tiny next to the mean
+    assert speedups.columns(near, Segments(sizes).sizes, np.empty((12, 8)), NEAR) == 5
+    _same(*_both(sizes, near))
+
+
+@needs_speedups
+def test_columns_refuse_bad_arguments() -> None:
+    assert speedups is not None
+    sizes = Segments([2, 2]).sizes
+    with pytest.raises(ValueError, match="sum\\(sizes\\)"):
+        speedups.columns(np.zeros(3), sizes, np.empty((12, 2)), NEAR)
+    with pytest.raises(ValueError, match="12 x len"):
+        speedups.columns(np.zeros(4), sizes, np.empty((11, 2)), NEAR)
+    with pytest.raises(ValueError, match="at least 1"):
+        speedups.columns(np.zeros(4), np.array([4, 0], dtype=np.intp), np.empty((12, 2)), NEAR)
+    with pytest.raises((BufferError, TypeError, ValueError)):  # a strided view: no contiguous buffer
+        speedups.columns(np.zeros(4), sizes, np.empty((12, 4))[:, ::2], NEAR)
+
+
+# -- take_plain -------------------------------------------------------------------------------------------------
+
+
+def _take_both(buffers: list[list[Any]]) -> tuple[Any, Any, list[list[Any]], list[list[Any]]]:
+    copies = [list(b) for b in buffers]
+    compiled = PlainBuffers(tuple(f"m{i}" for i in range(len(buffers))), buffers).take()
+    saved = accumulate.speedups
+    accumulate.speedups = None
+    try:
+        numpy_only = PlainBuffers(tuple(f"m{i}" for i in range(len(copies))), copies).take()
+    finally:
+        accumulate.speedups = saved
+    return compiled, numpy_only, buffers, copies
+
+
+@needs_speedups
+def test_take_plain_matches_python() -> None:
+    rng = np.random.default_rng(3)
+    buffers: list[list[Any]] = [rng.standard_normal(int(n)).tolist() for n in rng.integers(0, 5, 30)]
+    buffers[4] = []
+    buffers[5] = [np.float64(2.5), 1.0]  # a float subclass: its value
+    compiled, numpy_only, left, left_too = _take_both(buffers)
+    assert compiled == numpy_only
+    assert left == left_too == [[] for _ in range(30)]
+
+
+@needs_speedups
+def test_take_plain_declines_a_non_float() -> None:
+    assert speedups is not None
+    buffers: list[list[Any]] = [[1.0, 2.0], [3.0, 4]]
+    assert speedups.take_plain(buffers) is None
+    assert buffers == [[1.0, 2.0], [3.0, 4]]  # untouched
+    compiled, numpy_only, _, _ = _take_both(buffers)
+    assert compiled == numpy_only
+    with pytest.raises(TypeError, match="list of lists"):
+        speedups.take_plain([(1.0,)])  # type: ignore[list-item]
+
+
+# -- append_dict ------------------------------------------------------------------------------------------------
+
+
+@needs_speedups
+def test_append_dict_all_or_nothing() -> None:
+    assert speedups is not None
+    fast: dict[str, list[float]] = {"a": [0.5], "b": [], "c": []}
+    assert speedups.append_dict({"a": 1.0, "b": 2.0}, fast) == 2
+    assert fast == {"a": [0.5, 1.0], "b": [2.0], "c": []}
+    for metrics in ({"a": 1.0, "b": 2}, {"a": 1.0, "x": 2.0}, {"a": 1.0, 3: 2.0}, {"a": np.float64(1.0)}, {}):
+        assert speedups.append_dict(metrics, fast) == -1
+    assert fast == {"a": [0.5, 1.0], "b": [2.0], "c": []}
+    many = {f"m{i}": [] for i in range(40)}  # more keys than the stack holds
+    assert speedups.append_dict({f"m{i}": float(i) for i in range(40)}, many) == 1
+    assert list(many.values()) == [[float(i)] for i in range(40)]
+
+
+# -- a bus with and without ------------------------------------------------------------------------------------
+
+
+def _run(seed: int) -> list[dict[str, float]]:
+    rng = np.random.default_rng(seed)
+    memory = MemoryAdapter()
+    bus = MetricBus(adapters=[memory], dist=None)
+    bus.define("spread", ["mean", "std", "min", "max", "first", "last", "sum", "count"])
+    names = [f"metric/{i}" for i in range(12)]
+    for step in range(30):
+        for update in range(1 + step % 3):
+            for name in names:
+                for x in (rng.standard_normal(1 + (step + update) % 4) * 10.0 ** int(rng.integers(-5, 5))).tolist():
+                    bus.log(name, x)
+            bus.log({"dict/a": float(rng.random()), "dict/b": 0.25 * step, "spread": float(rng.random())})
+            if step == 7:
+                bus.log("metric/0", -0.0)
+            if step == 11:
+                bus.log("metric/1", float("nan"))
+            bus.log("spread", [1e6, 1e6 + 2.0**-30])
+            bus.end_update()
+        bus.commit()
+    bus.close()
+    return [{k: float(v) for k, v in row.items()} for _, row in memory.rows]
+
+
+def _bits(rows: list[dict[str, float]]) -> list[dict[str, bytes]]:
+    return [{k: np.float64(v).tobytes() for k, v in row.items()} for row in rows]
+
+
+@needs_speedups
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bus_emits_the_same_bits(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = _run(seed)
+    for module in (accumulate, collect, micro_columns):
+        monkeypatch.setattr(module, "speedups", None)
+    assert _bits(compiled) == _bits(_run(seed))
+
+
+@needs_speedups
+def test_dicts_from_threads_lose_nothing() -> None:
+    """log(dict) from four threads while the main thread commits: every record is committed once."""
+    memory = MemoryAdapter()
+    bus = MetricBus(adapters=[memory], dist=None)
+    bus.define("n", "sum")
+    bus.define("v", "sum")
+    bus.log({"n": 0.0, "v": 0.0})
+    go = threading.Barrier(5)
+
+    def worker() -> None:
+        go.wait()
+        for _ in range(20_000):
+            bus.log({"n": 1.0, "v": 0.5})
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    go.wait()
+    while any(thread.is_alive() for thread in threads):
+        bus.commit()
+    for thread in threads:
+        thread.join()
+    bus.commit()
+    bus.close()
+    assert sum(row["n"] for _, row in memory.rows if "n" in row) == 80_000
+    assert sum(row["v"] for _, row in memory.rows if "v" in row) == 40_000
+
+
+def test_pure_fixture_runs_numpy(pure: None) -> None:
+    """Without the compiled module (the fixture), the same run works through numpy's code."""
+    assert accumulate.speedups is collect.speedups is micro_columns.speedups is None
+    assert _bits(_run(5))
