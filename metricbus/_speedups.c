@@ -6,6 +6,7 @@
  *
  * append_dict(metrics, fast) -> longest | -1            see metricbus.collect.Collector.log_floats
  * take_plain(buffers)  -> (counts, records) | None     see metricbus.accumulate.PlainBuffers.take
+ * finite_nonzero(fields, rows) -> bool                 see metricbus.rank_level._all_finite_nonzero
  * columns(flat, sizes, fields, near) -> 0 | reason     see metricbus.micro_columns._columns
  *
  * Built with -ffp-contract=off: every product and sum rounds as IEEE 754 says, as numpy's loops do.
@@ -321,7 +322,49 @@ fail:
     return NULL;
 }
 
+/* finite_nonzero(fields, rows): True if every double of the given rows of ``fields`` (float64, C order, its first
+ * axis the rows: e.g. (N_FIELDS, R, C)) is finite and nonzero; one pass, no temporaries. */
+static PyObject *finite_nonzero(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer view;
+    PyObject *rows;
+    Py_ssize_t n_rows;
+    if (!PyArg_ParseTuple(args, "y*O!n", &view, &PyTuple_Type, &rows, &n_rows)) {
+        return NULL;
+    }
+    Py_ssize_t total = view.len / (Py_ssize_t)sizeof(double);
+    if (n_rows < 1 || total % n_rows) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "finite_nonzero: fields must hold n_rows rows of equal length");
+        return NULL;
+    }
+    Py_ssize_t width = total / n_rows;
+    const double *fields = (const double *)view.buf;
+    int ok = 1;
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(rows); i++) {
+        Py_ssize_t row = PyLong_AsSsize_t(PyTuple_GET_ITEM(rows, i));
+        if (row < 0 || row >= n_rows) {
+            PyBuffer_Release(&view);
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_IndexError, "finite_nonzero: a row out of range");
+            }
+            return NULL;
+        }
+        const double *x = fields + row * width;
+        for (Py_ssize_t j = 0; j < width; j++) {
+            double a = fabs(x[j]);
+            if (!(a > 0.0 && a < HUGE_VAL)) { /* a NaN fails both */
+                ok = 0;
+                break;
+            }
+        }
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef methods[] = {
+    {"finite_nonzero", finite_nonzero, METH_VARARGS, "Every double of the rows finite and nonzero."},
     {"append_dict", append_dict, METH_VARARGS, "log(dict)'s fast path: the longest buffer appended to, or -1."},
     {"take_plain", take_plain, METH_O, "Every record of the buffers as native doubles, and their counts."},
     {"columns", columns, METH_VARARGS, "An update's micro fields in columns; 0, or why the numpy code must."},

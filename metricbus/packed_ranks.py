@@ -180,6 +180,8 @@ class _Layout:
                 partials = ()
             else:
                 partials = partials.partials()
+        elif partials and self._stacked(fields, partials):
+            partials = ()
         slow: list[tuple[int, WorkerStates]] = []
         for r, partial in enumerate(partials):
             packed = partial.packed
@@ -209,6 +211,19 @@ class _Layout:
                         if state.sketch is not None:
                             sketches.append((r, offset + base + j, state.sketch))
         fields[:, self.rows :, :] = _EMPTY[:, None, None]  # rows of a longer commit in the batch
+
+    def _stacked(self, fields: Array, partials: Sequence[Partial]) -> bool:
+        """Write every row in one ``np.stack`` where all ``partials`` are plain, of one layout filling every column,
+        without rests or sketches (a driver's usual commit: its workers log the same metrics); else False."""
+        packeds = [partial.packed for partial in partials]
+        layout = packeds[0].layout
+        at = self._at(packeds[0]) if self.plain[layout] else None
+        if not (isinstance(at, slice) and at == slice(0, self.width)):
+            return False
+        if any(packed.layout != layout or packed.rests or packed.sketches for packed in packeds):
+            return False
+        np.stack([packed.fields for packed in packeds], axis=1, out=fields[:, : len(packeds), :])
+        return True
 
     def _copy(self, fields: Array, ranks: Ranks) -> None:
         """Write plain :class:`Ranks` into ``fields``: a run of workers in a few numpy assignments."""

@@ -46,6 +46,7 @@ import numpy as np
 
 from metricbus import exact, extract, fixed, rank_finish, second_moment, signed_zero, sketch_level
 from metricbus.fixed import Array
+from metricbus.native import speedups
 from metricbus.rank_finish import (
     BITS_FIELDS,
     COUNT,
@@ -294,7 +295,7 @@ def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
         head[:, WORKERS] = present.sum(axis=0)
         picked = fields[BITS_FIELDS][:, mine.argmax(axis=0), np.arange(n_cols)].view(np.int64)
         head[:, FIRST : M2 + 1] = np.where(mine.any(axis=0), picked, 0).T
-    if prep.t_hi is None and _all_finite_nonzero(fields[_ORDINARY]):
+    if prep.t_hi is None and _ordinary(fields):
         return  # (the usual block): no non-finite or zero sum, no NaN or zero min or max: the counts stay 0
     his = fields[_LEADING]  # (slot, R, C): each sum's leading component
     if prep.t_hi is not None:
@@ -317,6 +318,16 @@ def _head(prep: Prepared, lowest_rank: Array, head: Array) -> None:
 
 _LEADING = [1, 3, 5]  # the leading components of weight, wsum, total (t's is Prepared.t_hi)
 _ORDINARY = [1, 3, 5, 8, 9]  # those and min, max: where all are finite and nonzero, _head counts nothing
+
+
+def _ordinary(fields: Array) -> bool:
+    """:func:`_all_finite_nonzero` of the ``_ORDINARY`` rows of ``fields``: in one C pass where it is built."""
+    if speedups is not None and fields.flags.c_contiguous and fields.dtype == np.float64:
+        return bool(speedups.finite_nonzero(fields, _ORDINARY_ROWS, fields.shape[0]))
+    return _all_finite_nonzero(fields[_ORDINARY])
+
+
+_ORDINARY_ROWS = tuple(_ORDINARY)
 
 
 def _all_finite_nonzero(values: Array) -> bool:

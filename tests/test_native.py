@@ -285,3 +285,27 @@ def test_pure_fixture_runs_numpy(pure: None) -> None:
     """Without the compiled module (the fixture), the same run works through numpy's code."""
     assert accumulate.speedups is collect.speedups is micro_columns.speedups is None
     assert _bits(_run(5))
+
+
+# -- finite_nonzero ---------------------------------------------------------------------------------------------
+
+
+@needs_speedups
+def test_finite_nonzero_matches_numpy() -> None:
+    from metricbus import rank_level
+
+    rng = np.random.default_rng(7)
+    rows = (1, 3, 5, 8, 9)
+    for special in (None, 0.0, -0.0, float("nan"), float("inf"), -float("inf"), 5e-324):
+        fields = rng.standard_normal((12, 3, 7))
+        fields[0] = 0.0  # a row not checked
+        if special is not None:
+            fields[8, 2, 6] = special
+        expected = rank_level._all_finite_nonzero(fields[list(rows)])
+        assert speedups is not None
+        assert speedups.finite_nonzero(fields, rows, 12) is expected
+        assert rank_level._ordinary(fields) is expected
+    with pytest.raises(IndexError):
+        speedups.finite_nonzero(np.ones((12, 2)), (12,), 12)
+    with pytest.raises(ValueError, match="equal length"):
+        speedups.finite_nonzero(np.ones(25), (1,), 12)
