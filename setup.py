@@ -7,7 +7,7 @@ setup(
         Extension(
             "metricbus._speedups",
             sources=["metricbus/_speedups.c"],
-            extra_compile_args=["-O2", "-ffp-contract=off"],
+            extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,  # without a compiler metricbus runs its numpy code (metricbus/native.py)
         )
     ]

@@ -7,15 +7,20 @@
  * append_dict(metrics, fast) -> longest | -1            see metricbus.collect.Collector.log_floats
  * take_plain(buffers)  -> (counts, records) | None     see metricbus.accumulate.PlainBuffers.take
  * finite_nonzero(fields, rows) -> bool                 see metricbus.rank_level._all_finite_nonzero
+ * array_parts(values) -> (lowest, highest, sums) | None  see metricbus.summary_arrays._of_block
  * columns(flat, sizes, fields, near) -> 0 | reason     see metricbus.micro_columns._columns
  *
  * Built with -ffp-contract=off: every product and sum rounds as IEEE 754 says, as numpy's loops do.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #define ABI 1 /* metricbus/native.py loads this module only at this version (a stale build is not used) */
 
@@ -176,14 +181,17 @@ enum {
 #define QUIET 0x1p500
 #define EXP_TOP 1020
 
-static int shift_of(Py_ssize_t longest) { /* M of _exact_sums: (2 * longest - 1).bit_length() */
-    unsigned long long v = (unsigned long long)(2 * longest - 1);
+static int bit_length(unsigned long long v) { /* Python's int.bit_length() */
     int bits = 0;
     while (v) {
         bits++;
         v >>= 1;
     }
     return bits;
+}
+
+static int shift_of(Py_ssize_t longest) { /* M of _exact_sums: (2 * longest - 1).bit_length() */
+    return bit_length((unsigned long long)(2 * longest - 1));
 }
 
 /* columns(flat, sizes, fields, near): the fields of micro_columns._columns for finite records, each metric's
@@ -363,7 +371,251 @@ static PyObject *finite_nonzero(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+#define ARRAY_LIMIT 0x1p960  /* exact._ARRAY_LIMIT */
+#define SIGMA_FLOOR 0x1p-1022 /* exact._SIGMA_FLOOR */
+#define MAX_ROUNDS 64         /* exact._MAX_ROUNDS */
+
+/* The loops below over an array keep eight independent chains (CHAINS), so that a long array is not one chain of
+ * dependent additions or comparisons (4 cycles each): the compiler may not reorder floating-point ones itself. */
+#define CHAINS 8
+
+/* min and max of x[0..n) (n > 0) into *lowest, *highest (a zero's sign is settled by the caller); 0 where a
+ * record is a NaN, an infinity or +-DBL_MAX (the list path's), else 1. */
+static int extrema(const double *x, Py_ssize_t n, double *lowest, double *highest) {
+    Py_ssize_t i = 0;
+    double lo = x[0], hi = x[0];
+    int bad = 0;
+#ifdef __SSE2__
+    /* minpd(v, m) is (v < m ? v : m) lane by lane, as the scalar loop below; four vectors, eight chains */
+    const __m128d absmask = _mm_castsi128_pd(_mm_set1_epi64x(0x7fffffffffffffffLL)), top = _mm_set1_pd(DBL_MAX);
+    __m128d l0 = _mm_set1_pd(lo), l1 = l0, l2 = l0, l3 = l0, h0 = l0, h1 = l0, h2 = l0, h3 = l0;
+    __m128d ok = _mm_castsi128_pd(_mm_set1_epi64x(-1));
+    for (; i + 8 <= n; i += 8) {
+        __m128d a = _mm_loadu_pd(x + i), b = _mm_loadu_pd(x + i + 2), c = _mm_loadu_pd(x + i + 4),
+                d = _mm_loadu_pd(x + i + 6);
+        ok = _mm_and_pd(ok, _mm_and_pd(_mm_and_pd(_mm_cmplt_pd(_mm_and_pd(a, absmask), top),
+                                                  _mm_cmplt_pd(_mm_and_pd(b, absmask), top)),
+                                       _mm_and_pd(_mm_cmplt_pd(_mm_and_pd(c, absmask), top),
+                                                  _mm_cmplt_pd(_mm_and_pd(d, absmask), top))));
+        l0 = _mm_min_pd(a, l0), l1 = _mm_min_pd(b, l1), l2 = _mm_min_pd(c, l2), l3 = _mm_min_pd(d, l3);
+        h0 = _mm_max_pd(a, h0), h1 = _mm_max_pd(b, h1), h2 = _mm_max_pd(c, h2), h3 = _mm_max_pd(d, h3);
+    }
+    bad = _mm_movemask_pd(ok) != 3;
+    double lanes[16];
+    _mm_storeu_pd(lanes, l0), _mm_storeu_pd(lanes + 2, l1), _mm_storeu_pd(lanes + 4, l2), _mm_storeu_pd(lanes + 6, l3);
+    _mm_storeu_pd(lanes + 8, h0), _mm_storeu_pd(lanes + 10, h1), _mm_storeu_pd(lanes + 12, h2);
+    _mm_storeu_pd(lanes + 14, h3);
+    for (int j = 0; j < 8; j++) {
+        lo = lanes[j] < lo ? lanes[j] : lo;
+        hi = lanes[8 + j] > hi ? lanes[8 + j] : hi;
+    }
+#endif
+    for (; i < n; i++) {
+        double v = x[i];
+        bad |= !(fabs(v) < DBL_MAX); /* a NaN fails it */
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    *lowest = lo;
+    *highest = hi;
+    return !bad;
+}
+
+/* The least nonzero |x| of x[0..n) (HUGE_VAL where all are zeros). */
+static double least_magnitude(const double *x, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    double least = HUGE_VAL;
+#ifdef __SSE2__
+    const __m128d absmask = _mm_castsi128_pd(_mm_set1_epi64x(0x7fffffffffffffffLL)), zero = _mm_setzero_pd();
+    const __m128d inf = _mm_set1_pd(HUGE_VAL);
+    __m128d m0 = inf, m1 = inf;
+    for (; i + 4 <= n; i += 4) { /* a zero becomes +inf, then the least */
+        __m128d a = _mm_and_pd(_mm_loadu_pd(x + i), absmask), b = _mm_and_pd(_mm_loadu_pd(x + i + 2), absmask);
+        a = _mm_or_pd(_mm_andnot_pd(_mm_cmpeq_pd(a, zero), a), _mm_and_pd(_mm_cmpeq_pd(a, zero), inf));
+        b = _mm_or_pd(_mm_andnot_pd(_mm_cmpeq_pd(b, zero), b), _mm_and_pd(_mm_cmpeq_pd(b, zero), inf));
+        m0 = _mm_min_pd(a, m0), m1 = _mm_min_pd(b, m1);
+    }
+    double lanes[4];
+    _mm_storeu_pd(lanes, m0), _mm_storeu_pd(lanes + 2, m1);
+    for (int j = 0; j < 4; j++) {
+        least = lanes[j] < least ? lanes[j] : least;
+    }
+#endif
+    for (; i < n; i++) {
+        double a = fabs(x[i]);
+        least = a != 0.0 && a < least ? a : least;
+    }
+    return least;
+}
+
+/* Whether x[0..n) holds a -0.0, and whether it holds a +0.0. */
+static void zero_signs(const double *x, Py_ssize_t n, int *negative, int *positive) {
+    Py_ssize_t i = 0;
+    int neg = 0, pos = 0;
+#ifdef __SSE2__
+    const __m128d zero = _mm_setzero_pd();
+    __m128d seen_neg = zero, seen_pos = zero; /* sign bits: where a lane held -0.0, where it held +0.0 */
+    for (; i + 2 <= n; i += 2) {
+        __m128d a = _mm_loadu_pd(x + i), eq = _mm_cmpeq_pd(a, zero); /* eq: all ones where a is a zero */
+        seen_neg = _mm_or_pd(seen_neg, _mm_and_pd(eq, a));            /* its sign bit: a's */
+        seen_pos = _mm_or_pd(seen_pos, _mm_andnot_pd(a, eq));         /* its sign bit: not a's */
+    }
+    neg = _mm_movemask_pd(seen_neg) != 0;
+    pos = _mm_movemask_pd(seen_pos) != 0;
+#endif
+    for (; i < n; i++) {
+        neg |= x[i] == 0.0 && signbit(x[i]);
+        pos |= x[i] == 0.0 && !signbit(x[i]);
+    }
+    *negative = neg;
+    *positive = pos;
+}
+
+/* One round of exact.array_components: each record's part at ``sigma`` (``(x + sigma) - sigma``, exact) summed,
+ * which is exact in any order; what is left of each record goes into ``residual`` (which may be ``rest``), or,
+ * where ``residual`` is NULL (the last round), is summed into *left (exact too). */
+static double extract_round(const double *rest, double *residual, Py_ssize_t n, double sigma, double *left) {
+    double s[CHAINS] = {0.0}, l[CHAINS] = {0.0};
+    Py_ssize_t i = 0;
+#ifdef __SSE2__
+    const __m128d sig = _mm_set1_pd(sigma);
+    __m128d s0 = _mm_setzero_pd(), s1 = s0, l0 = s0, l1 = s0;
+    for (; i + 4 <= n; i += 4) {
+        __m128d a = _mm_loadu_pd(rest + i), b = _mm_loadu_pd(rest + i + 2);
+        __m128d ta = _mm_sub_pd(_mm_add_pd(a, sig), sig), tb = _mm_sub_pd(_mm_add_pd(b, sig), sig);
+        s0 = _mm_add_pd(s0, ta), s1 = _mm_add_pd(s1, tb);
+        if (residual == NULL) {
+            l0 = _mm_add_pd(l0, _mm_sub_pd(a, ta)), l1 = _mm_add_pd(l1, _mm_sub_pd(b, tb));
+        } else {
+            _mm_storeu_pd(residual + i, _mm_sub_pd(a, ta)), _mm_storeu_pd(residual + i + 2, _mm_sub_pd(b, tb));
+        }
+    }
+    _mm_storeu_pd(s, s0), _mm_storeu_pd(s + 2, s1), _mm_storeu_pd(l, l0), _mm_storeu_pd(l + 2, l1);
+#endif
+    for (; i < n; i++) {
+        double v = rest[i], taken = (v + sigma) - sigma;
+        s[i % CHAINS] += taken;
+        if (residual == NULL) {
+            l[i % CHAINS] += v - taken;
+        } else {
+            residual[i] = v - taken;
+        }
+    }
+    for (int j = 1; j < CHAINS; j++) {
+        s[0] += s[j];
+        l[0] += l[j];
+    }
+    *left = l[0];
+    return s[0];
+}
+
+/* array_parts(values): for a 1-D float64 array of n > 0 records, its min and max (a zero min is -0.0 where any
+ * zero record is, a zero max -0.0 where every one is: signed_zero.of_array) and the exact partial sums of
+ * exact.array_components' rounds (each sum exact, so the same value in any order), whose greedy components are the
+ * exact sum; None where the Python code takes the list path (a NaN, an infinity or +-MAX, all zeros, a magnitude
+ * from 2**960, or too many records). Two passes over the records and one per round, no temporaries but one. */
+static PyObject *array_parts(PyObject *self, PyObject *arg) {
+    (void)self;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    const double *x = (const double *)view.buf;
+    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(double);
+    PyObject *out = NULL;
+    double *residual = NULL;
+    if (n < 1) {
+        goto none;
+    }
+    double lowest, highest;
+    if (!extrema(x, n, &lowest, &highest)) {
+        goto none;
+    }
+    if (lowest == 0.0 || highest == 0.0) { /* which zero: a zero min is -0.0 where any zero record is, a zero max
+                                            * -0.0 where every one is */
+        int negative, positive;
+        zero_signs(x, n, &negative, &positive);
+        if (lowest == 0.0) {
+            lowest = negative ? -0.0 : 0.0;
+        }
+        if (highest == 0.0) {
+            highest = positive ? 0.0 : -0.0;
+        }
+    }
+    double least; /* the least nonzero magnitude: free for one-signed data */
+    if (lowest > 0.0) {
+        least = lowest;
+    } else if (highest < 0.0) {
+        least = -highest;
+    } else {
+        least = least_magnitude(x, n);
+    }
+    double largest = highest >= -lowest ? highest : -lowest;
+    int m = bit_length((unsigned long long)(2 * n)); /* 2**m > 2n */
+    if (m >= 50 || !(0.0 < largest && largest < ARRAY_LIMIT)) {
+        goto none;
+    }
+    double limit = ldexp(nextafter(least, HUGE_VAL) - least, 106); /* n * sigma up to this: the residuals' sum is exact */
+    int e;
+    (void)frexp(largest, &e);
+    double sigma = ldexp(1.0, e + m), scale = ldexp(1.0, m - 53);
+    if (sigma < SIGMA_FLOOR) {
+        sigma = SIGMA_FLOOR;
+    }
+    out = PyList_New(0);
+    if (out == NULL) {
+        goto done;
+    }
+    const double *rest = x;
+    for (int round = 0; round < MAX_ROUNDS; round++) {
+        int last = (double)n * sigma <= limit; /* then one plain sum of the residuals is exact: the rounds stop */
+        if (!last && residual == NULL) {
+            residual = (double *)PyMem_Malloc((size_t)n * sizeof(double));
+            if (residual == NULL) {
+                PyErr_NoMemory();
+                Py_CLEAR(out);
+                goto done;
+            }
+        }
+        double left = 0.0;
+        PyObject *sum = PyFloat_FromDouble(extract_round(rest, last ? NULL : residual, n, sigma, &left));
+        if (sum == NULL || PyList_Append(out, sum) < 0) {
+            Py_XDECREF(sum);
+            Py_CLEAR(out);
+            goto done;
+        }
+        Py_DECREF(sum);
+        if (last) {
+            sum = PyFloat_FromDouble(left);
+            if (sum == NULL || PyList_Append(out, sum) < 0) {
+                Py_XDECREF(sum);
+                Py_CLEAR(out);
+                goto done;
+            }
+            Py_DECREF(sum);
+            PyObject *found = Py_BuildValue("(ddN)", lowest, highest, out);
+            out = found;
+            goto done;
+        }
+        rest = residual; /* (updated in place from here: each element is read before it is written) */
+        sigma *= scale;
+        if (sigma < SIGMA_FLOOR) {
+            sigma = SIGMA_FLOOR;
+        }
+    }
+    Py_CLEAR(out); /* not expected: each round takes 53 - m bits and the floor ends the rounds */
+none:
+    PyMem_Free(residual);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+done:
+    PyMem_Free(residual);
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"array_parts", array_parts, METH_O, "An array's min, max and exact partial sums; None: the list path."},
     {"finite_nonzero", finite_nonzero, METH_VARARGS, "Every double of the rows finite and nonzero."},
     {"append_dict", append_dict, METH_VARARGS, "log(dict)'s fast path: the longest buffer appended to, or -1."},
     {"take_plain", take_plain, METH_O, "Every record of the buffers as native doubles, and their counts."},

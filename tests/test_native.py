@@ -309,3 +309,62 @@ def test_finite_nonzero_matches_numpy() -> None:
         speedups.finite_nonzero(np.ones((12, 2)), (12,), 12)
     with pytest.raises(ValueError, match="equal length"):
         speedups.finite_nonzero(np.ones(25), (1,), 12)
+
+
+# -- array_parts ------------------------------------------------------------------------------------------------
+
+
+def _block_both(values: Any) -> tuple[Any, Any]:
+    from metricbus import summary_arrays
+
+    compiled = summary_arrays._of_block(values)
+    saved = summary_arrays.speedups
+    summary_arrays.speedups = None
+    try:
+        numpy_only = summary_arrays._of_block(values)
+    finally:
+        summary_arrays.speedups = saved
+    return compiled, numpy_only
+
+
+def _summary_bits(s: Any) -> tuple[Any, ...]:
+    return (*(np.float64(x).tobytes() for x in s[:12]), tuple(tuple(map(float.hex, p)) for p in s.rest))
+
+
+_ARRAYS = {
+    **_VALUES,
+    "subnormal": lambda rng, n: rng.standard_normal(n) * 5e-324 * 1000,
+    "signed zeros": lambda rng, n: np.where(rng.random(n) < 0.5, -0.0, np.where(rng.random(n) < 0.5, 0.0, 1.5)),
+    "negative zeros": lambda rng, n: np.full(n, -0.0),
+    "all zero": lambda rng, n: np.zeros(n),
+    "negative": lambda rng, n: -rng.lognormal(3.0, 1.0, n),
+    "near max": lambda rng, n: rng.standard_normal(n) * 1e300,
+    "with nan": lambda rng, n: np.where(rng.random(n) < 0.01, np.nan, rng.standard_normal(n)),
+    "with inf": lambda rng, n: np.where(rng.random(n) < 0.01, np.inf, rng.standard_normal(n)),
+    "2**700": lambda rng, n: rng.standard_normal(n) * 2.0**700,
+}
+
+
+@needs_speedups
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.sampled_from([17, 18, 1024, 1025, 4096, 20480, 32768]),
+    kind=st.sampled_from(sorted(_ARRAYS)),
+)
+def test_array_parts_match_numpy(seed: int, n: int, kind: str) -> None:
+    """An array block's Summary, the exact sum's components and the signed zeros included: the same bits."""
+    rng = np.random.default_rng(seed)
+    values = np.ascontiguousarray(_ARRAYS[kind](rng, n), dtype=np.float64)
+    compiled, numpy_only = _block_both(values)
+    assert _summary_bits(compiled) == _summary_bits(numpy_only)
+
+
+@needs_speedups
+def test_array_parts_declines_what_the_list_path_takes() -> None:
+    assert speedups is not None
+    for values in ([1.0, np.nan], [1.0, np.inf], [np.finfo(float).max, 1.0], [0.0, -0.0], [2.0**961, 1.0]):
+        assert speedups.array_parts(np.array(values)) is None
+    lowest, highest, sums = speedups.array_parts(np.array([-0.0, 0.0, 2.5]))  # type: ignore[misc]
+    assert (np.float64(lowest).tobytes(), highest) == (np.float64(-0.0).tobytes(), 2.5)
+    assert sum(sums) == 2.5
