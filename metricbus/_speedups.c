@@ -22,53 +22,61 @@
 #include <emmintrin.h>
 #endif
 
-#define ABI 1 /* metricbus/native.py loads this module only at this version (a stale build is not used) */
+#define ABI 2 /* metricbus/native.py loads this module only at this version (a stale build is not used) */
 
-/* append_dict: log(dict)'s fast path. Where every key of ``metrics`` is a str with a buffer (a list) in ``fast``
- * and every value a float (exactly), append each value to its buffer, in the dict's order, and return the longest
- * of those buffers' lengths; else append nothing and return -1. The GIL is held throughout and no Python code runs,
- * so the call's records are appended together or not at all. */
+/* append_dict: log(dict)'s fast path. Where ``metrics`` holds at least two keys (a one-key dict takes the
+ * validated path, as in the Python code), every key is a str (exactly) with a buffer (a list) in ``fast`` and every
+ * value a float (exactly), append each value to its buffer, in the dict's order, and return the longest of those
+ * buffers' lengths; else append nothing and return -1. The buffers are held (a new reference each) while they are
+ * looked up: a lookup may compare a str subclass's key in ``fast`` with __eq__ (Python code); where that changed
+ * ``metrics``, nothing is appended. The appends themselves run no Python code, so the call's records are appended
+ * together with no other thread in between. */
 static PyObject *append_dict(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *metrics, *fast, *key, *value, *held[16];
     if (!PyArg_ParseTuple(args, "O!O!", &PyDict_Type, &metrics, &PyDict_Type, &fast)) {
         return NULL;
     }
-    Py_ssize_t n = PyDict_GET_SIZE(metrics), pos = 0, i = 0, longest = -1;
-    if (n == 0) {
+    Py_ssize_t n = PyDict_GET_SIZE(metrics), pos = 0, found = 0, longest = -1;
+    if (n < 2) {
         return PyLong_FromLong(-1);
     }
     PyObject **buffers = n <= 16 ? held : (PyObject **)PyMem_Malloc((size_t)n * sizeof(PyObject *));
     if (buffers == NULL) {
         return PyErr_NoMemory();
     }
-    while (PyDict_Next(metrics, &pos, &key, &value)) {
+    while (found < n && PyDict_Next(metrics, &pos, &key, &value)) {
         if (!PyFloat_CheckExact(value) || !PyUnicode_CheckExact(key)) {
             goto out;
         }
-        PyObject *buffer = PyDict_GetItemWithError(fast, key); /* exact str keys: no Python code runs */
+        PyObject *buffer = PyDict_GetItemWithError(fast, key);
         if (buffer == NULL || !PyList_CheckExact(buffer)) {
             if (PyErr_Occurred()) {
                 longest = -2;
             }
             goto out;
         }
-        buffers[i++] = buffer;
+        Py_INCREF(buffer);
+        buffers[found++] = buffer;
+    }
+    if (found != n || PyDict_GET_SIZE(metrics) != n) { /* the dict changed while its keys were looked up */
+        goto out;
     }
     longest = 0;
     pos = 0;
-    i = 0;
-    while (PyDict_Next(metrics, &pos, &key, &value)) {
-        PyObject *buffer = buffers[i++];
-        if (PyList_Append(buffer, value) < 0) {
+    for (Py_ssize_t i = 0; i < n && PyDict_Next(metrics, &pos, &key, &value); i++) {
+        if (PyList_Append(buffers[i], value) < 0) { /* (only under MemoryError: the values before it stay) */
             longest = -2;
             goto out;
         }
-        if (PyList_GET_SIZE(buffer) > longest) {
-            longest = PyList_GET_SIZE(buffer);
+        if (PyList_GET_SIZE(buffers[i]) > longest) {
+            longest = PyList_GET_SIZE(buffers[i]);
         }
     }
 out:
+    for (Py_ssize_t i = 0; i < found; i++) {
+        Py_DECREF(buffers[i]);
+    }
     if (buffers != held) {
         PyMem_Free(buffers);
     }
@@ -76,8 +84,11 @@ out:
 }
 
 /* take_plain: every record of every buffer (lists of floats), one after another as native doubles, and each
- * buffer's count; the buffers are emptied. None, touching nothing, where an item is not a float. The GIL is held
- * throughout and no Python code runs, so no record can be appended between reading a buffer and emptying it. */
+ * buffer's count; the buffers give up those records. None, touching nothing, where an item is not a float (exactly).
+ * Each buffer's length is read once, and exactly that many records are copied and deleted: records appended after
+ * it (by another thread's log(), if any Python code ran meanwhile) stay for the next take, as in the Python code.
+ * Until the deletions are done nothing here allocates a tracked object (no garbage collection, so no finalizer or
+ * other thread can run in between); the counts list is built last. */
 static PyObject *take_plain(PyObject *self, PyObject *buffers) {
     (void)self;
     if (!PyList_Check(buffers)) {
@@ -85,53 +96,58 @@ static PyObject *take_plain(PyObject *self, PyObject *buffers) {
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(buffers), total = 0;
+    Py_ssize_t *lengths = (Py_ssize_t *)PyMem_Malloc((size_t)(k ? k : 1) * sizeof(Py_ssize_t));
+    if (lengths == NULL) {
+        return PyErr_NoMemory();
+    }
     for (Py_ssize_t i = 0; i < k; i++) {
         PyObject *buffer = PyList_GET_ITEM(buffers, i);
         if (!PyList_Check(buffer)) {
+            PyMem_Free(lengths);
             PyErr_SetString(PyExc_TypeError, "take_plain: buffers must be a list of lists");
             return NULL;
         }
-        Py_ssize_t n = PyList_GET_SIZE(buffer);
+        Py_ssize_t n = lengths[i] = PyList_GET_SIZE(buffer);
         for (Py_ssize_t j = 0; j < n; j++) {
-            if (!PyFloat_Check(PyList_GET_ITEM(buffer, j))) {
+            if (!PyFloat_CheckExact(PyList_GET_ITEM(buffer, j))) {
+                PyMem_Free(lengths);
                 Py_RETURN_NONE;
             }
         }
         total += n;
     }
-    PyObject *counts = PyList_New(k);
-    if (counts == NULL) {
-        return NULL;
-    }
-    PyObject *records = PyBytes_FromStringAndSize(NULL, total * (Py_ssize_t)sizeof(double));
+    PyObject *records = PyBytes_FromStringAndSize(NULL, total * (Py_ssize_t)sizeof(double)); /* (untracked) */
     if (records == NULL) {
-        Py_DECREF(counts);
+        PyMem_Free(lengths);
         return NULL;
     }
     double *out = (double *)PyBytes_AS_STRING(records);
     for (Py_ssize_t i = 0; i < k; i++) {
         PyObject *buffer = PyList_GET_ITEM(buffers, i);
-        Py_ssize_t n = PyList_GET_SIZE(buffer);
-        PyObject *count = PyLong_FromSsize_t(n);
-        if (count == NULL) {
-            Py_DECREF(counts);
-            Py_DECREF(records);
-            return NULL;
-        }
-        PyList_SET_ITEM(counts, i, count);
-        for (Py_ssize_t j = 0; j < n; j++) {
+        for (Py_ssize_t j = 0; j < lengths[i]; j++) {
             *out++ = PyFloat_AS_DOUBLE(PyList_GET_ITEM(buffer, j));
         }
     }
-    /* only now, with nothing left that can fail but the slice deletions (which free nothing but floats) */
-    for (Py_ssize_t i = 0; i < k; i++) {
-        PyObject *buffer = PyList_GET_ITEM(buffers, i);
-        Py_ssize_t n = PyList_GET_SIZE(buffer);
-        if (n && PyList_SetSlice(buffer, 0, n, NULL) < 0) {
-            Py_DECREF(counts);
+    for (Py_ssize_t i = 0; i < k; i++) { /* freeing exact floats runs no Python code */
+        if (lengths[i] && PyList_SetSlice(PyList_GET_ITEM(buffers, i), 0, lengths[i], NULL) < 0) {
+            PyMem_Free(lengths);
             Py_DECREF(records);
             return NULL;
         }
+    }
+    PyObject *counts = PyList_New(k);
+    for (Py_ssize_t i = 0; counts != NULL && i < k; i++) {
+        PyObject *count = PyLong_FromSsize_t(lengths[i]);
+        if (count == NULL) {
+            Py_CLEAR(counts);
+            break;
+        }
+        PyList_SET_ITEM(counts, i, count);
+    }
+    PyMem_Free(lengths);
+    if (counts == NULL) {
+        Py_DECREF(records); /* (the records are gone from the buffers: only under MemoryError) */
+        return NULL;
     }
     return Py_BuildValue("(NN)", counts, records);
 }

@@ -53,7 +53,7 @@ class Collector:
         self._done: Updates = []  # finished updates of this commit
         self._failed: dict[str, MetricValueError] = {}  # metrics whose records could not be reduced, since take()
         self._device: Any = None
-        self._shapes: dict[tuple[str, ...], list[Any]] = {}  # log(dict) fast path: keys -> [getter, countdown]
+        self._shapes: dict[tuple[str, ...], Any] = {}  # log(dict)'s Python fast path: keys -> their buffers' getter
         self._packed: dict[frozenset[str], tuple[Packed, int]] = {}  # per ``undeclared``: the last packed partial
         # and the spec table's version it was built under (see partial())
         # _end_update's common case: every accumulator that may hold records other than plain ones since the last
@@ -71,24 +71,25 @@ class Collector:
     # -- logging (the caller's fast path appends to ``fast`` itself) ------------------------------------------
 
     def log_floats(self, metrics: dict[str, Any]) -> bool:
-        """The fast path of ``log(dict)``: if every name has a fast buffer and every value is a plain float, append
-        them all (no lock, as ``log(name, float)``) and return True; else record nothing and return False.
+        """The fast path of ``log(dict)``: if the dict has two keys or more, every name has a fast buffer and every
+        value is a plain float, append them all (no lock, as ``log(name, float)``) and return True; else record
+        nothing and return False. A buffer that reaches ``FOLD_AT`` is folded, as ``log(name, float)`` folds it.
 
-        Decided once per dict shape (its keys): an ``itemgetter`` of the buffers, and a countdown of the calls
-        before one of them could reach ``FOLD_AT`` (a buffer shared by several shapes may hold up to ``FOLD_AT``
-        records per shape before it is folded).
+        In one C call where the compiled module is built (``metricbus._speedups.append_dict``: the same rule and
+        the same records, appended with no other thread in between); else the buffers of each dict shape (its keys)
+        are found by an ``itemgetter`` decided once.
         """
         if speedups is not None:
             return self._append_floats(metrics, speedups.append_dict)
         keys = tuple(metrics)
-        shape = self._shapes.get(keys)
-        if shape is None:
+        getter = self._shapes.get(keys)
+        if getter is None:
             if len(keys) < 2 or len(self._shapes) >= _MAX_SHAPES:  # one key: the caller's single fast path
                 return False
-            shape = self._shapes[keys] = [operator.itemgetter(*keys), 0]
+            getter = self._shapes[keys] = operator.itemgetter(*keys)
         fast = self.fast
         try:
-            buffers = shape[0](fast)
+            buffers = getter(fast)
         except KeyError:  # a new name, or one whose nan policy keeps it off the fast path
             return False
         values = [*metrics.values()]  # one snapshot: what is checked is what is appended
@@ -97,29 +98,25 @@ class Collector:
         _consume(map(_append, buffers, values))
         if self.fast is not fast:  # close() began on another thread since the buffers were read
             self.late(metrics, zip(buffers, values, strict=True))
-            return True
-        shape[1] -= 1
-        if shape[1] <= 0:
-            longest = max(map(len, buffers))
-            if longest >= FOLD_AT:
-                for name, buffer in zip(keys, buffers, strict=True):
-                    if len(buffer) >= FOLD_AT:
-                        self.fold(name)
-                longest = max(map(len, buffers))
-            shape[1] = FOLD_AT - longest
+        elif max(map(len, buffers)) >= FOLD_AT:
+            for name, buffer in zip(keys, buffers, strict=True):
+                if len(buffer) >= FOLD_AT:
+                    self.fold(name)
         return True
 
     def _append_floats(self, metrics: dict[str, Any], append_dict: Callable[[dict[Any, Any], Any], int]) -> bool:
-        """:meth:`log_floats` in one C call (``metricbus._speedups.append_dict``): every name's buffer found and every
-        value checked first, then all appended, with no other thread in between."""
+        """:meth:`log_floats` in one C call: every name's buffer found and every value checked first, then all
+        appended. The buffers are the accumulators' own (``fast`` maps each name to them), read from ``accs`` after
+        the call: another thread may take a name off ``fast`` meanwhile (a nan policy adopted by ``ingest()``)."""
         fast = self.fast
         longest = append_dict(metrics, fast)
         if longest < 0:
             return False
+        accs = self.accs
         if self.fast is not fast:  # close() began on another thread since the buffers were read
-            self.late(metrics, [(fast[name], value) for name, value in metrics.items()])
+            self.late(metrics, [(accs[name].plain, value) for name, value in metrics.items()])
         elif longest >= FOLD_AT:
-            for name in [name for name in metrics if len(fast[name]) >= FOLD_AT]:
+            for name in [name for name in metrics if len(accs[name].plain) >= FOLD_AT]:
                 self.fold(name)
         return True
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -20,20 +21,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import metricbus
-from metricbus import MetricBus, accumulate, collect, micro_columns, native
+from metricbus import MetricBus, accumulate, collect, micro_columns, native, rank_level, summary_arrays
 from metricbus.accumulate import PlainBuffers
 from metricbus.micro_columns import MicroUpdate, Segments, summarize_joined
 from metricbus.summary import NEAR
 from metricbus.testing import MemoryAdapter
 
 speedups = native.speedups
+_USERS = (accumulate, collect, micro_columns, summary_arrays, rank_level)  # every module that calls it
 needs_speedups = pytest.mark.skipif(speedups is None, reason="metricbus._speedups not built or turned off")
 
 
 @pytest.fixture
 def pure(monkeypatch: pytest.MonkeyPatch) -> None:
     """The numpy code only, as without the compiled module."""
-    for module in (accumulate, collect, micro_columns):
+    for module in _USERS:
         monkeypatch.setattr(module, "speedups", None)
 
 
@@ -223,6 +225,7 @@ def _run(seed: int) -> list[dict[str, float]]:
     memory = MemoryAdapter()
     bus = MetricBus(adapters=[memory], dist=None)
     bus.define("spread", ["mean", "std", "min", "max", "first", "last", "sum", "count"])
+    bus.define("lengths", ["mean", "std", "min", "max", "sum"])
     names = [f"metric/{i}" for i in range(12)]
     for step in range(30):
         for update in range(1 + step % 3):
@@ -235,6 +238,8 @@ def _run(seed: int) -> list[dict[str, float]]:
             if step == 11:
                 bus.log("metric/1", float("nan"))
             bus.log("spread", [1e6, 1e6 + 2.0**-30])
+            bus.log({"one key": float(rng.random())})
+            bus.log("lengths", rng.lognormal(3.0, 1.0, 40 + step))
             bus.end_update()
         bus.commit()
     bus.close()
@@ -249,7 +254,7 @@ def _bits(rows: list[dict[str, float]]) -> list[dict[str, bytes]]:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_bus_emits_the_same_bits(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     compiled = _run(seed)
-    for module in (accumulate, collect, micro_columns):
+    for module in _USERS:
         monkeypatch.setattr(module, "speedups", None)
     assert _bits(compiled) == _bits(_run(seed))
 
@@ -285,7 +290,7 @@ def test_dicts_from_threads_lose_nothing() -> None:
 
 def test_pure_fixture_runs_numpy(pure: None) -> None:
     """Without the compiled module (the fixture), the same run works through numpy's code."""
-    assert accumulate.speedups is collect.speedups is micro_columns.speedups is None
+    assert all(module.speedups is None for module in _USERS)
     assert _bits(_run(5))
 
 
@@ -370,3 +375,97 @@ def test_array_parts_declines_what_the_list_path_takes() -> None:
     lowest, highest, sums = speedups.array_parts(np.array([-0.0, 0.0, 2.5]))  # type: ignore[misc]
     assert (np.float64(lowest).tobytes(), highest) == (np.float64(-0.0).tobytes(), 2.5)
     assert sum(sums) == 2.5
+
+
+# -- the review's cases -----------------------------------------------------------------------------------------
+
+
+def _with_and_without(monkeypatch: pytest.MonkeyPatch, run: Any) -> tuple[Any, Any]:
+    compiled = run()
+    with monkeypatch.context() as patch:
+        for module in _USERS:
+            patch.setattr(module, "speedups", None)
+        numpy_only = run()
+    return compiled, numpy_only
+
+
+@needs_speedups
+@pytest.mark.parametrize("seed", range(8))
+def test_dict_shapes_sharing_a_name_fold_alike(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two dict shapes share ``a``: its buffer is folded when it reaches FOLD_AT on both paths, so its std is the
+    same bits (the Python path once let it hold FOLD_AT records per shape)."""
+
+    def run() -> list[dict[str, float]]:
+        rng = np.random.default_rng(seed)
+        memory = MemoryAdapter()
+        bus = MetricBus(adapters=[memory], dist=None)
+        bus.define("a", ["mean", "std", "sum", "count"])
+        for x in rng.standard_normal(400).tolist():
+            bus.log({"a": x, "b": 1.0})
+            bus.log({"a": x * 3.0, "c": 2.0})
+        bus.commit()
+        bus.close()
+        return [row for _, row in memory.rows]
+
+    compiled, numpy_only = _with_and_without(monkeypatch, run)
+    assert _bits(compiled) == _bits(numpy_only)
+
+
+@needs_speedups
+def test_take_plain_takes_what_it_counted_whatever_a_finalizer_does() -> None:
+    """A collection during the call (a finalizer appending, as another thread's log() could) never makes the
+    records and the counts disagree, and loses nothing (the review's reproducer crashed or lost records)."""
+    import gc
+
+    assert speedups is not None
+    extra = 100_000
+    buffer = [1.0, 2.0]
+
+    class Finalizer:
+        def __del__(self) -> None:
+            buffer.extend([3.0] * extra)
+
+    saved = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(2)
+    try:
+        cycle = Finalizer()
+        cycle.self = cycle  # type: ignore[attr-defined]
+        del cycle
+        taken = speedups.take_plain([buffer])
+    finally:
+        gc.set_threshold(*saved)
+        gc.collect()
+    assert taken is not None
+    counts, records = taken
+    assert counts == [len(records) // 8]
+    assert counts[0] + len(buffer) in (2, 2 + extra)
+    assert struct.unpack(f"{counts[0]}d", records)[:2] == (1.0, 2.0)
+
+
+@needs_speedups
+def test_append_dict_survives_a_key_whose_eq_changes_the_dict() -> None:
+    """A str subclass's key in ``fast`` runs __eq__ during the lookups: a dict changed by it gets nothing appended
+    (the review's reproducer wrote past the end of the buffers)."""
+    assert speedups is not None
+    metrics: dict[str, float] = {"loss": 1.0, "other": 2.0}
+
+    class Name(str):
+        __hash__ = str.__hash__
+
+        def __eq__(self, other: object) -> bool:
+            for i in range(40):
+                metrics[f"grown{i}"] = 0.0
+            return str.__eq__(self, other)
+
+    fast: dict[str, list[float]] = {Name("loss"): [], "other": []}
+    assert speedups.append_dict(metrics, fast) == -1
+    assert list(fast.values()) == [[], []]
+
+
+@needs_speedups
+def test_one_key_dicts_take_the_validated_path() -> None:
+    assert speedups is not None
+    fast: dict[str, list[float]] = {"a": []}
+    assert speedups.append_dict({"a": 1.0}, fast) == -1
+    assert fast == {"a": []}
