@@ -75,7 +75,7 @@ def _of_block(values: np.ndarray[Any, Any]) -> Summary:
         return Summary.of_batch(values.tolist(), None)
     scratch = _scratch()
     if speedups is not None and values.flags.c_contiguous and values.dtype == np.float64:
-        found = speedups.array_parts(values)  # the same min, max and exact sums in one C pass and one a round
+        found = speedups.array_parts(values)  # the same min, max and exact sums: one C pass, then one per round
         if found is None:  # non-finite, all zeros, or beyond the array path's range
             return Summary.of_batch(values.tolist(), None)
         lowest, highest, sums = found
