@@ -6,6 +6,7 @@ replaces, on random data and at the edges, and a bus with and without them emits
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import struct
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -32,11 +34,31 @@ _USERS = (accumulate, collect, micro_columns, summary_arrays, rank_level)  # eve
 needs_speedups = pytest.mark.skipif(speedups is None, reason="metricbus._speedups not built or turned off")
 
 
-@pytest.fixture
-def pure(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The numpy code only, as without the compiled module."""
+@contextlib.contextmanager
+def _numpy_only() -> Iterator[None]:
+    """Inside: every caller runs its numpy code, as without the compiled module."""
+    saved = [module.speedups for module in _USERS]
     for module in _USERS:
-        monkeypatch.setattr(module, "speedups", None)
+        module.speedups = None
+    try:
+        yield
+    finally:
+        for module, held in zip(_USERS, saved, strict=True):
+            module.speedups = held
+
+
+def _with_and_without(run: Callable[[], Any]) -> tuple[Any, Any]:
+    """``run()`` with the compiled module, then with numpy's code alone."""
+    compiled = run()
+    with _numpy_only():
+        return compiled, run()
+
+
+@pytest.fixture
+def pure() -> Iterator[None]:
+    """The numpy code only, as without the compiled module."""
+    with _numpy_only():
+        yield
 
 
 def test_built_here() -> None:
@@ -71,14 +93,7 @@ def _both(sizes: list[int], flat: Any) -> tuple[Any, Any]:
     """The micro update of ``flat`` split by ``sizes`` with the compiled loop and with numpy's code."""
     names = [f"m{i}" for i in range(len(sizes))]
     segments = Segments(sizes)
-    compiled = summarize_joined(names, segments, flat, {})
-    saved = micro_columns.speedups
-    micro_columns.speedups = None
-    try:
-        numpy_only = summarize_joined(names, segments, flat, {})
-    finally:
-        micro_columns.speedups = saved
-    return compiled, numpy_only
+    return _with_and_without(lambda: summarize_joined(names, segments, flat, {}))
 
 
 def _same(a: Any, b: Any) -> None:
@@ -167,13 +182,9 @@ def test_columns_refuse_bad_arguments() -> None:
 
 def _take_both(buffers: list[list[Any]]) -> tuple[Any, Any, list[list[Any]], list[list[Any]]]:
     copies = [list(b) for b in buffers]
-    compiled = PlainBuffers(tuple(f"m{i}" for i in range(len(buffers))), buffers).take()
-    saved = accumulate.speedups
-    accumulate.speedups = None
-    try:
-        numpy_only = PlainBuffers(tuple(f"m{i}" for i in range(len(copies))), copies).take()
-    finally:
-        accumulate.speedups = saved
+    names = tuple(f"m{i}" for i in range(len(buffers)))
+    sources = iter((buffers, copies))  # the first run takes from ``buffers``, the second from ``copies``
+    compiled, numpy_only = _with_and_without(lambda: PlainBuffers(names, next(sources)).take())
     return compiled, numpy_only, buffers, copies
 
 
@@ -252,11 +263,9 @@ def _bits(rows: list[dict[str, float]]) -> list[dict[str, bytes]]:
 
 @needs_speedups
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_bus_emits_the_same_bits(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    compiled = _run(seed)
-    for module in _USERS:
-        monkeypatch.setattr(module, "speedups", None)
-    assert _bits(compiled) == _bits(_run(seed))
+def test_bus_emits_the_same_bits(seed: int) -> None:
+    compiled, numpy_only = _with_and_without(lambda: _run(seed))
+    assert _bits(compiled) == _bits(numpy_only)
 
 
 @needs_speedups
@@ -322,16 +331,7 @@ def test_finite_nonzero_matches_numpy() -> None:
 
 
 def _block_both(values: Any) -> tuple[Any, Any]:
-    from metricbus import summary_arrays
-
-    compiled = summary_arrays._of_block(values)
-    saved = summary_arrays.speedups
-    summary_arrays.speedups = None
-    try:
-        numpy_only = summary_arrays._of_block(values)
-    finally:
-        summary_arrays.speedups = saved
-    return compiled, numpy_only
+    return _with_and_without(lambda: summary_arrays._of_block(values))
 
 
 def _summary_bits(s: Any) -> tuple[Any, ...]:
@@ -380,18 +380,9 @@ def test_array_parts_declines_what_the_list_path_takes() -> None:
 # -- the review's cases -----------------------------------------------------------------------------------------
 
 
-def _with_and_without(monkeypatch: pytest.MonkeyPatch, run: Any) -> tuple[Any, Any]:
-    compiled = run()
-    with monkeypatch.context() as patch:
-        for module in _USERS:
-            patch.setattr(module, "speedups", None)
-        numpy_only = run()
-    return compiled, numpy_only
-
-
 @needs_speedups
 @pytest.mark.parametrize("seed", range(8))
-def test_dict_shapes_sharing_a_name_fold_alike(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dict_shapes_sharing_a_name_fold_alike(seed: int) -> None:
     """Two dict shapes share ``a``: its buffer is folded when it reaches FOLD_AT on both paths, so its std is the
     same bits (the Python path once let it hold FOLD_AT records per shape)."""
 
@@ -407,7 +398,7 @@ def test_dict_shapes_sharing_a_name_fold_alike(seed: int, monkeypatch: pytest.Mo
         bus.close()
         return [row for _, row in memory.rows]
 
-    compiled, numpy_only = _with_and_without(monkeypatch, run)
+    compiled, numpy_only = _with_and_without(run)
     assert _bits(compiled) == _bits(numpy_only)
 
 
