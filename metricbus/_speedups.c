@@ -1,4 +1,4 @@
-/* metricbus._speedups: the commit's two hot loops over an update's plain records, in C.
+/* metricbus._speedups: the hot loops of log(dict), a commit's plain records and an array fold, in C.
  *
  * Optional: metricbus works the same without it (metricbus/native.py falls back to the numpy code, and
  * METRICBUS_PURE_PYTHON=1 turns it off). Each function gives exactly the bits of the Python code it stands for
@@ -391,8 +391,10 @@ static PyObject *finite_nonzero(PyObject *self, PyObject *args) {
 #define SIGMA_FLOOR 0x1p-1022 /* exact._SIGMA_FLOOR */
 #define MAX_ROUNDS 64         /* exact._MAX_ROUNDS */
 
-/* The loops below over an array keep eight independent chains (CHAINS), so that a long array is not one chain of
- * dependent additions or comparisons (4 cycles each): the compiler may not reorder floating-point ones itself. */
+/* The loops below over a long array run in SSE2 lanes where the compiler targets them (minpd/maxpd are the
+ * scalar loops' ``v < m ? v : m``, lane by lane), several vectors at once, so that the array is not one chain of
+ * dependent comparisons or additions (the compiler may not reorder floating-point ones itself); elsewhere, and for
+ * the last few records, the plain loops. extract_round's sums keep CHAINS chains there too. */
 #define CHAINS 8
 
 /* min and max of x[0..n) (n > 0) into *lowest, *highest (a zero's sign is settled by the caller); 0 where a
