@@ -95,3 +95,12 @@ def mlflow_server(tmp_path: Path) -> Iterator[MlflowServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def unstaged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Journals opened in the test write each commit with its own ``os.write`` (no stage: metricbus/journal/stage.py),
+    for the tests that make those writes fail one by one."""
+    from metricbus.journal import stage
+
+    monkeypatch.setattr(stage, "STAGED", False)

@@ -127,7 +127,9 @@ def test_checkpoints_between_steady_commits_are_the_bytes_of_the_general_path(
     assert [step for step, _ in read_journal(tmp_path / "packed").commits] == list(range(12))
 
 
-def test_a_failed_steady_write_is_a_gap_and_later_commits_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_steady_write_is_a_gap_and_later_commits_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unstaged: None
+) -> None:
     """ENOSPC after 7 bytes of step 3's frame: JournalError, a gap 3..3, the torn bytes skipped, the rest read."""
     directory = tmp_path / "j"
     writer = open_journal(path=directory, fsync="never", rank=0, run=RUN, rules=[], log_every=1)

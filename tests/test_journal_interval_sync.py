@@ -178,12 +178,15 @@ def test_close_after_the_thread_synced_everything_does_not_fsync_again(
     assert entered.wait(WAIT_S)  # began after the last write
     release.set()
     bus.close()
-    assert callers == ["MainThread", "metricbus-journal-0"]  # the header's at open, then the thread's only
+    # the header's at open, the thread's (the file, then its stage), then the stage's last batch at close
+    assert callers == ["MainThread", "metricbus-journal-0", "metricbus-journal-0", "MainThread"]
     got, _ = quietly_read(journal)
     assert recovered(got) == live
 
 
-def test_a_failed_fsync_is_not_lost_to_a_failed_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_fsync_is_not_lost_to_a_failed_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unstaged: None
+) -> None:
     """The thread's fsync fails, then the next commit's write fails too (ENOSPC): that commit raises the write's
     error, and the commit after it (whose write succeeds) the fsync's, naming its steps; each is marked as a gap."""
     called = threading.Event()

@@ -96,3 +96,7 @@ def test_a_python_without_ctypes_still_journals(tmp_path: Path, monkeypatch: pyt
             log_step(bus, step, 0)
             bus.commit(step)
     assert [s for s, _ in read_journal(directory).commits] == [0, 1]
+
+
+# the blocks reserved ahead are those of a writer that writes each commit (a stage's batches allocate their own)
+pytestmark = pytest.mark.usefixtures("unstaged")

@@ -199,6 +199,7 @@ class _FullDisk:
         (set(), "commits     10 (steps 0..9)"),
     ],
 )
+@pytest.mark.usefixtures("unstaged")  # each commit's own os.write fails or not
 def test_inspect_counts_failed_commits_apart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], failing: set[int],
     line: str,

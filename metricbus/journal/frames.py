@@ -27,13 +27,47 @@ RUN = 1 << 20  # a run of frames spans at most this many bytes (the second pass 
 _HEAD = np.dtype([("length", "<u4"), ("crc", "<u4"), ("kind", "u1")])  # a frame's header and type byte
 
 
+class Overlaid:
+    """A rank file read with what its stage holds (:func:`metricbus.journal.stage.staged`): its bytes up to ``base``,
+    then ``data`` (the staged frames) in place of whatever follows; the few file methods :class:`FrameSource` uses."""
+
+    def __init__(self, file: FileIO, base: int, data: bytes) -> None:
+        self._file, self._base, self._data = file, base, data
+        self._pos = 0
+        self.name = file.name
+
+    def seek(self, pos: int) -> None:
+        self._pos = pos
+
+    def read(self, n: int) -> bytes:
+        out = bytearray(n)
+        return bytes(out[: self.readinto(memoryview(out))])
+
+    def readinto(self, buf: memoryview) -> int:
+        pos, n, base = self._pos, len(buf), self._base
+        got = 0
+        if pos < base:
+            want = min(n, base - pos)
+            self._file.seek(pos)
+            got = self._file.readinto(buf[:want]) or 0
+            if got < want:  # (the file is shorter than where the stage starts: read no further)
+                self._pos = pos + got
+                return got
+        start = pos + got - base
+        piece = self._data[start : start + n - got]
+        buf[got : got + len(piece)] = piece
+        got += len(piece)
+        self._pos = pos + got
+        return got
+
+
 class FrameSource:
     """The first ``size`` bytes of a file, read a chunk at a time (never the whole file).
 
     ``reuse``: every read goes into one buffer (grown when a frame needs it), for a reader that copies whatever it
     keeps of a frame before asking for the next one (the first pass): no fresh memory to fault in per chunk."""
 
-    def __init__(self, file: FileIO, size: int, *, reuse: bool = False) -> None:
+    def __init__(self, file: FileIO | Overlaid, size: int, *, reuse: bool = False) -> None:
         self._file, self.size = file, size
         self._buf: bytes | memoryview = b""
         self._base = 0

@@ -31,8 +31,9 @@ _HOOKED = False
 class IntervalSync:
     """The fsync thread of one journal file (the writer's descriptor ``fd``), started by the first :meth:`wrote`."""
 
-    def __init__(self, *, fd: int, interval: float, name: str) -> None:
+    def __init__(self, *, fd: int, interval: float, name: str, also: int | None = None) -> None:
         self._fd = fd
+        self._also = also  # a second file fsynced with it (the journal's stage: stage.py), or None
         self._interval = interval
         self._name = name
         self._inline = False  # no thread could be started: :meth:`wrote` fsyncs every ``interval`` itself
@@ -48,6 +49,7 @@ class IntervalSync:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._thread_fd = -1  # the thread's descriptor (a child closes the one it inherited)
+        self._thread_also = -1  # and its copy of ``also``
 
     def wrote(self, step: int) -> None:
         """The writer wrote a commit of ``step`` (its ``os.write`` returned)."""
@@ -60,7 +62,11 @@ class IntervalSync:
             now = time.monotonic()
             if now - self._last_sync >= self._interval:
                 self._last_sync = now
-                self._sync(self._fd)
+                self._sync(self._fd, -1 if self._also is None else self._also)
+
+    def forget_also(self) -> None:
+        """Fsync the writer's file alone from now on (its stage was dropped: a forked child's)."""
+        self._also = None
 
     @property
     def failed(self) -> bool:
@@ -95,38 +101,51 @@ class IntervalSync:
         except OSError:
             self._inline = True
             return
-        thread = threading.Thread(target=self._run, args=(fd, self._stop), name=self._name, daemon=True)
-        self._thread_fd = fd  # (before the thread runs: it forgets the number when it ends)
+        try:
+            also = -1 if self._also is None else os.dup(self._also)
+        except OSError:
+            os.close(fd)
+            self._inline = True
+            return
+        thread = threading.Thread(target=self._run, args=(fd, also, self._stop), name=self._name, daemon=True)
+        self._thread_fd, self._thread_also = fd, also  # (before the thread runs: it forgets them when it ends)
         try:
             thread.start()
         except RuntimeError:  # "can't create new thread at interpreter shutdown", or none left
-            self._thread_fd = -1
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            self._thread_fd = self._thread_also = -1
+            for held in (fd, also):
+                if held >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(held)
             self._inline = True
             return
         self._thread = thread
 
-    def _sync(self, fd: int) -> None:
+    def _sync(self, fd: int, also: int) -> None:
         with self._lock:
             steps, self._written = self._written, None
         if steps is None:  # nothing written since the last fsync
             return
         try:
             os.fsync(fd)
+            if also >= 0:
+                os.fsync(also)
         except OSError as exc:  # kept for the writer
             with self._lock:
                 held = self._failed
                 self._failed = (exc, steps[0], steps[1]) if held is None else (held[0], held[1], steps[1])
 
-    def _run(self, fd: int, stop: threading.Event) -> None:
+    def _run(self, fd: int, also: int, stop: threading.Event) -> None:
         try:
             while not stop.wait(self._interval):
-                self._sync(fd)
+                self._sync(fd, also)
         finally:
-            self._thread_fd = -1  # first: a child forked from now on must not close the number (reused, maybe)
-            with contextlib.suppress(OSError):  # (a write-back error it reports, the writer's fsync and close do too)
-                os.close(fd)
+            # first: a child forked from now on must not close the numbers (reused, maybe)
+            self._thread_fd = self._thread_also = -1
+            for held in (fd, also):  # (a write-back error it reports, the writer's fsync and close do too)
+                if held >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(held)
 
 
 def _watch_forks(sync: IntervalSync) -> None:
@@ -140,7 +159,8 @@ def _watch_forks(sync: IntervalSync) -> None:
 def _forked() -> None:
     """In a forked child: no thread runs; each journal's next write starts its own."""
     for sync in list(_LIVE):
-        if sync._thread_fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(sync._thread_fd)
+        for held in (sync._thread_fd, sync._thread_also):
+            if held >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(held)
         sync._reset()

@@ -22,6 +22,7 @@ import struct
 import warnings
 from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from io import FileIO
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple, cast
@@ -29,6 +30,7 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 
 from metricbus.errors import JournalError, JournalWarning
+from metricbus.journal import stage
 from metricbus.journal.compact import compact_rows
 from metricbus.journal.format import (
     ENTRY,
@@ -43,7 +45,7 @@ from metricbus.journal.format import (
     unpack_commit,
     window_steps,
 )
-from metricbus.journal.frames import ENTRY_DTYPE, S_FRAME, WHOLE, FrameSource, run_array, run_of, split_run
+from metricbus.journal.frames import ENTRY_DTYPE, S_FRAME, WHOLE, FrameSource, Overlaid, run_array, run_of, split_run
 from metricbus.journal.window_marks import OpenWindow
 from metricbus.spec import Spec
 from metricbus.summary import Summary, rest_layout
@@ -255,6 +257,7 @@ class FileIndex:
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     resets: list[tuple[int, int]] = field(default_factory=list)  # ``(ordinal, step)``: what ``limits`` is made of
     commits: int = 0  # commits counted (the ordinal after the last one)
+    tail: tuple[int, bytes] | None = None  # what the file's stage held, read after the file's bytes (stage.py)
     holes: list[tuple[int, int]] = field(default_factory=list)  # steps (first, last) lost to damage mid-segment
     # damage mid-segment (log_every 1) between commits at steps ``before`` (None: before the writer's first commit)
     # and ``after``, the commit read after it at file offset ``at``: ``(before, after, at)``. Commits lost at those
@@ -306,6 +309,10 @@ def index_file(path: Path) -> FileIndex:
 
     with file:
         size = os.fstat(file.fileno()).st_size
+        tail = stage.staged(path, file.fileno())  # commits its writer staged, not in the file yet (stage.py)
+        source_file: FileIO | Overlaid = file if tail is None else Overlaid(file, *tail)
+        if tail is not None:
+            size = tail[0] + len(tail[1])
         check_magic(path, file.read(len(MAGIC)))
         ordinal, last, new_segment, prior, checked = 0, None, False, b"", b""
         # the last commit frame with entries read in this segment: a second copy of it is damage (a writer never
@@ -339,7 +346,7 @@ def index_file(path: Path) -> FileIndex:
             resets.append((ordinal, step))
             rf.gaps = [g for g in (_clip(g, step) for g in rf.gaps) if g is not None]
             holes[:] = [(low, min(high, step - 1)) for low, high in holes if low < step]  # replaced, not lost
-        for at, span, k in FrameSource(file, size, reuse=True).frames(damage, runs=True):
+        for at, span, k in FrameSource(source_file, size, reuse=True).frames(damage, runs=True):
             steps = _run_steps(span, k) if k > 1 else None
             repeats = steps is not None and int(steps[0]) == last and before  # its first commit, the one before?
             if repeats and _print(split_run(at, span, k)[0][1]) == before:  # frame by frame, where that is skipped
@@ -438,7 +445,7 @@ def index_file(path: Path) -> FileIndex:
         sound.append((start, size))
     return FileIndex(rf, size, bad, limits_of(resets), last, long=long, sound=sound, phantoms=phantoms, tails=tails,
                      segments=[(first, final, at) for first, final, at in segments], resets=resets, commits=ordinal,
-                     holes=holes, mends=mends, finals=finals, opened=_increasing(times), cuts=cuts)
+                     holes=holes, mends=mends, finals=finals, opened=_increasing(times), cuts=cuts, tail=tail)
 
 
 def _opened(header: Mapping[str, Any]) -> int | None:
@@ -558,7 +565,8 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
     known_in, known_ids = names, b""  # a table and a small commit's ids found in it (the next commit's, likely)
     prior, unknown = b"", 0
     with path.open("rb", buffering=0) as file:
-        source = FrameSource(file, index.size, reuse=True)  # what is kept of it is copied (keep)
+        read = file if index.tail is None else Overlaid(file, *index.tail)  # (the first pass's stage, as it read it)
+        source = FrameSource(read, index.size, reuse=True)  # what is kept of it is copied (keep)
         for start, span, k in source.frames(None, index.long, runs=True, sound=index.sound):
             run = _alike(start, span, k, breaks) if k > 1 else None
             if run is not None:

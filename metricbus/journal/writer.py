@@ -1,7 +1,9 @@
-"""Writing: one rank's commits appended to its file, one ``os.write`` per commit, by one writer at a time.
+"""Writing: one rank's commits appended to its file, by one writer at a time.
 
-A commit is one ``os.write`` of its frames (name table additions first), so when ``commit()`` returns its bytes
-are in the operating system and survive SIGKILL. ``fsync`` decides what survives a power loss: ``"commit"``
+A commit is one copy of its frames (name table additions first) into the file's stage, a shared mapping whose
+batches are written to the file (:mod:`metricbus.journal.stage`; a writer holding its file's lock, on Linux, unless
+``fsync="commit"``), else one ``os.write``; either way, when ``commit()`` returns its bytes are in the operating
+system and survive SIGKILL. ``fsync`` decides what survives a power loss: ``"commit"``
 (fsync every commit), ``"interval"`` (the default: fsync at most every ``FSYNC_INTERVAL_S`` seconds, from the file's
 own thread so that no commit waits on the disk, :mod:`metricbus.journal.interval_sync`; and at close), ``"never"``.
 
@@ -30,6 +32,7 @@ import socket
 import struct
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,7 @@ import numpy as np
 
 from metricbus.adapter import RunInfo
 from metricbus.errors import JournalError, JournalWarning
-from metricbus.journal import reserve
+from metricbus.journal import reserve, stage
 from metricbus.journal.appendable import check_appendable
 from metricbus.journal.compact import CompactFrame
 from metricbus.journal.cursors import CursorStore, identity_of
@@ -71,6 +74,8 @@ from metricbus.spec import Spec
 
 Names = dict[str, tuple[int, Spec]]
 _FRAMES_KEPT = 64  # commit shapes whose frames are kept for reuse
+_STAGED: weakref.WeakSet[JournalWriter] = weakref.WeakSet()  # writers with a stage (for the fork hooks)
+_FORK_HOOKED = False
 
 
 def _register(
@@ -183,6 +188,7 @@ class JournalWriter:
         self._end = 0
         self._reserved = 0  # blocks are reserved up to this offset (reserve.py)
         self._torn = 0  # how many bytes of a failed write reached the file (cut again by _cut)
+        self._stage: stage.Stage | None = None  # the file's stage (stage.py), else each commit is written
         self.cursors = CursorStore(self.directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -194,6 +200,8 @@ class JournalWriter:
             self._lock(fd)
             if not self._locked:  # nothing reserved: close() could not free it (reserve.trim needs the lock)
                 self._reserve = None
+            if self._locked:  # what a writer that died staged (stage.py) comes first
+                stage.recover(self.path, fd)
             start = b""
             size = os.fstat(fd).st_size
             if size < len(MAGIC):  # new, or a torn magic (only its writer could have cut it)
@@ -205,9 +213,14 @@ class JournalWriter:
             self._write(start + head + head)
             if self._fsync != "never":
                 os.fsync(fd)
-            self._end = os.fstat(fd).st_size  # the file's size, kept as commits are written
+            self._end = os.fstat(fd).st_size  # where the last commit ends (staged ones included), kept as they are
+            if self._locked and self._fsync != "commit" and stage.STAGED:
+                self._open_stage(fd)
             if self._fsync == "interval":
-                self._syncer = IntervalSync(fd=fd, interval=FSYNC_INTERVAL_S, name=f"metricbus-journal-{rank}")
+                self._syncer = IntervalSync(
+                    fd=fd, also=None if self._stage is None else self._stage.fd, interval=FSYNC_INTERVAL_S,
+                    name=f"metricbus-journal-{rank}",
+                )
         except BaseException as exc:
             self._fd = None
             if isinstance(exc, OSError):  # what part of the header reached the file is cut again (locked only)
@@ -243,7 +256,58 @@ class JournalWriter:
         except OSError:
             pass  # only the message a second writer gets is poorer; the lock itself holds
 
-    def _write(self, data: bytes | bytearray, written: int = 0) -> None:
+    def _open_stage(self, fd: int) -> None:
+        """Stage the commits (stage.py); where the stage cannot be made (a file system without ``fallocate`` or
+        shared mappings, a full disk), every commit is written instead."""
+        path = stage.stage_path(self.path)
+        try:
+            self._stage = stage.Stage(path=path, fd=fd)
+        except (OSError, ValueError):  # (mmap's ValueError: a length it takes for invalid)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return
+        self._reserve = None  # a batch allocates its blocks at once
+        _watch_forks(self)
+
+    def _flush(self, held: stage.Stage) -> None:
+        """Write the staged bytes to the file (a batch) and empty the stage. Where that fails, what part of them
+        reached the file is cut again and they stay staged (the next batch, or the next writer, writes them); raise
+        OSError."""
+        fd = self._fd
+        assert fd is not None
+        view = held.take()
+        try:
+            self._write(view)
+        except OSError:
+            torn, self._torn = self._torn, 0
+            with contextlib.suppress(OSError):
+                size = os.fstat(fd).st_size
+                if 0 < torn <= size:
+                    os.ftruncate(fd, size - torn)
+            raise
+        finally:
+            view.release()
+        held.emptied()
+
+    def _append(self, data: bytes | bytearray) -> None:
+        """Stage ``data`` (a batch written first where it does not fit: then a stage that cannot take it is written
+        to, and ``data`` after it), or write it. Raise OSError: ``data`` is neither staged nor written."""
+        held = self._stage
+        if held is None:
+            self._write(data)
+        elif not held.put(data, end=self._file_end(held)):
+            if held.used:
+                self._flush(held)
+            if not held.put(data, end=self._file_end(held)):  # longer than the stage
+                self._write(data)
+
+    def _file_end(self, held: stage.Stage) -> int:
+        """The file's size where nothing is staged (where the staged bytes will go), else 0 (not read)."""
+        if held.used or self._fd is None:
+            return 0
+        return os.fstat(self._fd).st_size
+
+    def _write(self, data: bytes | bytearray | memoryview, written: int = 0) -> None:
         """Write ``data`` from byte ``written`` on (the bytes before it were written); where it fails, ``_torn`` says
         how many of ``data``'s bytes reached the file (for :meth:`_cut`). A write that makes no progress (0 bytes,
         as some FUSE file systems answer) is an OSError, not a loop."""
@@ -442,9 +506,13 @@ class JournalWriter:
             self._reserve_ahead(fd, end)
         self._torn = 0
         try:
-            written = os.write(fd, data)
-            if written < size:
-                self._write(data, written)
+            held = self._stage
+            if held is not None:
+                self._append(data)
+            else:
+                written = os.write(fd, data)
+                if written < size:
+                    self._write(data, written)
         except OSError as exc:
             self._gap = (step, step) if self._gap is None else (self._gap[0], step)
             lost = self._lost
@@ -459,6 +527,9 @@ class JournalWriter:
             self._cut(fd)
             raise self._error("write", exc, step) from exc
         self._end = end
+        if held is not None and held.full:  # a batch: where it fails, the commits stay staged (the next one tries)
+            with contextlib.suppress(OSError):
+                self._flush(held)
         self._gap = None
         self._segment_written = True
         if self._failed:
@@ -495,6 +566,8 @@ class JournalWriter:
             if self._locked and 0 < torn <= size:
                 os.ftruncate(fd, size - torn)  # (frees the blocks reserved past it too: reserved again)
                 self._reserved = size - torn
+        if self._stage is not None:  # the file ends where the staged bytes go: the end is theirs
+            return
         with contextlib.suppress(OSError):
             self._end = os.fstat(fd).st_size
 
@@ -568,6 +641,7 @@ class JournalWriter:
         syncer = self._syncer
         unsynced = None
         closing: OSError | None = None
+        staged: OSError | None = None  # the last batch could not be written
         try:
             if syncer is not None:  # its thread ends first (after an fsync under way), so its failure is marked
                 syncer.stop()
@@ -584,22 +658,36 @@ class JournalWriter:
                 tail += window_frame(self._window_steps)
             if tail:
                 try:
-                    self._write(tail)
+                    self._append(tail)
+                    self._end += len(tail)
                     self._gap, self._lost, self._windows_due, self._window_steps = None, [], b"", []
                     self._failed = False
                 except OSError:  # already reported by the commit that failed; what part reached the file is cut
                     self._cut(fd)
+            batch = False  # the stage's last batch written now (where that fails the stage file keeps it)
+            if self._stage is not None and self._stage.used:
+                try:
+                    self._flush(self._stage)
+                    batch = True
+                except OSError as exc:
+                    staged = exc
             if self._reserve is not None:  # (only a locked writer reserves: unlocked, another may be appending)
                 reserve.trim(fd)
             # fsync, unless the thread's last fsync began after the last write and succeeded
-            if self._fsync != "never" and (syncer is None or tail or syncer.dirty or unsynced is not None):
+            if self._fsync != "never" and (syncer is None or tail or batch or syncer.dirty or unsynced is not None):
                 try:
                     os.fsync(fd)
                 except OSError as exc:
                     also = "" if unsynced is None else f" (and before: {self._unsynced(unsynced)})"
                     raise JournalError(f"cannot fsync journal file {self.path}: {_os_error(exc)}{also}") from exc
+            held, self._stage = self._stage, None
+            if held is not None:  # emptied into the file, and that on the disk: the stage file goes
+                held.close(remove=staged is None)
         finally:
             self._fd = None
+            if self._stage is not None:  # (close failed before its last batch: the stage file keeps it)
+                self._stage.close(remove=False)
+                self._stage = None
             if self._locked:
                 with contextlib.suppress(OSError):  # while locked: a next writer's PID is never removed
                     self._lock_path.unlink(missing_ok=True)
@@ -611,6 +699,11 @@ class JournalWriter:
                 closing = exc
         if unsynced is not None:
             raise self._unsynced(unsynced)
+        if staged is not None:
+            raise JournalError(
+                f"cannot write journal file {self.path}: {_os_error(staged)}; its last commits stay in "
+                f"{stage.stage_path(self.path)}, which readers read with it and its next writer writes into it"
+            ) from staged
         if closing is not None:
             raise JournalError(
                 f"cannot close journal file {self.path}: {_os_error(closing)}; what was written since its last "
@@ -643,3 +736,32 @@ def open_journal(
 def _merged(gap: tuple[int, int] | None, first: int, last: int) -> tuple[int, int]:
     """A pending gap marker's steps, widened to cover ``first .. last``."""
     return (first, last) if gap is None else (min(gap[0], first), max(gap[1], last))
+
+
+def _watch_forks(writer: JournalWriter) -> None:
+    """A process forked while ``writer`` stages: the parent writes its batch first, so what a child appends comes
+    after the commits staged before the fork; the child drops its copy of the stage (shared with the parent's) and
+    writes each commit it makes (a bus's copy in a child is closed, but a writer may be used there directly)."""
+    global _FORK_HOOKED
+    _STAGED.add(writer)
+    if not _FORK_HOOKED and hasattr(os, "register_at_fork"):
+        os.register_at_fork(before=_before_fork, after_in_child=_in_child)
+        _FORK_HOOKED = True
+
+
+def _before_fork() -> None:
+    for writer in list(_STAGED):
+        held = writer._stage
+        if held is not None and held.used and writer._fd is not None:
+            with contextlib.suppress(OSError):  # (the batch stays staged: the child's appends may come first)
+                writer._flush(held)
+
+
+def _in_child() -> None:
+    for writer in list(_STAGED):
+        held, writer._stage = writer._stage, None
+        if held is not None:
+            held.close(remove=False)
+        if writer._syncer is not None:
+            writer._syncer.forget_also()
+    _STAGED.clear()
