@@ -4,14 +4,15 @@
 
 1. The log/commit loop (``--metrics`` metrics x ``--records`` records per commit, one worker) with and without
    ``journal=`` (fsync="interval", the default); the ratio is the journal's cost (target <= 1.1x), and the
-   microseconds it adds per commit. Next to it, in the same run, a floor: the journal's steady commit replaced by
-   the least any journal that keeps "a commit that returned survives SIGKILL" does from Python, one ``os.write`` of
-   the update's fields as they are (``tobytes``, a CRC-32 and a frame head; no checks, no compaction, no
-   bookkeeping; the file it writes is not a valid journal). The default 20,000 commits take ~2 s a loop, so the
-   interval fsync (once a second, on the journal's own thread) runs inside each journaled loop; a loop shorter than
-   a second would leave it out.
-   Each repeat runs the three loops in turn, in reverse order every other repeat: besides the best of each, the
-   median of the repeats' journaled/plain ratios ("paired"), which a burst of load on the machine moves less.
+   microseconds it adds per commit. Next to it, in the same run, the journal without its stage (each commit written
+   with its own ``os.write``, as before metricbus/journal/stage.py), and a floor for such a journal: the journal's
+   steady commit replaced by the least a journal that writes each commit and keeps "a commit that returned survives
+   SIGKILL" does from Python, one ``os.write`` of the update's fields as they are (``tobytes``, a CRC-32 and a frame
+   head; no checks, no compaction, no bookkeeping; the file it writes is not a valid journal). The default 20,000
+   commits take ~2 s a loop, so the interval fsync (once a second, on the journal's own thread) runs inside each
+   journaled loop; a loop shorter than a second would leave it out.
+   Each repeat runs the four loops in turn, each kind first in turn: besides the best of each, the median of the
+   repeats' journaled/plain ratios ("paired"), which a burst of load on the machine moves less.
 2. Replay of that journal into a MemoryAdapter: micro-level summaries per second, and the records they summarise
    per second (each summary's ``count``; target >= 500,000 records/s). Reading the files is included.
 
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from metricbus import MetricBus
-from metricbus.journal import JournalWriter, checksum, compact, format, read_journal, writer
+from metricbus.journal import JournalWriter, checksum, compact, format, read_journal, stage, writer
 from metricbus.replay import record_counts, replay
 from metricbus.testing import MemoryAdapter
 
@@ -67,6 +68,17 @@ def loop(*, metrics: int, records: int, commits: int, journal: str | None) -> fl
     elapsed = time.perf_counter() - start
     bus.close()
     return elapsed
+
+
+@contextlib.contextmanager
+def _unstaged() -> Iterator[None]:
+    """Inside: journals opened write each commit with its own ``os.write`` (no stage)."""
+    saved = stage.STAGED
+    stage.STAGED = False
+    try:
+        yield
+    finally:
+        stage.STAGED = saved
 
 
 class _NoWrite:
@@ -187,13 +199,17 @@ def main() -> None:
         split(shape=shape, repeats=args.repeats)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        plain, journaled, floors = [], [], []
-        for i in range(args.repeats):  # interleaved, the order reversed every other repeat
-            for kind in ("plain", "journal", "floor") if i % 2 == 0 else ("floor", "journal", "plain"):
+        plain, journaled, unstaged, floors = [], [], [], []
+        kinds = ("plain", "journal", "unstaged", "floor")
+        for i in range(args.repeats):  # interleaved, each kind first in turn
+            for kind in kinds[i % 4 :] + kinds[: i % 4]:
                 if kind == "plain":
                     plain.append(loop(**shape, journal=None))
                 elif kind == "journal":
                     journaled.append(loop(**shape, journal=str(Path(tmp) / f"j{i}")))
+                elif kind == "unstaged":
+                    with _unstaged():
+                        unstaged.append(loop(**shape, journal=str(Path(tmp) / f"unstaged{i}")))
                 else:
                     with _switched_off("floor"):
                         floors.append(loop(**shape, journal=str(Path(tmp) / f"floor{i}")))
@@ -211,6 +227,9 @@ def main() -> None:
               f"its plain one; {pairs[0]:.3f}x to {pairs[-1]:.3f}x)")
         print(f"  journal adds     {(with_journal - base) * 1e6 / args.commits:9.1f} us/commit  "
               f"(medians: {(statistics.median(journaled) - statistics.median(plain)) * 1e6 / args.commits:.1f})")
+        apart = statistics.median(u / p for p, u in zip(plain, unstaged, strict=True))
+        print(f"  no stage         {min(unstaged) * 1e6 / args.commits:9.1f} us/commit  ({min(unstaged) / base:.3f}x, "
+              f"paired {apart:.3f}x; each commit its own os.write)")
         print(f"  floor adds       {(floor - base) * 1e6 / args.commits:9.1f} us/commit  ({floor / base:.3f}x; one "
               f"os.write of the raw fields per commit; medians: "
               f"{(statistics.median(floors) - statistics.median(plain)) * 1e6 / args.commits:.1f})")

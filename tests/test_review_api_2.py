@@ -151,6 +151,8 @@ from metricbus.adapters.jsonl import read_jsonl
 from metricbus.replay import replay
 from metricbus.testing import MemoryAdapter
 
+from metricbus.journal import stage
+stage.STAGED = False  # each commit written with its own os.write: where the Ctrl-C below lands
 journal, path = sys.argv[1], sys.argv[2]
 bus = MetricBus(dist=None, journal=journal, adapters=["jsonl:" + path], rules={{"c": "sum"}})
 bus.log("c", 1.0)

@@ -7,7 +7,8 @@ system, once a second inside the training loop. :class:`IntervalSync` runs it fr
 ``interval`` seconds and only after something was written; the writer's thread only notes the steps it wrote.
 
 - The thread fsyncs a descriptor of its own (a ``dup`` of the writer's, closed by the thread), so the writer closes
-  its file without waiting for an fsync under way, and the thread never touches a closed or reused descriptor.
+  its file without waiting for an fsync under way, and the thread never touches a closed or reused descriptor; then,
+  where the writer stages its commits, the stage file's (``also``, :mod:`metricbus.journal.stage`) the same way.
 - Where no thread can be started (at interpreter exit on Python 3.12+, a process out of threads), the writer's
   thread fsyncs inline at most every ``interval``, as before the thread existed.
 - A failed fsync is kept, with the steps written since the fsync before it, until the writer takes it

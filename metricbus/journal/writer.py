@@ -3,9 +3,10 @@
 A commit is one copy of its frames (name table additions first) into the file's stage, a shared mapping whose
 batches are written to the file (:mod:`metricbus.journal.stage`; a writer holding its file's lock, on Linux, unless
 ``fsync="commit"``), else one ``os.write``; either way, when ``commit()`` returns its bytes are in the operating
-system and survive SIGKILL. ``fsync`` decides what survives a power loss: ``"commit"``
-(fsync every commit), ``"interval"`` (the default: fsync at most every ``FSYNC_INTERVAL_S`` seconds, from the file's
-own thread so that no commit waits on the disk, :mod:`metricbus.journal.interval_sync`; and at close), ``"never"``.
+system and survive SIGKILL. ``fsync`` decides what survives a power loss: ``"commit"`` (fsync every commit),
+``"interval"`` (the default: fsync at most every ``FSYNC_INTERVAL_S`` seconds, the file and then its stage, from the
+file's own thread so that no commit waits on the disk, :mod:`metricbus.journal.interval_sync`; and at close),
+``"never"``.
 
 One writer per file: the writer holds an exclusive ``flock`` on its file for its whole life and leaves its PID in
 ``rank-NNNNN.mbj.lock``; a second writer (another bus, in this process or another) gets a ``JournalError`` naming
@@ -18,7 +19,9 @@ Names count as written only once the write that carried them succeeded, so the n
 part of a failed write reached the file is cut again (under the file's lock; unlocked, the reader skips the torn
 frame, its CRC failing); and the next write that succeeds starts with a "G" frame naming the steps that are missing,
 which the reader reports in ``Journal.gaps``, and "L" frames listing them, which it counts as empty commits where
-they were (so ``log_every`` windows stay the live ones).
+they were (so ``log_every`` windows stay the live ones). A staged commit cannot fail that way: a batch whose write
+fails stays staged (its torn part cut), and only a commit that finds the stage full while a batch still cannot be
+written is a failed write as above.
 """
 
 from __future__ import annotations
