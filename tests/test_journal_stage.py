@@ -251,3 +251,66 @@ def test_a_live_reader_reads_a_prefix_of_the_commits_every_time(tmp_path: Path) 
     assert reader.returncode == 0, err
     assert int(count.read_text()) >= 20
     assert _steps(directory) == list(range(step + 1))
+
+
+def _until_interrupted(bus: MetricBus) -> int:
+    """Commit steps 0, 1, ... until one raises KeyboardInterrupt; that step."""
+    step = 0
+    while True:
+        bus.log({f"m{i}": float(step + i) for i in range(40)})
+        try:
+            bus.commit(step)
+        except KeyboardInterrupt:
+            return step
+        step += 1
+        assert step < 100_000
+
+
+def test_a_batch_interrupted_after_its_write_is_not_written_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception right after a batch's os.write returned (a signal handler's, before the stage is emptied): the
+    next batch finds the file already holding it and writes it once (no commit read twice, no rewind)."""
+    directory = tmp_path / "j"
+    real = os.write
+    armed = [True]
+
+    def write(fd: int, data: Any) -> int:
+        done = real(fd, data)
+        if armed[0] and len(data) >= stage.STAGE_BYTES // 4:  # the batch's write
+            armed[0] = False
+            raise KeyboardInterrupt
+        return done
+
+    monkeypatch.setattr(writer.os, "write", write)
+    bus = MetricBus(dist=None, journal=str(directory))
+    step = _until_interrupted(bus)
+    for more in range(step + 1, step + 4):
+        bus.log({f"m{i}": float(more + i) for i in range(40)})
+        bus.commit(more)
+    bus.close()
+    assert _steps(directory) == list(range(step + 4))
+
+
+def test_a_reader_meeting_a_batch_between_its_reads_misses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch written between the reader's look at the file and at its stage: the reader reads the file again, so
+    every commit that returned before it began is read."""
+    from metricbus.journal import scan
+
+    directory = tmp_path / "j"
+    with MetricBus(dist=None, journal=str(directory)) as bus:
+        for step in range(20):
+            bus.log("a", float(step))
+            bus.commit(step)
+        held = next(w for w in writer._STAGED if w.directory == directory)
+        real = stage.staged
+
+        def late(path: Path, fd: int) -> tuple[int, bytes] | None:
+            assert held._stage is not None
+            held._flush(held._stage)  # the writer's batch, between the two
+            return real(path, fd)
+
+        monkeypatch.setattr(scan.stage, "staged", late)
+        assert _steps(directory) == list(range(20))

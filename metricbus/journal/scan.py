@@ -311,8 +311,8 @@ def index_file(path: Path) -> FileIndex:
         size = os.fstat(file.fileno()).st_size
         tail = stage.staged(path, file.fileno())  # commits its writer staged, not in the file yet (stage.py)
         source_file: FileIO | Overlaid = file if tail is None else Overlaid(file, *tail)
-        if tail is not None:
-            size = tail[0] + len(tail[1])
+        # the file's bytes, then the staged ones; or the file as it is now (a batch written since the size above)
+        size = os.fstat(file.fileno()).st_size if tail is None else tail[0] + len(tail[1])
         check_magic(path, file.read(len(MAGIC)))
         ordinal, last, new_segment, prior, checked = 0, None, False, b"", b""
         # the last commit frame with entries read in this segment: a second copy of it is damage (a writer never

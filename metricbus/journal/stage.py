@@ -68,6 +68,7 @@ class Stage:
         self._map[:] = bytes(STAGE_BYTES)  # every page touched once, so the copies fault no more
         self._round = 0
         self._used = 0  # staged bytes
+        self.base = 0  # the file's size when the first of them was staged: where they go
         self._header(base=0)
 
     @property
@@ -93,6 +94,7 @@ class Stage:
         if where + n > STAGE_BYTES:
             return False
         if not self._used:
+            self.base = end
             self._header(base=end)
         view = memoryview(data)
         held = self._map
@@ -106,9 +108,9 @@ class Stage:
         return memoryview(self._map)[_DATA : _DATA + self._used]
 
     def emptied(self) -> None:
-        """The batch is in the file: the staged bytes are zeroed."""
-        used, self._used = self._used, 0
-        self._map[_DATA : _DATA + used] = bytes(used)
+        """The batch is in the file: the staged bytes are zeroed (first: the bytes past those staged are zeros)."""
+        self._map[_DATA : _DATA + self._used] = bytes(self._used)
+        self._used = 0
         self._header(base=0)
 
     def close(self, *, remove: bool) -> None:
@@ -143,9 +145,21 @@ def staged(rank_path: Path, fd: int) -> tuple[int, bytes] | None:
     if snapshot is None or not snapshot[2]:
         return None
     base, size, data = snapshot
-    if base <= size < base + len(data):  # not written, or a batch under way or cut short by a crash: from its start
-        return base, data
-    return None  # written (or a file cut below where it goes: not this stage's)
+    offset = after(fd, base=base, size=size, data=data)
+    return None if offset is None else (offset, data)
+
+
+def after(fd: int, *, base: int, size: int, data: bytes | memoryview) -> int | None:
+    """Where staged ``data`` bound for offset ``base`` goes in the file open as ``fd`` (``size`` bytes): an offset
+    from which the file's bytes to its end are a prefix of ``data`` (none of it written, or a batch under way or cut
+    short: ``base``; the file holding other bytes there, a forked child's appends: after them, ``size``), or None
+    where the file holds all of it at ``base`` (written) or is shorter than ``base`` (not this stage's file)."""
+    if size < base:
+        return None
+    have = os.pread(fd, min(size - base, len(data)), base) if size > base else b""
+    if have and bytes(data[: len(have)]) != have:  # other bytes where the batch goes: it goes after them
+        return size
+    return None if len(have) == len(data) else base
 
 
 def _snapshot(file: FileIO, fd: int) -> tuple[int, int, bytes] | None:
@@ -187,9 +201,8 @@ def recover(rank_path: Path, fd: int) -> None:
     staged and the file lacks, then remove the stage file. Raise OSError where that write fails (the stage stays)."""
     found = staged(rank_path, fd)
     if found is not None:
-        base, data = found
-        os.ftruncate(fd, base)  # (a batch cut short by the crash: written again whole)
-        view = memoryview(data)
+        offset, data = found
+        view = memoryview(data)[os.fstat(fd).st_size - offset :]  # (a batch cut short: only the rest of it)
         while view:
             done = os.write(fd, view)
             if done <= 0:

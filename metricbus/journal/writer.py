@@ -33,6 +33,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
 import warnings
 import weakref
@@ -192,6 +193,7 @@ class JournalWriter:
         self._reserved = 0  # blocks are reserved up to this offset (reserve.py)
         self._torn = 0  # how many bytes of a failed write reached the file (cut again by _cut)
         self._stage: stage.Stage | None = None  # the file's stage (stage.py), else each commit is written
+        self._staging = threading.Lock()  # held while the stage changes (a fork's hook writes its batch: _watch_forks)
         self.cursors = CursorStore(self.directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -203,8 +205,6 @@ class JournalWriter:
             self._lock(fd)
             if not self._locked:  # nothing reserved: close() could not free it (reserve.trim needs the lock)
                 self._reserve = None
-            if self._locked:  # what a writer that died staged (stage.py) comes first
-                stage.recover(self.path, fd)
             start = b""
             size = os.fstat(fd).st_size
             if size < len(MAGIC):  # new, or a torn magic (only its writer could have cut it)
@@ -212,6 +212,8 @@ class JournalWriter:
                 start = MAGIC
             else:  # never append to bytes no reader would read back (a foreign file, a newer format)
                 check_appendable(fd, self.path, size)
+            if self._locked:  # what a writer that died staged (stage.py) comes first
+                stage.recover(self.path, fd)
             head = frame(b"H", json.dumps(header).encode())
             self._write(start + head + head)
             if self._fsync != "never":
@@ -280,7 +282,10 @@ class JournalWriter:
         assert fd is not None
         view = held.take()
         try:
-            self._write(view)
+            size = os.fstat(fd).st_size
+            offset = stage.after(fd, base=held.base, size=size, data=view)
+            if offset is not None:  # (None: written already, by a batch cut short by an exception after its write)
+                self._write(view, size - offset)  # (from what part of it the file holds, if any)
         except OSError:
             torn, self._torn = self._torn, 0
             with contextlib.suppress(OSError):
@@ -511,7 +516,8 @@ class JournalWriter:
         try:
             held = self._stage
             if held is not None:
-                self._append(data)
+                with self._staging:
+                    self._append(data)
             else:
                 written = os.write(fd, data)
                 if written < size:
@@ -531,7 +537,7 @@ class JournalWriter:
             raise self._error("write", exc, step) from exc
         self._end = end
         if held is not None and held.full:  # a batch: where it fails, the commits stay staged (the next one tries)
-            with contextlib.suppress(OSError):
+            with self._staging, contextlib.suppress(OSError):
                 self._flush(held)
         self._gap = None
         self._segment_written = True
@@ -667,13 +673,17 @@ class JournalWriter:
                     self._failed = False
                 except OSError:  # already reported by the commit that failed; what part reached the file is cut
                     self._cut(fd)
-            batch = False  # the stage's last batch written now (where that fails the stage file keeps it)
+            # the stage's last batch written now (where that fails the stage file keeps it); fsynced with any batch
+            # that no fsync since covered (one a fork's hook wrote), before the stage goes
+            batch = self._stage is not None
             if self._stage is not None and self._stage.used:
-                try:
-                    self._flush(self._stage)
-                    batch = True
-                except OSError as exc:
-                    staged = exc
+                with self._staging:
+                    try:
+                        self._flush(self._stage)
+                    except OSError as exc:
+                        staged = exc
+                        with contextlib.suppress(OSError):  # what stays staged, on the disk as far as it can be
+                            os.fsync(self._stage.fd)
             if self._reserve is not None:  # (only a locked writer reserves: unlocked, another may be appending)
                 reserve.trim(fd)
             # fsync, unless the thread's last fsync began after the last write and succeeded
@@ -748,20 +758,33 @@ def _watch_forks(writer: JournalWriter) -> None:
     global _FORK_HOOKED
     _STAGED.add(writer)
     if not _FORK_HOOKED and hasattr(os, "register_at_fork"):
-        os.register_at_fork(before=_before_fork, after_in_child=_in_child)
+        os.register_at_fork(before=_before_fork, after_in_parent=_in_parent, after_in_child=_in_child)
         _FORK_HOOKED = True
 
 
+_HELD: list[JournalWriter] = []  # the writers whose lock the fork's hook holds
+
+
 def _before_fork() -> None:
+    """Each stage's batch written, its lock held over the fork (no other thread changes a stage meanwhile)."""
     for writer in list(_STAGED):
+        writer._staging.acquire()
+        _HELD.append(writer)
         held = writer._stage
         if held is not None and held.used and writer._fd is not None:
-            with contextlib.suppress(OSError):  # (the batch stays staged: the child's appends may come first)
+            with contextlib.suppress(OSError):  # (the batch stays staged: the child's appends come first)
                 writer._flush(held)
 
 
+def _in_parent() -> None:
+    while _HELD:
+        _HELD.pop()._staging.release()
+
+
 def _in_child() -> None:
+    _HELD.clear()
     for writer in list(_STAGED):
+        writer._staging = threading.Lock()  # (the parent's thread held it over the fork)
         held, writer._stage = writer._stage, None
         if held is not None:
             held.close(remove=False)
