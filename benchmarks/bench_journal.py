@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,19 +52,24 @@ from metricbus.replay import record_counts, replay
 from metricbus.testing import MemoryAdapter
 
 
-def loop(*, metrics: int, records: int, commits: int, journal: str | None) -> float:
-    """Seconds for ``commits`` steps of logging and committing."""
+def loop(
+    *, metrics: int, records: int, commits: int, journal: str | None, extra: Callable[[int], object] | None = None
+) -> float:
+    """Seconds for ``commits`` steps of logging and committing (``extra(step)`` after each commit, where given:
+    ``probe_journal_write.py``'s pieces)."""
     names = [f"group{i % 5}/metric{i}" for i in range(metrics)]
     rng = random.Random(0)
     data = [rng.random() for _ in range(records)]
     bus = MetricBus(dist=None, journal=journal)
     log, commit = bus.log, bus.commit
     start = time.perf_counter()
-    for _ in range(commits):
+    for step in range(commits):
         for name in names:
             for value in data:
                 log(name, value)
         commit()
+        if extra is not None:
+            extra(step)
     elapsed = time.perf_counter() - start
     bus.close()
     return elapsed

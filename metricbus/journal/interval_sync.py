@@ -114,10 +114,7 @@ class IntervalSync:
             thread.start()
         except RuntimeError:  # "can't create new thread at interpreter shutdown", or none left
             self._thread_fd = self._thread_also = -1
-            for held in (fd, also):
-                if held >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(held)
+            _close(fd, also)
             self._inline = True
             return
         self._thread = thread
@@ -143,10 +140,7 @@ class IntervalSync:
         finally:
             # first: a child forked from now on must not close the numbers (reused, maybe)
             self._thread_fd = self._thread_also = -1
-            for held in (fd, also):  # (a write-back error it reports, the writer's fsync and close do too)
-                if held >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(held)
+            _close(fd, also)  # (a write-back error it reports, the writer's fsync and close do too)
 
 
 def _watch_forks(sync: IntervalSync) -> None:
@@ -160,8 +154,13 @@ def _watch_forks(sync: IntervalSync) -> None:
 def _forked() -> None:
     """In a forked child: no thread runs; each journal's next write starts its own."""
     for sync in list(_LIVE):
-        for held in (sync._thread_fd, sync._thread_also):
-            if held >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(held)
+        _close(sync._thread_fd, sync._thread_also)
         sync._reset()
+
+
+def _close(*fds: int) -> None:
+    """Close each descriptor that is one (>= 0), whatever closing the others raised."""
+    for fd in fds:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -9,7 +9,7 @@ Nothing is lost that a per-commit write would keep: the staged bytes are the sta
 a commit that returned survives SIGKILL as a written one does; the interval fsync thread fsyncs the stage file with
 the journal file (``fsync="interval"``), so a power loss keeps what it kept before. Readers see staged commits as if
 written: :func:`staged` gives them, and the journal's reader reads them after the file's bytes (a live journal, or
-one whose writer died); the next writer of the file first appends them to it (:func:`recover`).
+one whose writer died); the next writer of the file first appends them to it (:func:`unwritten`).
 
 The stage file is ``rank-NNNNN.mbj.stage`` beside its rank file, ``STAGE_BYTES`` long, only while a writer holds the
 rank file's lock (unlocked writers, ``fsync="commit"``, and platforms without ``posix_fallocate`` write each commit).
@@ -196,18 +196,18 @@ def _frames_end(body: bytes) -> int:
     return pos
 
 
-def recover(rank_path: Path, fd: int) -> None:
-    """Before a writer appends to ``rank_path`` (open as ``fd``, its lock held): write what a writer that died
-    staged and the file lacks, then remove the stage file. Raise OSError where that write fails (the stage stays)."""
+def unwritten(rank_path: Path, fd: int) -> memoryview | None:
+    """Before a writer appends to ``rank_path`` (open as ``fd``, its lock held): what a writer that died staged and
+    the file lacks (of a batch cut short, only the rest of it), for the writer to append first; then
+    :func:`discard` the stage."""
     found = staged(rank_path, fd)
-    if found is not None:
-        offset, data = found
-        view = memoryview(data)[os.fstat(fd).st_size - offset :]  # (a batch cut short: only the rest of it)
-        while view:
-            done = os.write(fd, view)
-            if done <= 0:
-                raise OSError(f"write made no progress ({done} bytes)")
-            view = view[done:]
-        os.fsync(fd)  # before the stage goes: its bytes are on the disk in the file
+    if found is None:
+        return None
+    offset, data = found
+    return memoryview(data)[os.fstat(fd).st_size - offset :]
+
+
+def discard(rank_path: Path) -> None:
+    """Remove the stage file of ``rank_path`` (none: nothing to do)."""
     with contextlib.suppress(FileNotFoundError):
         stage_path(rank_path).unlink()

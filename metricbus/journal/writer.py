@@ -212,8 +212,12 @@ class JournalWriter:
                 start = MAGIC
             else:  # never append to bytes no reader would read back (a foreign file, a newer format)
                 check_appendable(fd, self.path, size)
-            if self._locked:  # what a writer that died staged (stage.py) comes first
-                stage.recover(self.path, fd)
+            if self._locked:  # what a writer that died staged (stage.py) comes first, on the disk before it goes
+                missing = stage.unwritten(self.path, fd)
+                if missing:
+                    self._write(missing)
+                    os.fsync(fd)
+                stage.discard(self.path)
             head = frame(b"H", json.dumps(header).encode())
             self._write(start + head + head)
             if self._fsync != "never":
@@ -287,11 +291,7 @@ class JournalWriter:
             if offset is not None:  # (None: written already, by a batch cut short by an exception after its write)
                 self._write(view, size - offset)  # (from what part of it the file holds, if any)
         except OSError:
-            torn, self._torn = self._torn, 0
-            with contextlib.suppress(OSError):
-                size = os.fstat(fd).st_size
-                if 0 < torn <= size:
-                    os.ftruncate(fd, size - torn)
+            self._cut(fd)
             raise
         finally:
             view.release()
