@@ -9,6 +9,7 @@
  * finite_nonzero(fields, rows) -> bool                 see metricbus.rank_level._all_finite_nonzero
  * array_parts(values) -> (lowest, highest, sums) | None  see metricbus.summary_arrays._of_block
  * columns(flat, sizes, fields, near) -> 0 | reason     see metricbus.micro_columns._columns
+ * compact_into(target, where, fields, count, step, crc) -> size | 0   see metricbus.journal.compact.CompactFrame
  *
  * Built with -ffp-contract=off: every product and sum rounds as IEEE 754 says, as numpy's loops do.
  */
@@ -22,7 +23,7 @@
 #include <emmintrin.h>
 #endif
 
-#define ABI 2 /* metricbus/native.py loads this module only at this version (a stale build is not used) */
+#define ABI 3 /* metricbus/native.py loads this module only at this version (a stale build is not used) */
 
 /* append_dict: log(dict)'s fast path. Where ``metrics`` holds at least two keys (a one-key dict takes the
  * validated path, as in the Python code), every key is a str (exactly) with a buffer (a list) in ``fast`` and every
@@ -632,12 +633,136 @@ done:
     return out;
 }
 
+/* True if the ``n`` bytes at ``p`` are all zero. */
+static int all_zero(const char *p, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (p[i]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Little-endian bytes of ``value`` at ``out`` (``n`` of them). */
+static void put_le(unsigned char *out, unsigned long long value, int n) {
+    for (int i = 0; i < n; i++) {
+        out[i] = (unsigned char)(value >> (8 * i));
+    }
+}
+
+/* compact_into(target, where, fields, count, step, crc): CompactFrame.frame(step, fields) built straight into the
+ * writable buffer ``target`` at offset ``where`` (the journal's stage: metricbus/journal/stage.py), the same bytes,
+ * its 8-byte frame head (length, then ``crc`` of the payload: the journal's CRC-32 function, called on a read-only
+ * view of it) written last. ``count`` is the CompactFrame's _count: (the first three columns of a steady commit,
+ * the count column, (heads with wsum_lo stored, heads with it zero), the one-record scheme's heads or None).
+ * Returns the frame's size; 0 where ``fields`` is not a C-contiguous buffer of 12 equal columns whose first three
+ * are ``count[0]`` and whose total and total_lo are wsum and wsum_lo (the scheme does not hold, or the count
+ * column changed: the Python code says which, and recounts), or where the frame does not fit before the end of
+ * ``target``; then nothing was written. */
+static PyObject *compact_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "compact_into takes 6 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *count = args[3], *crc = args[5];
+    Py_ssize_t where = PyLong_AsSsize_t(args[1]);
+    if (where == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    long long step = PyLong_AsLongLong(args[4]);
+    if (step == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyTuple_Check(count) || PyTuple_GET_SIZE(count) != 4 || !PyBytes_Check(PyTuple_GET_ITEM(count, 0)) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(count, 2)) || PyTuple_GET_SIZE(PyTuple_GET_ITEM(count, 2)) != 2) {
+        PyErr_SetString(PyExc_TypeError, "compact_into: count must be a CompactFrame's _count tuple");
+        return NULL;
+    }
+    PyObject *steady = PyTuple_GET_ITEM(count, 0), *heads = PyTuple_GET_ITEM(count, 2);
+    PyObject *single = PyTuple_GET_ITEM(count, 3);
+    if (single != Py_None && (!PyTuple_Check(single) || PyTuple_GET_SIZE(single) != 2)) {
+        PyErr_SetString(PyExc_TypeError, "compact_into: count[3] must be a pair of heads or None");
+        return NULL;
+    }
+    for (int i = 0; i < 2; i++) {
+        if (!PyBytes_Check(PyTuple_GET_ITEM(heads, i)) ||
+            (single != Py_None && !PyBytes_Check(PyTuple_GET_ITEM(single, i)))) {
+            PyErr_SetString(PyExc_TypeError, "compact_into: the heads must be bytes");
+            return NULL;
+        }
+    }
+    Py_buffer raw;
+    if (PyObject_GetBuffer(args[2], &raw, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear(); /* (not contiguous: the Python code copies it) */
+        return PyLong_FromLong(0);
+    }
+    const char *r = (const char *)raw.buf;
+    Py_ssize_t w = raw.len / 12;
+    if (w == 0 || raw.len != 12 * w || PyBytes_GET_SIZE(steady) != 3 * w ||
+        memcmp(r, PyBytes_AS_STRING(steady), (size_t)(3 * w)) || memcmp(r + 5 * w, r + 3 * w, (size_t)(2 * w))) {
+        PyBuffer_Release(&raw);
+        return PyLong_FromLong(0);
+    }
+    const char *sums = r + 3 * w, *stored = r + 7 * w;
+    Py_ssize_t n_stored = 5 * w;
+    PyObject *pair = heads;
+    if (single != Py_None && all_zero(r + 7 * w, w) && !memcmp(r + 8 * w, sums, (size_t)w) &&
+        !memcmp(r + 9 * w, sums, (size_t)w) && !memcmp(r + 10 * w, sums, (size_t)w) &&
+        !memcmp(r + 11 * w, sums, (size_t)w)) {
+        pair = single; /* one record each: only wsum is stored */
+        n_stored = 0;
+    }
+    int zero_lo = all_zero(r + 4 * w, w);
+    PyObject *head = PyTuple_GET_ITEM(pair, zero_lo ? 1 : 0);
+    Py_ssize_t n_head = PyBytes_GET_SIZE(head), n_sums = zero_lo ? w : 2 * w;
+    Py_ssize_t payload = 9 + n_head + n_sums + n_stored;
+    Py_buffer out;
+    if (PyObject_GetBuffer(args[0], &out, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&raw);
+        return NULL;
+    }
+    if (where < 0 || payload > 0xFFFFFFFFLL || where + 8 + payload > out.len) {
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&raw);
+        return PyLong_FromLong(0);
+    }
+    unsigned char *p = (unsigned char *)out.buf + where + 8;
+    p[0] = 'P';
+    put_le(p + 1, (unsigned long long)step, 8);
+    memcpy(p + 9, PyBytes_AS_STRING(head), (size_t)n_head);
+    memcpy(p + 9 + n_head, sums, (size_t)n_sums);
+    memcpy(p + 9 + n_head + n_sums, stored, (size_t)n_stored);
+    PyBuffer_Release(&raw);
+    PyObject *view = PyMemoryView_FromMemory((char *)p, payload, PyBUF_READ);
+    PyObject *sum = view == NULL ? NULL : PyObject_CallOneArg(crc, view);
+    Py_XDECREF(view);
+    unsigned long checksum = sum == NULL ? 0 : PyLong_AsUnsignedLong(sum);
+    Py_XDECREF(sum);
+    if (sum == NULL || (checksum == (unsigned long)-1 && PyErr_Occurred()) || checksum > 0xFFFFFFFFUL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "compact_into: crc gave no 32-bit checksum");
+        }
+        memset(p, 0, (size_t)payload); /* nothing written: the stage's bytes past those staged stay zeros */
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    unsigned char frame_head[8];
+    put_le(frame_head, (unsigned long long)payload, 4);
+    put_le(frame_head + 4, checksum, 4);
+    memcpy(p - 8, frame_head, 8); /* last: a reader sees a frame only once its payload is there */
+    PyBuffer_Release(&out);
+    return PyLong_FromSsize_t(8 + payload);
+}
+
 static PyMethodDef methods[] = {
     {"array_parts", array_parts, METH_O, "An array's min, max and exact partial sums; None: the list path."},
     {"finite_nonzero", finite_nonzero, METH_VARARGS, "Every double of the rows finite and nonzero."},
     {"append_dict", append_dict, METH_VARARGS, "log(dict)'s fast path: the longest buffer appended to, or -1."},
     {"take_plain", take_plain, METH_O, "Every record of the buffers as native doubles, and their counts."},
     {"columns", columns, METH_VARARGS, "An update's micro fields in columns; 0, or why the numpy code must."},
+    {"compact_into", (PyCFunction)(void (*)(void))compact_into, METH_FASTCALL,
+     "A steady commit's \"P\" frame built into a buffer: its size, or 0 where the Python code must."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-ABI = 2  # the version of _speedups.c this code calls
+ABI = 3  # the version of _speedups.c this code calls
 
 
 def _load() -> ModuleType | None:

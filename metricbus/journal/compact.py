@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import struct
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from metricbus.journal.checksum import crc32
 from metricbus.journal.format import ENTRIES, FRAME
+from metricbus.native import speedups
 from metricbus.summary import N_FIELDS
 
 STORED, ZERO, SAME, COPY = 0, 1, 2, 3  # column codes (COPY + j: a copy of column j)
@@ -137,7 +139,17 @@ class CompactFrame:
             payload = b"".join((_step(b"P", step), heads[0], sums, stored))
         return _frame(len(payload), _crc32(payload)) + payload
 
+    def frame_into(self, target: Any, where: int, step: int, fields: Any) -> int:
+        """:meth:`frame` built straight into the writable buffer ``target`` at offset ``where``, the same bytes, its
+        head last (the compiled module's ``compact_into``): its size. 0 where nothing was written: no compiled
+        module, no room before the end of ``target``, or a commit :meth:`frame` must take (the scheme fails, or the
+        count column changed: it recounts)."""
+        if _into is None:
+            return 0
+        return _into(target, where, fields, self._count, step, _crc32)
 
+
+_into: Callable[..., int] | None = None if speedups is None else speedups.compact_into
 _step = _KIND_STEP.pack
 _frame = FRAME.pack
 

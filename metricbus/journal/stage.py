@@ -29,8 +29,10 @@ import struct
 import sys
 from io import FileIO
 from pathlib import Path
+from typing import Any
 
 from metricbus.journal.checksum import crc32
+from metricbus.journal.compact import CompactFrame
 from metricbus.journal.format import FRAME, MAX_FRAME
 from metricbus.journal.format import MAGIC as MAGIC_FILE
 
@@ -102,6 +104,17 @@ class Stage:
         held[where : where + _HEAD] = view[:_HEAD]
         self._used += n
         return True
+
+    def put_compact(self, compact: CompactFrame, *, step: int, fields: Any) -> int:
+        """Stage the "P" frame of ``step`` of ``fields``, built by ``compact`` straight into the mapping (no copy):
+        its size, or 0 where it was not staged (nothing staged yet: :meth:`put` sets the header; no room; a commit
+        :meth:`CompactFrame.frame` must build; no compiled module)."""
+        used = self._used
+        if not used:
+            return 0
+        n = compact.frame_into(self._map, _DATA + used, step, fields)
+        self._used = used + n
+        return n
 
     def take(self) -> memoryview:
         """The staged bytes (a view of the mapping, to release before :meth:`close`)."""

@@ -366,13 +366,34 @@ class JournalWriter:
         the last "P" frame was of that layout and rank and its scheme holds (a steady commit); else nothing is
         written and this returns False (then :meth:`append` writes it)."""
         compact = self._compact
-        if compact is None or compact.layout != layout or compact.rank != rank or self._fd is None:
+        fd = self._fd
+        if compact is None or compact.layout != layout or compact.rank != rank or fd is None:
             return False
+        held = self._stage
+        if held is not None and self._steady_only():  # built straight into the stage, where it can be
+            with self._staging:
+                size = held.put_compact(compact, step=step, fields=fields)
+            if size:
+                end = self._end + size
+                if end > self._reserved:
+                    self._reserve_ahead(fd, end)
+                self._end = end
+                self._unchecked += size
+                self._sent(step)
+                return True
         data = compact.frame(step, fields)
         if data is None:
             return False
         self._send(step, data, self._ids)
         return True
+
+    def _steady_only(self) -> bool:
+        """True where a commit's frame is all :meth:`_send` would write (no gap, failure, segment, window or name
+        table due with it)."""
+        return (
+            self._gap is None and not self._failed and self._segment_written and self._window <= 1
+            and self._unchecked < CHECKPOINT_BYTES
+        )
 
     def _compact_of(self, layout: bytes, rank: int) -> CompactFrame | None:
         """The "P" frame writer of ``layout`` from ``rank`` when its names are registered (else None), kept as the
@@ -536,14 +557,21 @@ class JournalWriter:
             self._cut(fd)
             raise self._error("write", exc, step) from exc
         self._end = end
-        if held is not None and held.full:  # a batch: where it fails, the commits stay staged (the next one tries)
-            with self._staging, contextlib.suppress(OSError):
-                self._flush(held)
         self._gap = None
         self._segment_written = True
         if self._failed:
             self._lost, self._windows_due, self._failed = [], b"", False
         self._unchecked = 0 if checkpoint else self._unchecked + size
+        self._sent(step)
+
+    def _sent(self, step: int) -> None:
+        """After a commit of ``step`` was written or staged: a batch when the stage is half full, then the fsync the
+        policy says ("interval": a failure of the fsync thread's since the last commit is raised, its steps marked as
+        a gap with the next write)."""
+        held = self._stage
+        if held is not None and held.full:  # a batch: where it fails, the commits stay staged (the next one tries)
+            with self._staging, contextlib.suppress(OSError):
+                self._flush(held)
         syncer = self._syncer
         if syncer is not None:  # "interval": fsynced by its thread
             syncer.wrote(step)
@@ -553,6 +581,8 @@ class JournalWriter:
                     self._gap = _merged(self._gap, unsynced[1], unsynced[2])
                     raise self._unsynced(unsynced)
         elif self._fsync == "commit":
+            fd = self._fd
+            assert fd is not None
             try:
                 os.fsync(fd)
             except OSError as exc:  # the bytes may never reach the disk: say so, and send the names again
