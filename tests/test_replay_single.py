@@ -71,6 +71,19 @@ def test_runs_hold_the_commits_one_at_a_time_hold(tmp_path: Path) -> None:
     assert [step for step, _, _ in timeline(tmp_path)] == list(range(300))
 
 
+def test_a_rewind_into_a_run_drops_the_replaced_commits_of_the_run(tmp_path: Path) -> None:
+    """A resumed run that rewinds to a step inside an earlier run of commits: that run's commits from the step on
+    are replaced (dropped), the ones before it kept, as read one at a time; a second rewind likewise."""
+    write(tmp_path, range(300))
+    write(tmp_path, range(150, 260), resume=True, seed=1)
+    write(tmp_path, range(40, 90), resume=True, seed=2)
+    runs = list(stream_journal(tmp_path).runs())
+    assert any(isinstance(item, CommitRun) and len(item.steps) > 1 for item in runs)
+    assert expanded(tmp_path) == timeline(tmp_path)
+    assert [step for step, _, _ in timeline(tmp_path)] == list(range(90))
+    assert bits(emitted(stream_journal(tmp_path))) == bits(emitted(read_journal(tmp_path)))
+
+
 @pytest.mark.usefixtures("small_chunks")
 def test_small_chunks_replay_the_same_bits(tmp_path: Path) -> None:
     """Runs cut by chunk ends and frames across them replay the bits of the journal read whole."""

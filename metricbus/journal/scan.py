@@ -580,6 +580,10 @@ def _items(index: FileIndex, *, decode: bool, runs: bool) -> Iterator[FileItem |
                     missing, shape = _missing(rows[0]["id"], names, dense), shape_bytes(rows[0])
                 kept: list[int] = []
                 first, steps = timeline.new_segment, run["step"].tolist()
+                if runs and rows is not None and timeline.take_all(run["step"], steps):  # every one kept, nth 0
+                    unknown += missing * k
+                    yield RunItem(steps, first, RawPart(rows, _NO_RESTS, names, shape))
+                    continue
                 for i, step in enumerate(steps):
                     taken = timeline.take(step)
                     if taken is None:
@@ -658,6 +662,20 @@ class _Timeline:
         self._nth = 0
         self.new_segment = False
 
+    def take_all(self, array: Any, steps: list[int]) -> bool:
+        """:meth:`take` of each of a run's ``steps`` (``array``: the same, as an array) at once, where it keeps every
+        one of them with ``nth`` 0 (no later segment replaces any of them, the steps rise, the first is not the last
+        one taken): True. Else False, and nothing was taken (take them one at a time)."""
+        limits, at, end = self._limits, self._at, self._ordinal + len(steps)
+        while at < len(limits) and limits[at][0] <= self._ordinal:
+            at += 1
+        if at < len(limits) and (limits[at][0] < end or steps[-1] >= limits[at][1]):
+            return False
+        if steps[0] == self._last or not bool((array[1:] > array[:-1]).all()):
+            return False
+        self._at, self._ordinal, self._nth, self._last, self.new_segment = at, end, 0, steps[-1], False
+        return True
+
     def take(self, step: int, *, counted: bool = True, tail: bool = False) -> tuple[int, bool] | None:
         """The next commit, at ``step``: ``(nth, starts a segment)``, or None where a later segment (or a step
         going back) replaces it. ``counted`` False: a commit lost to damage (the first pass did not count it), in
@@ -682,8 +700,8 @@ def _alike(start: int, span: memoryview, k: int, bad: Container[int]) -> Any:
     if bad and any(start + i * stride in bad for i in range(k)):
         return None
     run = run_array(span, k)
-    if run is None:
-        return None
+    if run is None or span[0] != S_FRAME:  # (a run of "P" frames shares its head: its ranks and ids)
+        return run
     rows = run["rows"]
     same = (rows["id"] == rows["id"][0]).all() and (rows["rank"] == rows["rank"][0]).all()
     return run if same else None
