@@ -25,3 +25,8 @@ def nans(metrics: dict[str, Any]) -> dict[str, Any]:
         if type(value) is float and value != value:  # noqa: PLR0124
             metrics[name] = _NAN
     return metrics
+
+
+def canonical(value: Any) -> Any:
+    """``value``, or ``math.nan`` where it is a NaN float (as :func:`nans` replaces it)."""
+    return _NAN if type(value) is float and value != value else value  # noqa: PLR0124

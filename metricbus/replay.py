@@ -247,13 +247,15 @@ def emissions(
             if isinstance(ranked, Emitted):  # the columnar path: log_every 1, or a window it merged (none pending)
                 if reducer.pending:  # reduced() counts the phase of the open window: never seen
                     raise AssertionError(f"step {step}: a window merged in columns while the reducer had one open")
-                out = ranked.metrics
+                out = ranked.metrics  # (its NaNs are math.nan already)
             elif isinstance(ranked, Partial):  # one worker: its states are the rank level (the live single path)
                 out = reducer.commit([reducer.worker(ranked.updates(), specs)], specs)
+                out = out and nans(out)
             else:
                 out = reducer.commit_ranked(ranked, specs)
+                out = out and nans(out)
             if out:
-                yield step, nans(out), False
+                yield step, out, False
             done += 1
             if progress is not None:
                 progress(done, max(total, done))

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from metricbus import rank_level
+from metricbus.canonical import canonical
 from metricbus.column_kinds import COLUMN_KINDS, Merged
 from metricbus.column_merge import merge_columns, single_columns
 from metricbus.fixed import Array
@@ -99,8 +100,9 @@ class ColumnLayout:
         return cls(parts, names, specs, reducer, (order, rank_index, row_metrics)) if fits else None
 
     def emit(self, fields: Array) -> list[dict[str, float]]:
-        """Each commit's emitted ``{key: value}`` (sorted by key; a metric no worker has is left out) from its rows
-        (``fields``: (T, rows, N_FIELDS), in the layout's row order)."""
+        """Each commit's emitted ``{key: value}`` (sorted by key; a metric no worker has is left out; every NaN
+        ``math.nan``, as :func:`metricbus.canonical.nans` makes it) from its rows (``fields``: (T, rows, N_FIELDS), in
+        the layout's row order)."""
         table = self._grid(fields)
         if self.single:
             table = table[:, 0]
@@ -123,6 +125,9 @@ class ColumnLayout:
             got, settled = COLUMN_KINDS[kind](select_metrics(merged, columns, len(self.names)))
             values[:, ks] = got
             done[:, ks] = settled & ok[:, columns]
+        nan = np.isnan(values)
+        if nan.any():  # every emitted NaN is math.nan (metricbus.canonical); np.nan has its bits
+            values[nan] = np.nan
         keys, template = self.keys, self.template
         out = []
         for row in values.tolist():
@@ -190,7 +195,7 @@ class ColumnLayout:
             if state is None:
                 del out[t][key]
                 continue
-            out[t][key] = plan.emit(plan.at_step(state))
+            out[t][key] = canonical(plan.emit(plan.at_step(state)))
 
     def _states(self, table: Array, needed: list[tuple[int, int]]) -> Sequence[Summary | None]:
         """The rank-level Summary of each (commit, metric) in ``needed`` (None: no worker has records)."""

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from metricbus.canonical import nans
 from metricbus.fixed import Array
 from metricbus.journal.packed import PackedRows
 from metricbus.journal.reader import Commit, CommitRun
@@ -34,7 +35,8 @@ _new = tuple.__new__  # a NamedTuple built without its Python-level __new__ (one
 
 
 class Emitted(NamedTuple):
-    """A commit's emitted values, already computed by the columnar path (``log_every`` 1: nothing is pending).
+    """A commit's emitted values, already computed by the columnar path (``log_every`` 1: nothing is pending), every
+    NaN ``math.nan`` (:func:`metricbus.canonical.nans`).
     A NamedTuple: one is built per commit, and a tuple is the cheapest immutable record to build."""
 
     metrics: dict[str, float]
@@ -171,7 +173,7 @@ def _emitted(
 
 
 def _emitted_level(metrics: dict[str, float]) -> Emitted:
-    return _new(Emitted, (metrics,))
+    return _new(Emitted, (nans(metrics),))
 
 
 def _one_rank(commit: Commit) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import struct
 import warnings
 from pathlib import Path
@@ -140,6 +141,24 @@ def test_hostile_values_bitwise(case: Any) -> None:
     """NaN, inf, -0.0, huge and subnormal values, weights: columnar == scalar == live, bit for bit."""
     steps, rules = case
     replayed_as_live(steps, rules)
+
+
+def test_columnar_nans_are_math_nan() -> None:
+    """NaNs with a payload and of both signs, and +inf meeting -inf, in runs long enough for the columnar path, one
+    worker and several: every emitted NaN has math.nan's bits, as live."""
+    payload = struct.unpack("<d", struct.pack("<Q", 0x7FF8_0000_0000_1234))[0]
+    negative = struct.unpack("<d", struct.pack("<Q", 0xFFF8_0000_0000_0001))[0]
+    for workers in (1, 3):
+        steps = [[{"m0": [(payload if step % 3 else negative, None), (1.0, None)],
+                   "m1": [(float("inf"), None), (float("-inf"), None)],
+                   "m2": [(float(step), None)]} for _ in range(workers)] for step in range(40)]
+        with TemporaryDirectory() as tmp:
+            path = Path(tmp) / "j"
+            live = bits(write(path, steps, {"m*": "mean,max,sum"}, controller=workers > 1).rows)
+            got = columnar(path)
+            nan = struct.pack("<d", math.nan)
+            assert {b for _, row in got for b in row.values() if b[6:] in (b"\xf8\x7f", b"\xf8\xff")} == {nan}
+            assert got == live
 
 
 @FEW
