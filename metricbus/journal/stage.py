@@ -13,9 +13,10 @@ one whose writer died); the next writer of the file first appends them to it (:f
 
 The stage file is ``rank-NNNNN.mbj.stage`` beside its rank file, ``STAGE_BYTES`` long, only while a writer holds the
 rank file's lock (unlocked writers, ``fsync="commit"``, and platforms without ``posix_fallocate`` write each commit).
-Layout: a header (``HEADER``: magic, the rank file's device and inode, the file offset where the staged bytes go, a
-round counter moved on by every change of the header), then the staged bytes: whole frames, exactly as the file will
-hold them, each commit's copied with its first eight bytes (a frame head) last, and zeros after them (a zero frame head
+Layout: a header (``HEADER``: magic, the rank file's identity (the head of its first frame), the file offset where
+the staged bytes go, a round counter moved on by every change of the header), then the staged bytes: whole frames,
+exactly as the file will hold them, each commit's copied (a steady commit's "P" frame built in place instead:
+:meth:`Stage.put_compact`) with its first eight bytes (a frame head) last, and zeros after them (a zero frame head
 ends them; a torn copy leaves one). A batch written, the staged bytes are zeroed; a reader that saw the counter move
 while it read reads again.
 """
