@@ -658,7 +658,8 @@ static void put_le(unsigned char *out, unsigned long long value, int n) {
  * Returns the frame's size; 0 where ``fields`` is not a C-contiguous buffer of 12 equal columns whose first three
  * are ``count[0]`` and whose total and total_lo are wsum and wsum_lo (the scheme does not hold, or the count
  * column changed: the Python code says which, and recounts), or where the frame does not fit before the end of
- * ``target``; then nothing was written. */
+ * ``target``; then nothing was written. Where ``crc`` raises (or gives no 32-bit value), the exception is raised and
+ * the frame's bytes are left zeros (as the stage's bytes past those staged are); a view ``crc`` kept is released. */
 static PyObject *compact_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 6) {
@@ -722,7 +723,7 @@ static PyObject *compact_into(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyBuffer_Release(&raw);
         return NULL;
     }
-    if (where < 0 || payload > 0xFFFFFFFFLL || where + 8 + payload > out.len) {
+    if (where < 0 || where > out.len || payload > 0xFFFFFFFFLL || payload + 8 > out.len - where) {
         PyBuffer_Release(&out);
         PyBuffer_Release(&raw);
         return PyLong_FromLong(0);
@@ -736,6 +737,16 @@ static PyObject *compact_into(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyBuffer_Release(&raw);
     PyObject *view = PyMemoryView_FromMemory((char *)p, payload, PyBUF_READ);
     PyObject *sum = view == NULL ? NULL : PyObject_CallOneArg(crc, view);
+    if (view != NULL && Py_REFCNT(view) > 1) { /* kept by ``crc``: released, so it never reads the target later */
+        PyObject *error, *value, *trace;
+        PyErr_Fetch(&error, &value, &trace);
+        PyObject *released = PyObject_CallMethod(view, "release", NULL);
+        Py_XDECREF(released);
+        if (released == NULL) {
+            PyErr_Clear();
+        }
+        PyErr_Restore(error, value, trace);
+    }
     Py_XDECREF(view);
     unsigned long checksum = sum == NULL ? 0 : PyLong_AsUnsignedLong(sum);
     Py_XDECREF(sum);
@@ -743,7 +754,7 @@ static PyObject *compact_into(PyObject *self, PyObject *const *args, Py_ssize_t 
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_ValueError, "compact_into: crc gave no 32-bit checksum");
         }
-        memset(p, 0, (size_t)payload); /* nothing written: the stage's bytes past those staged stay zeros */
+        memset(p, 0, (size_t)payload); /* the stage's bytes past those staged stay zeros */
         PyBuffer_Release(&out);
         return NULL;
     }

@@ -4,8 +4,10 @@ a bus's journal is the same file, byte for byte, with and without it."""
 
 from __future__ import annotations
 
+import mmap
 import random
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +105,8 @@ def test_frame_into_writes_nothing_where_the_frame_does_not_fit() -> None:
         assert target == bytearray(room + 10)
     target = bytearray(size + 10)
     assert writer.frame_into(target, 10, 1, fields) == size
-    assert writer.frame_into(target, -1, 1, fields) == 0
+    for where in (-1, size + 11, sys.maxsize - 50, sys.maxsize):  # (no overflow past the bounds check)
+        assert writer.frame_into(target, where, 1, fields) == 0
 
 
 def test_frame_into_leaves_other_fields_to_frame() -> None:
@@ -133,6 +136,24 @@ def test_a_failing_crc_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises((ValueError, OverflowError)):
         writer.frame_into(target, 0, 1, fields)
     assert target == bytearray(TARGET)
+
+
+def test_a_view_the_crc_keeps_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CRC function that keeps its argument cannot read the stage's mapping after the call (it may be unmapped)."""
+    writer, fields = _steady()
+    kept: list[Any] = []
+    crc = compact._crc32
+
+    def keeping(data: Any) -> int:
+        kept.append(data)
+        return crc(data)
+
+    monkeypatch.setattr(compact, "_crc32", keeping)
+    target = mmap.mmap(-1, TARGET)
+    assert writer.frame_into(target, 0, 1, fields) > 0
+    target.close()  # (nothing exported by then)
+    with pytest.raises(ValueError, match="released"):
+        bytes(kept[0])
 
 
 def test_compact_into_refuses_bad_arguments() -> None:

@@ -143,7 +143,8 @@ class CompactFrame:
         """:meth:`frame` built straight into the writable buffer ``target`` at offset ``where``, the same bytes, its
         head last (the compiled module's ``compact_into``): its size. 0 where nothing was written: no compiled
         module, no room before the end of ``target``, or a commit :meth:`frame` must take (the scheme fails, or the
-        count column changed: it recounts)."""
+        count column changed: it recounts). Where the CRC function raises, so does this, and the frame's bytes in
+        ``target`` are zeros (as the stage's are past the bytes staged)."""
         if _into is None:
             return 0
         return _into(target, where, fields, self._count, step, _crc32)
