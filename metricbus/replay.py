@@ -248,11 +248,11 @@ def emissions(
                 if reducer.pending:  # reduced() counts the phase of the open window: never seen
                     raise AssertionError(f"step {step}: a window merged in columns while the reducer had one open")
                 out = ranked.metrics  # (its NaNs are math.nan already)
-            elif isinstance(ranked, Partial):  # one worker: its states are the rank level (the live single path)
-                out = reducer.commit([reducer.worker(ranked.updates(), specs)], specs)
-                out = out and nans(out)
             else:
-                out = reducer.commit_ranked(ranked, specs)
+                if isinstance(ranked, Partial):  # one worker: its states are the rank level (the live single path)
+                    out = reducer.commit([reducer.worker(ranked.updates(), specs)], specs)
+                else:
+                    out = reducer.commit_ranked(ranked, specs)
                 out = out and nans(out)
             if out:
                 yield step, out, False

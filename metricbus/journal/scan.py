@@ -666,9 +666,7 @@ class _Timeline:
         """:meth:`take` of each of a run's ``steps`` (``array``: the same, as an array) at once, where it keeps every
         one of them with ``nth`` 0 (no later segment replaces any of them, the steps rise, the first is not the last
         one taken): True. Else False, and nothing was taken (take them one at a time)."""
-        limits, at, end = self._limits, self._at, self._ordinal + len(steps)
-        while at < len(limits) and limits[at][0] <= self._ordinal:
-            at += 1
+        limits, at, end = self._limits, self._limit(self._ordinal), self._ordinal + len(steps)
         if at < len(limits) and (limits[at][0] < end or steps[-1] >= limits[at][1]):
             return False
         if steps[0] == self._last or not bool((array[1:] > array[:-1]).all()):
@@ -681,9 +679,7 @@ class _Timeline:
         going back) replaces it. ``counted`` False: a commit lost to damage (the first pass did not count it), in
         the segment of the commit read after it, or (``tail``) of the commits read before it: then a reset by the
         commit read next replaces it too."""
-        limits, at, ordinal = self._limits, self._at, self._ordinal - tail
-        while at < len(limits) and limits[at][0] <= ordinal:
-            at += 1
+        limits, at = self._limits, self._limit(self._ordinal - tail)
         self._at = at
         starts, self.new_segment = self.new_segment, False
         self._ordinal += counted
@@ -692,6 +688,14 @@ class _Timeline:
         self._nth = self._nth + 1 if step == self._last else 0
         self._last = step
         return self._nth, starts
+
+    def _limit(self, ordinal: int) -> int:
+        """The index of the limit that applies to the commit of ``ordinal`` (``len(limits)``: none), from the last
+        one found on (commits are read in order)."""
+        limits, at = self._limits, self._at
+        while at < len(limits) and limits[at][0] <= ordinal:
+            at += 1
+        return at
 
 
 def _alike(start: int, span: memoryview, k: int, bad: Container[int]) -> Any:
