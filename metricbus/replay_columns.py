@@ -68,7 +68,12 @@ class ColumnLayout:
         for k, (_, _, kind, plan) in enumerate(outputs):
             if plan.step_lift is None and kind in COLUMN_KINDS:
                 by_kind.setdefault(kind, []).append(k)
-        self.by_kind = {kind: np.array(ks, dtype=np.int64) for kind, ks in by_kind.items()}
+        # each kind's outputs in metric order (a kind's columns depend on their own metric alone): where a kind is
+        # every metric's, it reads the merged states as they are (select_metrics), none copied
+        self.by_kind = {
+            kind: np.array(sorted(ks, key=lambda k: int(self.metric_of[k])), dtype=np.int64)
+            for kind, ks in by_kind.items()
+        }
         self.template = dict.fromkeys(self.keys, 0.0)  # a commit's emitted dict, copied: no dict grown key by key
         self.specs = specs
         # whether a window of commits (log_every > 1) can be merged in columns (metricbus.replay_windows): the step

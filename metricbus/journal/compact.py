@@ -235,11 +235,10 @@ def compact_rows(body: bytes | memoryview) -> tuple[int, Any]:
     return int(step), rows
 
 
-def compact_run(span: bytes | memoryview, k: int) -> Any:
-    """``k`` "P" frames one after the other, all of one length (``span``: from the first payload to the end of the
-    last, as :meth:`metricbus.journal.frames.FrameSource.frames` yields a run), as one array of what
-    :func:`~metricbus.journal.frames.run_of` gives for "S" frames (per commit its ``step``, ``n`` and ``rows``), when
-    they share their head (entries, rank, codes and name ids); else None (read them one at a time)."""
+def _run_head(span: bytes | memoryview, k: int) -> tuple[int, int, Any, Any, int, int, int] | None:
+    """What :func:`compact_run` reads of its ``k`` frames before their doubles: ``(n, rank, ids, index, count,
+    doubles, stride)`` (the entries; their rank and name ids; :func:`_gather`'s index and count; where a payload's
+    doubles start; a frame's bytes with its head), or None where they do not share their head."""
     length = (len(span) + FRAME.size) // k - FRAME.size
     _, n, rank = HEAD.unpack_from(span, 1)
     try:
@@ -254,6 +253,18 @@ def compact_run(span: bytes | memoryview, k: int) -> Any:
     heads = payloads[:, 1 + 8 : doubles]  # after the type and the step
     if not (heads == heads[0]).all():
         return None
+    return n, rank, ids, index, count, doubles, stride
+
+
+def compact_run(span: bytes | memoryview, k: int) -> Any:
+    """``k`` "P" frames one after the other, all of one length (``span``: from the first payload to the end of the
+    last, as :meth:`metricbus.journal.frames.FrameSource.frames` yields a run), as one array of what
+    :func:`~metricbus.journal.frames.run_of` gives for "S" frames (per commit its ``step``, ``n`` and ``rows``), when
+    they share their head (entries, rank, codes and name ids); else None (read them one at a time)."""
+    head = _run_head(span, k)
+    if head is None:
+        return None
+    n, rank, ids, index, count, doubles, stride = head
     values = np.zeros((k, count + 1))  # each commit's doubles, then the +0.0 ZERO columns read
     values[:, :count] = np.ndarray((k, count), "<f8", span, doubles, (stride, 8))
     fields = values[:, index]  # (k, N_FIELDS, n)
@@ -268,3 +279,19 @@ def compact_run(span: bytes | memoryview, k: int) -> Any:
     rows["fields"] = fields.transpose(0, 2, 1)
     run.flags.writeable = False
     return run
+
+
+def compact_steps(span: bytes | memoryview, k: int) -> Any:
+    """The ``step`` of :func:`compact_run`'s array (a (k,) int64 array, copied), read without the rest of the frames:
+    where it gives an array whose counts are all finite; else None. (A reader's first pass needs only the steps.)"""
+    head = _run_head(span, k)
+    if head is None:
+        return None
+    n, _, _, index, count, doubles, stride = head
+    if n:
+        column = index[0]
+        stored = column[column < count]  # the count column's doubles (none where it is the +0.0 ZERO column)
+        counts = np.ndarray((k, count), "<f8", span, doubles, (stride, 8))[:, stored]
+        if not np.isfinite(counts).all():
+            return None
+    return np.ndarray((k,), "<i8", span, 1, (stride,)).copy()

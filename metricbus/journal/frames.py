@@ -12,7 +12,7 @@ import numpy as np
 
 from metricbus.errors import JournalError
 from metricbus.journal.checksum import crc32
-from metricbus.journal.compact import compact_run
+from metricbus.journal.compact import compact_run, compact_steps
 from metricbus.journal.format import ENTRY, FRAME, FRAME_TYPES, MAGIC, MAX_FRAME, STEP
 from metricbus.summary import N_FIELDS
 
@@ -238,6 +238,20 @@ _RUN_DTYPES_KEPT = 256
 def run_array(span: memoryview | bytes, k: int) -> Any:
     """:func:`run_of` a run of "S" frames, :func:`~metricbus.journal.compact.compact_run` of "P" frames."""
     return run_of(span, k) if span[0] == S_FRAME else compact_run(span, k)
+
+
+def run_steps(span: memoryview | bytes, k: int) -> Any:
+    """The steps of :func:`run_array`'s commits (a (k,) int64 array), where it gives an array whose counts are all
+    finite; else None. "P" frames are not decoded past their steps and counts (:func:`compact_steps`)."""
+    if span[0] != S_FRAME:
+        return compact_steps(span, k)
+    run = run_of(span, k)
+    if run is None:
+        return None
+    counts = run["rows"]["fields"][..., 0]
+    if not np.isfinite(counts).all():
+        return None
+    return run["step"]
 
 
 def split_run(pos: int, span: memoryview, k: int) -> Sequence[tuple[int, memoryview]]:

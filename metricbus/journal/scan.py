@@ -45,7 +45,17 @@ from metricbus.journal.format import (
     unpack_commit,
     window_steps,
 )
-from metricbus.journal.frames import ENTRY_DTYPE, S_FRAME, WHOLE, FrameSource, Overlaid, run_array, run_of, split_run
+from metricbus.journal.frames import (
+    ENTRY_DTYPE,
+    S_FRAME,
+    WHOLE,
+    FrameSource,
+    Overlaid,
+    run_array,
+    run_of,
+    run_steps,
+    split_run,
+)
 from metricbus.journal.window_marks import OpenWindow
 from metricbus.spec import Spec
 from metricbus.summary import Summary, rest_layout
@@ -210,9 +220,7 @@ def _commit_step(kind: bytes, body: memoryview) -> int:
         raise ValueError(f"a commit of {n} entries cannot be {len(body)} bytes long")
     if n:
         counts = np.ndarray((n,), "<f8", body, STEP.size + _COUNT_AT, (ENTRY.size,))
-        # one reduction: a finite sum says every count is finite; else the rare check of each (a sum of huge
-        # finite counts may overflow)
-        if not math.isfinite(float(np.add.reduce(counts))) and not np.isfinite(counts).all():
+        if not np.isfinite(counts).all():
             raise ValueError("a summary count that is not finite")
     return int(step)
 
@@ -221,13 +229,8 @@ def _run_steps(span: memoryview, k: int) -> Any:
     """The steps of a run's commits when each is one :func:`_commit_step` accepts and they increase (so only the
     first may reset the file, and none repeats the one before: a writer never writes two commits of one shape at one
     step); else None (the run is read frame by frame, with the warnings)."""
-    run = run_array(span, k)
-    if run is None:
-        return None
-    steps, counts = run["step"], run["rows"]["fields"][..., 0]
-    if not math.isfinite(float(np.add.reduce(counts, axis=None))) and not np.isfinite(counts).all():
-        return None
-    return steps if bool((steps[1:] > steps[:-1]).all()) else None
+    steps = run_steps(span, k)
+    return steps if steps is not None and bool((steps[1:] > steps[:-1]).all()) else None
 
 
 # -- one file ----------------------------------------------------------------------------------------------------
