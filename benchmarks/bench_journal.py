@@ -56,15 +56,17 @@ from metricbus.replay import record_counts, replay
 from metricbus.testing import MemoryAdapter
 
 
-def loop(
-    *, metrics: int, records: int, commits: int, journal: str | None, extra: Callable[[int], object] | None = None
-) -> float:
-    """Seconds for ``commits`` steps of logging and committing (``extra(step)`` after each commit, where given:
-    ``probe_journal_write.py``'s pieces)."""
-    names = [f"group{i % 5}/metric{i}" for i in range(metrics)]
+def _workload(*, metrics: int, records: int) -> tuple[list[str], list[float]]:
+    """The loop's metric names and the values logged under each of them every step."""
     rng = random.Random(0)
-    data = [rng.random() for _ in range(records)]
-    bus = MetricBus(dist=None, journal=journal)
+    return [f"group{i % 5}/metric{i}" for i in range(metrics)], [rng.random() for _ in range(records)]
+
+
+def _timed(
+    bus: MetricBus, *, names: list[str], data: list[float], commits: int, extra: Callable[[int], object] | None = None
+) -> float:
+    """Seconds for ``commits`` steps on ``bus`` of logging ``data`` under each of ``names`` and committing
+    (``extra(step)`` after each commit, where given)."""
     log, commit = bus.log, bus.commit
     start = time.perf_counter()
     for step in range(commits):
@@ -74,7 +76,17 @@ def loop(
         commit()
         if extra is not None:
             extra(step)
-    elapsed = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def loop(
+    *, metrics: int, records: int, commits: int, journal: str | None, extra: Callable[[int], object] | None = None
+) -> float:
+    """Seconds for ``commits`` steps of logging and committing (``extra(step)`` after each commit, where given:
+    ``probe_journal_write.py``'s pieces)."""
+    names, data = _workload(metrics=metrics, records=records)
+    bus = MetricBus(dist=None, journal=journal)
+    elapsed = _timed(bus, names=names, data=data, commits=commits, extra=extra)
     bus.close()
     return elapsed
 
@@ -83,23 +95,14 @@ def alternating(*, metrics: int, records: int, chunk: int, rounds: int, journal:
     """Per round, the seconds of ``chunk`` commits of a bus without journal and of one with ``journal``, both open
     the whole time in this process, taking turns (each first in every other round): a burst of load on the machine
     falls on both of a round's chunks, or on one round of many."""
-    names = [f"group{i % 5}/metric{i}" for i in range(metrics)]
-    rng = random.Random(0)
-    data = [rng.random() for _ in range(records)]
+    names, data = _workload(metrics=metrics, records=records)
     buses = (MetricBus(dist=None, journal=None), MetricBus(dist=None, journal=journal))
     out = []
     try:
         for i in range(rounds):
             spent = [0.0, 0.0]
             for which in (0, 1) if i % 2 == 0 else (1, 0):
-                log, commit = buses[which].log, buses[which].commit
-                start = time.perf_counter()
-                for _ in range(chunk):
-                    for name in names:
-                        for value in data:
-                            log(name, value)
-                    commit()
-                spent[which] = time.perf_counter() - start
+                spent[which] = _timed(buses[which], names=names, data=data, commits=chunk)
             out.append((spent[0], spent[1]))
     finally:
         for bus in buses:
