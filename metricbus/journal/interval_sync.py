@@ -47,7 +47,6 @@ class IntervalSync:
         self._lock = threading.Lock()  # guards the two fields below
         self._written: tuple[int, int] | None = None  # the steps written since the last fsync began
         self._failed: tuple[OSError, int, int] | None = None  # the failure not taken yet, and the steps it covered
-        self.failed = False  # True if an fsync failed since the last failure() (read without the lock: a hint)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._thread_fd = -1  # the thread's descriptor (a child closes the one it inherited)
@@ -58,9 +57,7 @@ class IntervalSync:
         with self._lock:
             held = self._written
             self._written = (step, step) if held is None else (held[0], step)
-        if self._thread is not None:
-            return
-        if not self._inline:
+        if self._thread is None and not self._inline:
             self._start()
         if self._inline:
             now = time.monotonic()
@@ -73,6 +70,11 @@ class IntervalSync:
         self._also = None
 
     @property
+    def failed(self) -> bool:
+        """True if an fsync failed since the last :meth:`failure` (read without the lock: a hint)."""
+        return self._failed is not None
+
+    @property
     def dirty(self) -> bool:
         """True if a commit was written since the last fsync began."""
         return self._written is not None
@@ -81,7 +83,6 @@ class IntervalSync:
         """The fsync failure not yet taken (the error, the first and the last step it covered), taken."""
         with self._lock:
             failed, self._failed = self._failed, None
-            self.failed = False
         return failed
 
     def stop(self) -> None:
@@ -131,7 +132,6 @@ class IntervalSync:
             with self._lock:
                 held = self._failed
                 self._failed = (exc, steps[0], steps[1]) if held is None else (held[0], held[1], steps[1])
-                self.failed = True
 
     def _run(self, fd: int, also: int, stop: threading.Event) -> None:
         try:

@@ -49,11 +49,6 @@ _HEAD = FRAME.size
 STAGED = sys.platform.startswith("linux") and hasattr(os, "posix_fallocate")  # tests switch it off
 
 
-def _full(used: int) -> bool:
-    """Half of the stage or more is staged (``used`` bytes): time to write a batch."""
-    return 2 * (_DATA + used) >= STAGE_BYTES
-
-
 def stage_path(rank_path: Path) -> Path:
     """The stage file of a rank file."""
     return rank_path.with_name(rank_path.name + ".stage")
@@ -76,7 +71,6 @@ class Stage:
         self._map[:] = bytes(STAGE_BYTES)  # every page touched once, so the copies fault no more
         self._round = 0
         self._used = 0  # staged bytes
-        self.full = False  # half of the stage or more is staged: time to write a batch (_full)
         self.base = 0  # the file's size when the first of them was staged: where they go
         self._header(base=0)
 
@@ -90,6 +84,10 @@ class Stage:
         """How many bytes are staged."""
         return self._used
 
+    @property
+    def full(self) -> bool:
+        """Half of the stage or more is staged: time to write a batch."""
+        return 2 * (_DATA + self._used) >= STAGE_BYTES
 
     def put(self, data: bytes | bytearray, *, end: int) -> bool:
         """Stage ``data`` (whole frames, the file's next bytes after those staged; ``end``: the file's size, read
@@ -106,7 +104,6 @@ class Stage:
         held[where + _HEAD : where + n] = view[_HEAD:]
         held[where : where + _HEAD] = view[:_HEAD]
         self._used += n
-        self.full = _full(self._used)
         return True
 
     def put_compact(self, compact: CompactFrame, *, step: int, fields: Any) -> int:
@@ -117,8 +114,7 @@ class Stage:
         if not used:
             return 0
         n = compact.frame_into(self._map, _DATA + used, step, fields)
-        self._used = used = used + n
-        self.full = 2 * (_DATA + used) >= STAGE_BYTES  # (_full, here inline: a steady commit's path)
+        self._used = used + n
         return n
 
     def take(self) -> memoryview:
@@ -129,7 +125,6 @@ class Stage:
         """The batch is in the file: the staged bytes are zeroed (first: the bytes past those staged are zeros)."""
         self._map[_DATA : _DATA + self._used] = bytes(self._used)
         self._used = 0
-        self.full = False
         self._header(base=0)
 
     def close(self, *, remove: bool) -> None:

@@ -370,10 +370,7 @@ class JournalWriter:
         if compact is None or compact.layout != layout or compact.rank != rank or fd is None:
             return False
         held = self._stage
-        if (  # no gap, failure, segment, window or name table due with it: the frame is all _send would write
-            held is not None and self._gap is None and not self._failed and self._segment_written
-            and self._window <= 1 and self._unchecked < CHECKPOINT_BYTES
-        ):  # built straight into the stage, where it can be
+        if held is not None and self._steady_only():  # built straight into the stage, where it can be
             with self._staging:
                 size = held.put_compact(compact, step=step, fields=fields)
             if size:
@@ -389,6 +386,14 @@ class JournalWriter:
             return False
         self._send(step, data, self._ids)
         return True
+
+    def _steady_only(self) -> bool:
+        """True where a commit's frame is all :meth:`_send` would write (no gap, failure, segment, window or name
+        table due with it)."""
+        return (
+            self._gap is None and not self._failed and self._segment_written and self._window <= 1
+            and self._unchecked < CHECKPOINT_BYTES
+        )
 
     def _compact_of(self, layout: bytes, rank: int) -> CompactFrame | None:
         """The "P" frame writer of ``layout`` from ``rank`` when its names are registered (else None), kept as the
