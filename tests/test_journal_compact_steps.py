@@ -1,18 +1,30 @@
 """A reader's first pass takes a run of "P" frames' steps without decoding the rest (``compact_steps``): the steps
 of ``compact_run``'s array wherever that array is given and its counts are all finite, and None wherever it is not;
-a damaged run is then read frame by frame, as before."""
+a damaged run is then read frame by frame, as before. Frames a CRC does not catch (too short for their head, or
+saying more entries than they hold) are damage, read without a crash or an allocation for what they say."""
 
 from __future__ import annotations
 
 import random
+import struct
+import tracemalloc
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from metricbus import MetricBus
+from metricbus.errors import JournalWarning
+from metricbus.journal import read_journal, stream_journal
+from metricbus.journal.checksum import crc32
 from metricbus.journal.compact import CompactFrame, compact_run, compact_steps
+from metricbus.journal.format import FRAME
 from metricbus.journal.frames import run_array, run_steps
+from metricbus.journal.reader import timeline
+from metricbus.replay import emitted
 from metricbus.summary import N_FIELDS
 from tests.test_journal_compact import NAN_PAYLOAD
 
@@ -106,3 +118,47 @@ def test_the_steps_are_copied_from_the_span() -> None:
     assert steps is not None
     data[:] = bytes(len(data))
     assert steps.tolist() == [7, 8, 9]
+
+
+def _journal_with(directory: Path, *payloads: bytes) -> None:
+    """A journal of three good commits (steps 0-2), then ``payloads`` as frames with valid CRCs (damage a CRC does
+    not catch: a writer's bug, or a hostile file)."""
+    with MetricBus(dist=None, journal=str(directory), fsync="never") as bus:
+        for step in range(3):
+            bus.log("loss", step + 0.5)
+            bus.commit(step)
+    path = next(directory.glob("rank-*.mbj"))
+    with path.open("ab") as file:
+        for payload in payloads:
+            file.write(FRAME.pack(len(payload), crc32(payload)) + payload)
+
+
+@pytest.mark.parametrize("kind", [b"P", b"S"])
+@pytest.mark.parametrize(("length", "frames"), [(1, 2), (3, 3), (5, 2), (16, 2)])
+def test_a_run_of_frames_too_short_for_their_head_is_damage(tmp_path: Path, kind: bytes, length: int,
+                                                            frames: int) -> None:
+    """Frames of one length shorter than a commit's head, back to back (a run): each is read on its own, as damage
+    (a warning), not a struct.error out of the reader; the commits before them are kept."""
+    _journal_with(tmp_path / "j", *[kind + bytes(length - 1)] * frames)
+    for read in (stream_journal, read_journal):
+        with pytest.warns(JournalWarning, match="unreadable record"):
+            journal = read(tmp_path / "j")
+        assert [commit.step for commit in timeline(journal)] == [0, 1, 2]
+
+
+def test_a_p_frame_that_says_more_entries_than_it_holds_is_damage(tmp_path: Path) -> None:
+    """A 34-byte "P" frame (no stored column, consecutive ids) saying 2**32 - 1 entries: damage, read before anything
+    is allocated for them (every "P" frame stores each entry's wsum), alone or in a run."""
+    head = struct.pack("<qII", 3, 2**32 - 1, 0) + bytes([1] * N_FIELDS) + b"\x01" + struct.pack("<I", 0)
+    for frames in (1, 3):
+        directory = tmp_path / f"j{frames}"
+        _journal_with(directory, *[b"P" + head] * frames)
+        tracemalloc.start()
+        try:
+            with pytest.warns(JournalWarning, match="entries cannot be"):
+                steps = [step for step, _ in emitted(stream_journal(directory))]
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert steps == [0, 1, 2]
+        assert peak < 50 * 2**20

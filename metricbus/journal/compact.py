@@ -213,12 +213,19 @@ def _ids(body: bytes | memoryview, at: int, n: int) -> tuple[Any, int]:
     return np.arange(first, first + n, dtype=np.int64).astype("<u4"), at + 1 + _FIRST.size
 
 
+def _fits(n: int, size: int) -> bool:
+    """Whether ``n`` entries fit a "P" body of ``size`` bytes: every frame stores each entry's wsum (8 bytes), so a
+    frame that says more entries is damage, read before anything is allocated for them (a 34-byte frame could
+    otherwise say 2**32 - 1 entries without stored columns)."""
+    return 8 * n <= size
+
+
 def compact_rows(body: bytes | memoryview) -> tuple[int, Any]:
     """``(step, rows)`` of a "P" body (after its type byte): rows of :data:`~metricbus.journal.format.ENTRIES`, as
     an "S" frame's read; ValueError or struct.error if the body is inconsistent."""
     step, n, rank = HEAD.unpack_from(body, 0)
-    if len(body) <= _IDS_AT:
-        raise ValueError(f"a compact commit cannot be {len(body)} bytes long")
+    if len(body) <= _IDS_AT or not _fits(n, len(body)):
+        raise ValueError(f"a compact commit of {n} entries cannot be {len(body)} bytes long")
     ids, doubles = _ids(body, _IDS_AT, n)
     index, count = _gathered(bytes(body[HEAD.size : _IDS_AT]), n)
     if len(body) != doubles + 8 * count:
@@ -240,7 +247,11 @@ def _run_head(span: bytes | memoryview, k: int) -> tuple[int, int, Any, Any, int
     doubles, stride)`` (the entries; their rank and name ids; :func:`_gather`'s index and count; where a payload's
     doubles start; a frame's bytes with its head), or None where they do not share their head."""
     length = (len(span) + FRAME.size) // k - FRAME.size
+    if length <= 1 + _IDS_AT:  # shorter than a "P" head (damage): read frame by frame
+        return None
     _, n, rank = HEAD.unpack_from(span, 1)
+    if not _fits(n, length):
+        return None
     try:
         ids, doubles = _ids(span, 1 + _IDS_AT, n)  # where a payload's doubles start
         index, count = _gathered(bytes(span[1 + HEAD.size : 1 + _IDS_AT]), n)

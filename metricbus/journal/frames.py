@@ -219,6 +219,8 @@ def run_of(span: memoryview | bytes, k: int) -> Any:
     and its ``rows``, each of ENTRY_DTYPE), viewing ``span``; None when they are not each the ``n`` entries their
     length says (damage: read frame by frame)."""
     stride = (len(span) + FRAME.size) // k
+    if stride - FRAME.size < 1 + STEP.size:  # shorter than an "S" head (damage): read frame by frame
+        return None
     n = STEP.unpack_from(span, 1)[1]
     if 1 + STEP.size + n * ENTRY.size != stride - FRAME.size:
         return None
@@ -241,8 +243,9 @@ def run_array(span: memoryview | bytes, k: int) -> Any:
 
 
 def run_steps(span: memoryview | bytes, k: int) -> Any:
-    """The steps of :func:`run_array`'s commits (a (k,) int64 array), where it gives an array whose counts are all
-    finite; else None. "P" frames are not decoded past their steps and counts (:func:`compact_steps`)."""
+    """The steps of :func:`run_array`'s commits (a (k,) int64 array: of "S" frames a view of ``span``, of "P" frames a
+    copy), where it gives an array whose counts are all finite; else None. "P" frames are not decoded past their
+    steps and counts (:func:`compact_steps`)."""
     if span[0] != S_FRAME:
         return compact_steps(span, k)
     run = run_of(span, k)
