@@ -245,7 +245,8 @@ def compact_rows(body: bytes | memoryview) -> tuple[int, Any]:
 def _run_head(span: bytes | memoryview, k: int) -> tuple[int, int, Any, Any, int, int, int] | None:
     """What :func:`compact_run` reads of its ``k`` frames before their doubles: ``(n, rank, ids, index, count,
     doubles, stride)`` (the entries; their rank and name ids; :func:`_gather`'s index and count; where a payload's
-    doubles start; a frame's bytes with its head), or None where they do not share their head."""
+    doubles start; a frame's bytes with its head), or None where they do not share their head, or are too short
+    for a head or for the entries it says (:func:`_fits`)."""
     length = (len(span) + FRAME.size) // k - FRAME.size
     if length <= 1 + _IDS_AT:  # shorter than a "P" head (damage): read frame by frame
         return None
